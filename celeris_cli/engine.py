@@ -1,0 +1,221 @@
+"""The engine: text in, text and figures out. Loads a model folder once and decodes batches of prompts.
+
+It knows tokenization and batching; it knows nothing about the CLI, files or queues. Decoding itself is
+delegated to the pure functions in `decoding` (and `fast`), chosen by name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import load_model
+from .decoding import DecodeParams
+from .device import resolve_device, resolve_dtype
+from .errors import ModelError, UsageError
+from .model import LLaDAModel
+from .strategies import Net, SpecialTokens, get_strategy
+from .tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "celeris-tiny"
+GENERATION_CONFIG = "generation_config.json"  # the model's own default settings
+
+
+def default_model_dir() -> Path:
+    """The embedded model shipped inside the package."""
+    path = Path(str(resources.files("celeris_cli"))) / "models" / DEFAULT_MODEL
+    if not (path / "config.json").is_file():
+        raise ModelError(f"the embedded model is not installed ({path}); pass --model FOLDER")
+    return path
+
+
+@dataclass(frozen=True)
+class GenerationParams(DecodeParams):
+    """Decoding parameters plus what the engine adds: the seed and the decoding strategy."""
+
+    seed: int = 0
+    strategy: str = "reference"
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], base: GenerationParams | None = None) -> GenerationParams:
+        """Build from user input (a request's params), naming unknown keys and wrong types."""
+        known = {f.name: f for f in fields(cls)}
+        out: dict[str, Any] = {}
+        for key, value in values.items():
+            k = key.replace("-", "_")
+            if k == "steps":
+                k = "denoise_steps"
+            if k not in known:
+                raise UsageError(f"unknown generation parameter {key!r}")
+            want = known[k].type
+            if want in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)):
+                raise UsageError(f"{key} must be an integer, got {value!r}")
+            if want in ("float", float):
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    raise UsageError(f"{key} must be a number, got {value!r}")
+                value = float(value)
+            if want in ("str", str, "Remasking") and not isinstance(value, str):
+                raise UsageError(f"{key} must be a string, got {value!r}")
+            out[k] = value
+        return replace(base, **out) if base is not None else cls(**out)
+
+    def decode_params(self) -> DecodeParams:
+        return DecodeParams(**{f.name: getattr(self, f.name) for f in fields(DecodeParams)})
+
+
+@dataclass(frozen=True)
+class Result:
+    """One prompt's answer and the figures of the batch it was decoded in."""
+
+    prompt: str
+    text: str
+    finish_reason: str  # "stop" (EOS / end of turn) or "length"
+    prompt_tokens: int
+    output_tokens: int
+    denoise_steps: int
+    nfe: int
+    wall_s: float
+    tokens_per_s: float
+    batch_size: int
+    device: str
+    dtype: str
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LLaDAModel,
+        tokenizer: Tokenizer,
+        device: torch.device,
+        dtype: torch.dtype,
+        model_dir: Path | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.dtype = dtype
+        self.model_dir = model_dir
+        self.max_length = model.cfg.max_sequence_length
+        self.special = SpecialTokens(tokenizer.mask_id, tokenizer.stop_ids, tokenizer.pad_id)
+        self.defaults = GenerationParams()
+        gc = model_dir / GENERATION_CONFIG if model_dir is not None else None
+        if gc is not None and gc.is_file():
+            try:
+                raw = json.loads(gc.read_text(encoding="utf-8"))
+                self.defaults = GenerationParams.from_mapping(raw)
+            except (json.JSONDecodeError, AttributeError, UsageError) as e:
+                raise ModelError(f"{gc}: {e}") from None
+
+    def params(self, overrides: dict[str, Any] | None = None) -> GenerationParams:
+        """The model's default generation settings with `overrides` applied and validated."""
+        return GenerationParams.from_mapping(overrides or {}, self.defaults)
+
+    # -- token level -------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+        text = self.tokenizer.render_chat(prompt) if chat else prompt
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise UsageError("empty prompt")
+        return ids
+
+    def check_fits(self, n_prompt: int, params: DecodeParams) -> None:
+        if n_prompt + params.gen_length > self.max_length:
+            raise UsageError(
+                f"prompt of {n_prompt} tokens plus gen-length {params.gen_length} exceeds the "
+                f"model's context of {self.max_length} tokens"
+            )
+
+    def decode_ids(
+        self, batch: Sequence[list[int]], params: GenerationParams, generator: torch.Generator
+    ) -> tuple[list[list[int]], int]:
+        """Decode one batch of token-id prompts; returns each row's generated ids (uncut) and the NFE."""
+        decode = get_strategy(params.strategy)
+        P = max(len(ids) for ids in batch)
+        pad = self.tokenizer.pad_id
+        prompt = torch.tensor([[pad] * (P - len(ids)) + ids for ids in batch], device=self.device)
+        prompt_mask = torch.tensor([[False] * (P - len(ids)) + [True] * len(ids) for ids in batch], device=self.device)
+        net = Net(self.model)
+        out = decode(net, prompt, prompt_mask, params, self.special, generator)
+        return out[:, P:].tolist(), net.nfe * (2 if params.cfg_scale > 0 else 1)
+
+    def cut(self, ids: list[int]) -> tuple[list[int], str]:
+        for i, t in enumerate(ids):
+            if t in self.tokenizer.stop_ids:
+                return ids[:i], "stop"
+        return ids, "length"
+
+    # -- text level --------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[str],
+        params: GenerationParams | None = None,
+        batch_size: int = 16,
+        chat: bool = False,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> list[Result]:
+        """Generate an answer for each prompt, in order. Prompts are grouped into batches of similar
+        length so one long prompt does not pad a whole batch."""
+        params = params or GenerationParams()
+        if batch_size < 1:
+            raise UsageError(f"batch-size must be a positive integer, got {batch_size}")
+        encoded = [self.encode_prompt(p, chat) for p in prompts]
+        for ids in encoded:
+            self.check_fits(len(ids), params)
+        order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+        results: list[Result | None] = [None] * len(prompts)
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        settings = asdict(params)
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            t0 = time.perf_counter()
+            outs, nfe = self.decode_ids([encoded[i] for i in idx], params, generator)
+            wall = time.perf_counter() - t0
+            for i, out in zip(idx, outs):
+                ids, reason = self.cut(out)
+                results[i] = Result(
+                    prompt=prompts[i],
+                    text=self.tokenizer.decode(ids),
+                    finish_reason=reason,
+                    prompt_tokens=len(encoded[i]),
+                    output_tokens=len(ids),
+                    denoise_steps=params.denoise_steps,
+                    nfe=nfe,
+                    wall_s=round(wall, 4),
+                    tokens_per_s=round(len(ids) / wall, 2) if wall > 0 else 0.0,
+                    batch_size=len(idx),
+                    device=str(self.device),
+                    dtype=str(self.dtype).replace("torch.", ""),
+                    settings=settings,
+                )
+            if on_batch is not None:
+                on_batch(len(idx))
+        return [r for r in results if r is not None]
+
+
+def load_engine(
+    model: str | Path | None = None, device: str = "auto", dtype: str = "auto", threads: int | None = None
+) -> Engine:
+    """Load a model folder (default: the embedded model) onto a device, ready to generate."""
+    if threads:
+        torch.set_num_threads(threads)
+    folder = Path(model) if model is not None else default_model_dir()
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    m = load_model(folder, dev, dt)
+    tok = load_tokenizer(folder, m.cfg)
+    log.info("loaded %s on %s (%s)", folder, dev, dt)
+    return Engine(m, tok, dev, dt, folder)

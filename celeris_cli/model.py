@@ -1,0 +1,277 @@
+"""A bidirectional transformer in LLaDA's layout: RMSNorm, RoPE, SwiGLU, no causal mask.
+
+The module knows tensors only. Parameter names follow LLaDA's checkpoints
+(`model.transformer.blocks.{i}.q_proj.weight`, ...), so one class serves LLaDA-8B and our own models.
+
+The forward pass is cache-ready: it can return each layer's keys and values, and it can attend to a
+cached canvas of keys/values in which only a window of positions is recomputed (prefix and dual cache,
+Fast-dLLM). With no cache it is a plain full-canvas forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import ModelError
+
+# LLaDA config.json keys that change the architecture, and the only values we implement.
+_UNSUPPORTED = {
+    "alibi": False,
+    "attention_layer_norm": False,
+    "include_bias": False,
+    "include_qkv_bias": False,
+    "input_emb_norm": False,
+    "scale_logits": False,
+    "rope": True,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The subset of LLaDA's config.json that defines the network and its special tokens."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    mlp_hidden_size: int
+    vocab_size: int
+    mask_token_id: int
+    eos_token_id: int
+    n_kv_heads: int | None = None
+    embedding_size: int | None = None
+    max_sequence_length: int = 4096
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    weight_tying: bool = False
+    pad_token_id: int | None = None
+    eot_token_id: int | None = None  # end of turn for chat models; LLaDA's <|eot_id|>
+    bos_token_id: int | None = None
+    model_type: str = "llada"
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "n_layers", "n_heads", "mlp_hidden_size", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ModelError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ModelError(f"config.json: d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ModelError(f"config.json: n_heads {self.n_heads} is not divisible by n_kv_heads {self.kv_heads}")
+        for name in ("mask_token_id", "eos_token_id"):
+            if not 0 <= getattr(self, name) < self.rows:
+                raise ModelError(f"config.json: {name} {getattr(self, name)} is outside the embedding table")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def rows(self) -> int:
+        """Rows of the embedding table (LLaDA pads it past vocab_size)."""
+        return self.embedding_size or self.vocab_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Read a LLaDA-style config.json. Keys we do not use are ignored; keys that would change the
+        network in a way we do not implement are rejected by name."""
+        for key, ok in _UNSUPPORTED.items():
+            if key in raw and raw[key] not in (ok, None):
+                raise ModelError(f"config.json: {key}={raw[key]!r} is not supported (only {ok!r})")
+        if raw.get("activation_type", "silu") not in ("silu", "swiglu"):
+            raise ModelError(f"config.json: activation_type {raw['activation_type']!r} is not supported")
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in raw.items() if k in known}
+        required = ("d_model", "n_layers", "n_heads", "mlp_hidden_size", "vocab_size", "mask_token_id", "eos_token_id")
+        missing = [k for k in required if k not in kwargs]
+        if missing:
+            raise ModelError(f"config.json: missing required keys: {', '.join(missing)}")
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise ModelError(f"config.json: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["n_kv_heads"] = self.kv_heads
+        d["embedding_size"] = self.rows
+        d["pad_token_id"] = self.pad_token_id if self.pad_token_id is not None else self.eos_token_id
+        d.update(
+            {
+                "activation_type": "silu",
+                "block_type": "llama",
+                "include_bias": False,
+                "layer_norm_type": "rms",
+                "rope": True,
+                "alibi": False,
+            }
+        )
+        return d
+
+
+class RMSNorm(nn.Module):
+    """Computed in float32, as LLaDA does, then cast back."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x).to(dtype)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for the rotate-half convention, in float32. positions: (B, T) -> (B, 1, T, head_dim)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # (B, T, head_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, head_dim)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).to(dtype)
+
+
+KV = tuple[torch.Tensor, torch.Tensor]  # (B, kv_heads, L, head_dim) each
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, hd = cfg.d_model, cfg.head_dim
+        self.cfg = cfg
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(d, cfg.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, cfg.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, cfg.kv_heads * hd, bias=False)
+        self.attn_out = nn.Linear(cfg.n_heads * hd, d, bias=False)
+        self.ff_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ff_proj = nn.Linear(d, cfg.mlp_hidden_size, bias=False)  # gate: silu(ff_proj h)
+        self.up_proj = nn.Linear(d, cfg.mlp_hidden_size, bias=False)
+        self.ff_out = nn.Linear(cfg.mlp_hidden_size, d, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn_mask: torch.Tensor | None,
+        cache: KV | None,
+        start: int,
+    ) -> tuple[torch.Tensor, KV]:
+        B, T, _ = x.shape
+        cfg = self.cfg
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        new_kv = (k, v)
+        if cache is not None:
+            # Attend to the cached canvas with positions [start, start+T) replaced by fresh values.
+            ck, cv = cache
+            k = torch.cat((ck[:, :, :start], k, ck[:, :, start + T :]), dim=2)
+            v = torch.cat((cv[:, :, :start], v, cv[:, :, start + T :]), dim=2)
+        if cfg.kv_heads != cfg.n_heads:
+            rep = cfg.n_heads // cfg.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # no causal mask
+        y = y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim)
+        x = x + self.attn_out(y)
+        h = self.ff_norm(x)
+        x = x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+        return x, new_kv
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.rows, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+        if not cfg.weight_tying:
+            self.ff_out = nn.Linear(cfg.d_model, cfg.rows, bias=False)
+
+
+class LLaDAModel(nn.Module):
+    """`model.transformer.*` naming, as in LLaDA's safetensors."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.transformer = Transformer(cfg)
+
+    @property
+    def transformer(self) -> Transformer:
+        return self.model.transformer  # type: ignore[return-value]
+
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            else:
+                # scaled init for the residual projections (GPT-2 / nanoGPT)
+                s = (
+                    std / math.sqrt(2 * self.cfg.n_layers)
+                    if name.endswith(("attn_out.weight", "ff_out.weight")) and "blocks" in name
+                    else std
+                )
+                with torch.no_grad():
+                    p.normal_(0.0, s, generator=generator)
+
+    def hidden(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        cache: list[KV] | None = None,
+        start: int = 0,
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """Final hidden states (after ln_f) for `ids`, and each layer's fresh keys/values.
+
+        ids: (B, T). positions: (B, T) RoPE positions (default 0..T-1; under left padding pass
+        cumsum(key_mask)-1 so a row's positions match its unpadded self). key_mask: (B, L) bool, True for
+        keys that may be attended to, where L is T without a cache and the cached canvas length with one.
+        cache: per-layer (k, v) over the whole canvas; `ids` then stands for positions [start, start+T).
+        """
+        B, T = ids.shape
+        if positions is None:
+            positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
+        rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        attn_mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, L)
+        x = self.transformer.wte(ids)
+        fresh: list[KV] = []
+        for i, block in enumerate(self.transformer.blocks):
+            x, kv = block(x, rope, attn_mask, None if cache is None else cache[i], start)
+            fresh.append(kv)
+        return self.transformer.ln_f(x), fresh
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """LM head; call it on the positions whose logits are needed only."""
+        t = self.transformer
+        w = t.wte.weight if self.cfg.weight_tying else t.ff_out.weight
+        return F.linear(h, w)[..., : self.cfg.vocab_size]
+
+    def forward(
+        self, ids: torch.Tensor, key_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Full-canvas logits (B, T, vocab_size)."""
+        h, _ = self.hidden(ids, positions, key_mask)
+        return self.head(h)

@@ -1,0 +1,80 @@
+"""The table of decoding strategies, and `Net`, the model boundary they call.
+
+A strategy has the form `(net, prompt, prompt_mask, params, tokens, generator) -> canvas`. `net` is
+callable as `net(ids, key_mask) -> logits` (so the reference decoder accepts any plain model_fn) and
+counts its forward passes. Choosing a strategy by an unknown name is a user error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .decoding import generate_reference
+from .errors import UsageError
+from .model import KV, LLaDAModel
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    mask_id: int
+    stop_ids: frozenset[int]
+    pad_id: int
+
+
+class Net:
+    """Wraps the model for decoders: per-row RoPE positions from the key mask (so left padding changes
+    nothing), forward counting (NFE), and the cache-aware calls used by the fast decoders."""
+
+    def __init__(self, model: LLaDAModel) -> None:
+        self.model = model
+        self.nfe = 0
+
+    @staticmethod
+    def positions(key_mask: torch.Tensor) -> torch.Tensor:
+        return (key_mask.long().cumsum(1) - 1).clamp_min(0)
+
+    def __call__(self, ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        self.nfe += 1
+        return self.model(ids, key_mask, self.positions(key_mask))
+
+    def hidden(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        key_mask: torch.Tensor,
+        cache: list[KV] | None = None,
+        start: int = 0,
+    ) -> tuple[torch.Tensor, list[KV]]:
+        self.nfe += 1
+        return self.model.hidden(ids, positions, key_mask, cache, start)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.head(h)
+
+
+Strategy = Callable[..., torch.Tensor]
+
+
+def _reference(
+    net: Net,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: Any,
+    tokens: SpecialTokens,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    return generate_reference(net, prompt, prompt_mask, params.decode_params(), tokens.mask_id, generator)
+
+
+STRATEGIES: dict[str, Strategy] = {"reference": _reference}
+
+
+def get_strategy(name: str) -> Strategy:
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise UsageError(f"unknown decoding strategy {name!r} (choose {', '.join(sorted(STRATEGIES))})") from None

@@ -1,0 +1,279 @@
+"""Train a masked-diffusion LM in our checkpoint layout (LLaDA / MDLM objective).
+
+Each row is `seq_len` tokens of packed documents (EOS between them), starting at a document start. Per
+row a mask ratio t ~ U(eps, 1) is drawn, every token is masked with probability t, and the loss is the
+cross-entropy on masked positions weighted by 1/t (LLaDA eq. 3). The LM head runs on masked positions
+only. A share of rows keeps a random prefix unmasked, as a prompt would be at generation time.
+
+All randomness at step s comes from a generator seeded with (seed, s), so a resumed run draws the
+same batches and masks and continues the same loss curve.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import save_model
+from .device import cpu_has_bf16
+from .errors import UsageError
+from .model import LLaDAModel, ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    data: str  # folder with train.pt / heldout.pt from prepare_data
+    out: str
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_hidden_size: int = 704
+    seq_len: int = 128
+    batch_size: int = 32
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 200
+    steps: int = 4000
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    prefix_prob: float = 0.3
+    eval_every: int = 250
+    ckpt_every: int = 100
+    seed: int = 0
+    device: str = "cpu"
+    bf16: bool = True
+    tie_weights: bool = True
+    special: dict[str, int] = field(default_factory=dict)
+
+
+def prepare_data(corpus: Path, tokenizer_model: Path, out: Path) -> dict[str, int]:
+    """Tokenize train.txt/heldout.txt once into flat int32 streams with EOS after each document."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_model))
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = {}
+    for split in ("train", "heldout"):
+        docs = (corpus / f"{split}.txt").read_text(encoding="utf-8").splitlines()
+        encoded = sp.encode([d for d in docs if d.strip()])
+        starts: list[int] = []
+        flat: list[int] = []
+        for ids in encoded:
+            starts.append(len(flat))
+            flat.extend(ids)
+            flat.append(sp.eos_id())
+        torch.save(
+            {"tokens": torch.tensor(flat, dtype=torch.int32), "starts": torch.tensor(starts, dtype=torch.int64)},
+            out / f"{split}.pt",
+        )
+        sizes[split] = len(flat)
+    shutil.copy(tokenizer_model, out / "tokenizer.model")
+    return sizes
+
+
+def get_batch(data: dict[str, torch.Tensor], batch: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
+    tokens, starts = data["tokens"], data["starts"]
+    usable = starts[starts + seq_len <= len(tokens)]
+    pick = usable[torch.randint(len(usable), (batch,), generator=g)]
+    idx = pick[:, None] + torch.arange(seq_len)
+    return tokens[idx].long()
+
+
+def mask_batch(
+    x: torch.Tensor, mask_id: int, g: torch.Generator, prefix_prob: float, eps: float = 1e-3
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward process: returns (noisy ids, mask, p_mask per row)."""
+    B, L = x.shape
+    t = torch.rand(B, generator=g)
+    p = (1 - eps) * t + eps
+    mask = torch.rand(B, L, generator=g) < p[:, None]
+    keep = torch.randint(1, max(2, L // 4), (B,), generator=g)
+    keep = torch.where(torch.rand(B, generator=g) < prefix_prob, keep, torch.zeros_like(keep))
+    mask &= torch.arange(L)[None, :] >= keep[:, None]
+    return torch.where(mask, mask_id, x), mask, p
+
+
+def diffusion_loss(
+    model: LLaDAModel, x: torch.Tensor, noisy: torch.Tensor, mask: torch.Tensor, p: torch.Tensor
+) -> torch.Tensor:
+    """Sum over masked positions of CE / p, divided by the number of tokens (an upper bound on NLL)."""
+    h, _ = model.hidden(noisy)
+    logits = model.head(h[mask]).float()  # only masked positions reach the LM head
+    ce = F.cross_entropy(logits, x[mask], reduction="none")
+    weight = (1.0 / p)[:, None].expand_as(mask)[mask]
+    return (ce * weight).sum() / x.numel()
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+@torch.no_grad()
+def heldout_nll(
+    model: LLaDAModel,
+    data: dict[str, torch.Tensor],
+    mask_id: int,
+    seq_len: int,
+    rows: int = 64,
+    draws: int = 4,
+    use_bf16: bool = False,
+) -> float:
+    """Monte-Carlo estimate of the NLL upper bound per token on a fixed held-out batch."""
+    g = torch.Generator().manual_seed(1234)
+    x = get_batch(data, rows, seq_len, g)
+    total = 0.0
+    for _ in range(draws):
+        noisy, mask, p = mask_batch(x, mask_id, g, prefix_prob=0.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+            total += diffusion_loss(model, x, noisy, mask, p).item()
+    return total / draws
+
+
+def _step_generator(seed: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def train(cfg: TrainConfig, resume: bool = True, show_progress: bool | None = None) -> list[dict]:
+    """Run (or resume) training; returns the log records written this call."""
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data_dir = Path(cfg.data)
+    if not (data_dir / "train.pt").is_file():
+        raise UsageError(f"{data_dir}: no train.pt (run prepare_data first)")
+    train_data = torch.load(data_dir / "train.pt", weights_only=True)
+    held_data = torch.load(data_dir / "heldout.pt", weights_only=True)
+    sp = cfg.special
+    mcfg = ModelConfig(
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        mlp_hidden_size=cfg.mlp_hidden_size,
+        vocab_size=sp["vocab_size"],
+        embedding_size=-(-sp["vocab_size"] // 64) * 64,
+        max_sequence_length=max(512, cfg.seq_len),
+        mask_token_id=sp["mask_token_id"],
+        eos_token_id=sp["eos_token_id"],
+        pad_token_id=sp["pad_token_id"],
+        eot_token_id=sp.get("eot_token_id"),
+        bos_token_id=sp.get("bos_token_id"),
+        weight_tying=cfg.tie_weights,
+        rope_theta=10000.0,
+    )
+    device = torch.device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    model = LLaDAModel(mcfg)
+    model.init_weights(generator=torch.Generator().manual_seed(cfg.seed))
+    model.to(device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    step = 0
+    ckpt = out / "ckpt.pt"
+    if resume and ckpt.is_file():
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        log.info("resumed from %s at step %d", ckpt, step)
+    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1), encoding="utf-8")
+    use_bf16 = cfg.bf16 and (device.type == "cuda" or cpu_has_bf16())
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model: %.2fM parameters, bf16 autocast: %s", n_params / 1e6, use_bf16)
+    records: list[dict] = []
+    logf = open(out / "train_log.jsonl", "a", encoding="utf-8")
+    progress = None
+    if show_progress if show_progress is not None else sys.stderr.isatty():
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        progress = Progress(
+            TextColumn("step {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            transient=False,
+        )
+        task = progress.add_task("train", total=cfg.steps, completed=step, info="")
+        progress.start()
+    t0, tokens_seen = time.perf_counter(), 0
+    try:
+        while step < cfg.steps:
+            g = _step_generator(cfg.seed, step)
+            x = get_batch(train_data, cfg.batch_size, cfg.seq_len, g)
+            noisy, mask, p = mask_batch(x, mcfg.mask_token_id, g, cfg.prefix_prob)
+            x, noisy, mask, p = x.to(device), noisy.to(device), mask.to(device), p.to(device)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            model.train()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                loss = diffusion_loss(model, x, noisy, mask, p)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+            opt.step()
+            step += 1
+            tokens_seen += x.numel()
+            rate = tokens_seen / (time.perf_counter() - t0)
+            rec: dict = {
+                "step": step,
+                "loss": round(loss.item(), 4),
+                "lr": round(lr_at(step - 1, cfg), 6),
+                "grad_norm": round(gnorm, 3),
+                "tokens_per_s": round(rate),
+                "time": round(time.time()),
+            }
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                model.eval()
+                rec["heldout_nll"] = round(
+                    heldout_nll(model, held_data, mcfg.mask_token_id, cfg.seq_len, use_bf16=use_bf16), 4
+                )
+            records.append(rec)
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+            if progress is not None:
+                progress.update(task, completed=step, info=f"loss {rec['loss']:.3f}  {rate:,.0f} tok/s")
+            elif step % 20 == 0:
+                log.info("step %d loss %.4f %.0f tok/s", step, rec["loss"], rate)
+            if step % cfg.ckpt_every == 0 or step == cfg.steps:
+                save_checkpoint(model, opt, step, out, data_dir)
+    finally:
+        logf.close()
+        if progress is not None:
+            progress.stop()
+    return records
+
+
+def save_checkpoint(model: LLaDAModel, opt: torch.optim.Optimizer, step: int, out: Path, data_dir: Path) -> None:
+    """Training state (resumable) and an exported model folder, each replaced atomically."""
+    tmp = out / "ckpt.pt.tmp"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+    tmp.replace(out / "ckpt.pt")
+    export = out / "model.tmp"
+    shutil.rmtree(export, ignore_errors=True)
+    save_model(model, export)
+    shutil.copy(data_dir / "tokenizer.model", export / "tokenizer.model")
+    (export / "train_step.txt").write_text(f"{step}\n")
+    final = out / "model"
+    old = out / "model.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    export.rename(final)
+    shutil.rmtree(old, ignore_errors=True)

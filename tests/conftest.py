@@ -1,0 +1,89 @@
+"""Tiny real artifacts, built inside the test session: a sentencepiece tokenizer trained on a few lines
+and a 2-layer random LLaDA-layout model saved as safetensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+LINES = [
+    "床前明月光，疑是地上霜。举头望明月，低头思故乡。",
+    "白日依山尽，黄河入海流。欲穷千里目，更上一层楼。",
+    "春眠不觉晓，处处闻啼鸟。夜来风雨声，花落知多少。",
+    "To be, or not to be: that is the question.",
+    "Shall I compare thee to a summer's day? Thou art more lovely and more temperate.",
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+] * 4
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep every test out of the real home folder."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(home))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from celeris_cli.vocab import train_tokenizer
+
+    root = tmp_path_factory.mktemp("tok")
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(LINES) + "\n", encoding="utf-8")
+    return train_tokenizer(corpus, root, fold={"舉": "举"}, han_chars=200, bpe_pieces=60)
+
+
+def make_model(
+    folder: Path,
+    tokenizer_model: Path,
+    seed: int = 0,
+    n_layers: int = 2,
+    max_shard_bytes: int | None = None,
+    **overrides: object,
+) -> Path:
+    import shutil
+
+    import torch
+
+    from celeris_cli.checkpoint import save_model
+    from celeris_cli.model import LLaDAModel, ModelConfig
+    from celeris_cli.vocab import special_ids
+
+    sp = special_ids(tokenizer_model)
+    cfg = dict(
+        d_model=32,
+        n_layers=n_layers,
+        n_heads=4,
+        mlp_hidden_size=64,
+        vocab_size=sp["vocab_size"],
+        max_sequence_length=256,
+        mask_token_id=sp["mask_token_id"],
+        eos_token_id=sp["eos_token_id"],
+        pad_token_id=sp["pad_token_id"],
+        eot_token_id=sp["eot_token_id"],
+        bos_token_id=sp["bos_token_id"],
+    )
+    cfg.update(overrides)
+    model = LLaDAModel(ModelConfig(**cfg))  # type: ignore[arg-type]
+    model.init_weights(std=0.5, generator=torch.Generator().manual_seed(seed))
+    save_model(model, folder, max_shard_bytes=max_shard_bytes)
+    shutil.copy(tokenizer_model, folder / "tokenizer.model")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path) -> Path:
+    return make_model(tmp_path_factory.mktemp("model") / "tiny", tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model: Path):  # type: ignore[no-untyped-def]
+    from celeris_cli import load_engine
+
+    return load_engine(tiny_model, device="cpu", dtype="float32")
+
+
+def write_json(path: Path, data: object) -> None:
+    path.write_text(json.dumps(data), encoding="utf-8")

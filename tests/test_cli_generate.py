@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from celeris_cli.cli import app
+
+from .conftest import make_model
+
+runner = CliRunner()
+FAST = ["--gen-length", "8", "--block-length", "8", "--denoise-steps", "4", "--device", "cpu"]
+
+
+def run(*args: str):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, ["generate", *args])
+
+
+def test_generate_prints_text_and_json_record(tiny_model: Path) -> None:
+    r = run("--model", str(tiny_model), "--prompt", "床前明月光，", *FAST)
+    assert r.exit_code == 0, r.output
+    r = run("--model", str(tiny_model), "--prompt", "床前明月光，", "--json", *FAST)
+    assert r.exit_code == 0, r.output
+    rec = json.loads(r.stdout)
+    for key in (
+        "text",
+        "prompt_tokens",
+        "output_tokens",
+        "denoise_steps",
+        "nfe",
+        "wall_s",
+        "tokens_per_s",
+        "device",
+        "dtype",
+    ):
+        assert key in rec
+    assert rec["denoise_steps"] == 4 and rec["nfe"] == 4
+
+
+def test_jsonl_and_file_input_give_one_record_per_prompt(tiny_model: Path, tmp_path: Path) -> None:
+    f = tmp_path / "prompts.txt"
+    f.write_text("\ufeff床前\r\n\r\nTo be\r\n", encoding="utf-8")
+    r = run("--model", str(tiny_model), "--file", str(f), "--prompt", "春", "--jsonl", *FAST)
+    assert r.exit_code == 0, r.output
+    recs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["prompt"] for x in recs] == ["春", "床前", "To be"]
+
+
+def test_help_does_not_import_torch() -> None:
+    code = "import sys; from celeris_cli.cli import app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def _error(result) -> str:  # type: ignore[no-untyped-def]
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    return result.output
+
+
+def test_missing_model_folder(tmp_path: Path) -> None:
+    out = _error(run("--model", str(tmp_path / "nope"), "--prompt", "x", *FAST))
+    assert "Error: model folder not found" in out
+
+
+def test_incomplete_model_folder(tmp_path: Path, tiny_model: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    (folder / "model.safetensors").unlink()
+    assert "is incomplete" in _error(run("--model", str(folder), "--prompt", "x", *FAST))
+    (tmp_path / "empty").mkdir()
+    assert "config.json is missing" in _error(run("--model", str(tmp_path / "empty"), "--prompt", "x", *FAST))
+
+
+def test_tokenizer_mismatch(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    folder = make_model(tmp_path / "m", tiny_tokenizer, vocab_size=100, embedding_size=100)
+    out = _error(run("--model", str(folder), "--prompt", "x", *FAST))
+    assert "does not belong to this model" in out
+
+
+def test_prompt_longer_than_context(tiny_model: Path) -> None:
+    out = _error(run("--model", str(tiny_model), "--prompt", "床" * 400, *FAST))
+    assert "exceeds the model's context" in out
+
+
+@pytest.mark.parametrize("opt", ["--denoise-steps", "--gen-length", "--block-length", "--batch-size"])
+def test_non_positive_counts(tiny_model: Path, opt: str) -> None:
+    out = _error(run("--model", str(tiny_model), "--prompt", "x", opt, "0"))
+    assert opt in out
+
+
+@pytest.mark.parametrize(
+    "args", [["--remasking", "sideways"], ["--dtype", "float8"], ["--device", "tpu"], ["--strategy", "warp"]]
+)
+def test_unknown_option_values(tiny_model: Path, args: list[str]) -> None:
+    out = _error(run("--model", str(tiny_model), "--prompt", "x", *FAST[:-2], *args))
+    assert args[1] in out
+
+
+def test_cuda_requested_without_cuda(tiny_model: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = _error(run("--model", str(tiny_model), "--prompt", "x", "--device", "cuda"))
+    assert "CUDA is not available" in out
+
+
+def test_no_prompt_is_a_clear_error(tiny_model: Path) -> None:
+    assert "no prompt given" in _error(run("--model", str(tiny_model)))
+
+
+def test_errors_reach_stderr_of_a_real_process(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    p = subprocess.run(
+        [sys.executable, "-m", "celeris_cli", "generate", "--model", str(tmp_path), "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert p.returncode == 2
+    assert p.stdout == ""
+    assert p.stderr.startswith("Error: ") and "Traceback" not in p.stderr

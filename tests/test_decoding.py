@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from celeris_cli.decoding import DecodeParams, generate_reference, num_transfer_tokens, split_steps
+from celeris_cli.errors import UsageError
+
+MASK = 4
+
+
+class RecordingModel:
+    """A fake at the model boundary: deterministic logits that depend on the whole canvas, and a record of
+    every call (so tests can see what the decoder fed the model)."""
+
+    def __init__(self, vocab: int = 40, eos: int | None = None, eos_from: int = 10**9) -> None:
+        self.vocab = vocab
+        self.eos = eos
+        self.eos_from = eos_from
+        self.calls: list[torch.Tensor] = []
+        g = torch.Generator().manual_seed(0)
+        self.table = torch.randn(vocab, vocab, generator=g)
+
+    def __call__(self, ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        self.calls.append(ids.clone())
+        pos = (key_mask.long().cumsum(1) - 1).clamp_min(0)
+        logits = self.table[ids] + torch.sin(pos[..., None].float() * torch.arange(self.vocab) / 7)
+        logits[..., MASK] = -1e9  # never predict the mask itself
+        if self.eos is not None:
+            logits[..., self.eos] = torch.where(pos >= self.eos_from, 1e9, -1e9)
+        return logits
+
+
+def test_split_steps_spreads_any_count_over_blocks() -> None:
+    assert split_steps(10, 3) == [4, 3, 3]
+    assert split_steps(1, 4) == [1, 1, 1, 1]
+    assert sum(split_steps(64, 2)) == 64
+
+
+def test_linear_schedule_commits_every_masked_token() -> None:
+    sched = num_transfer_tokens(torch.tensor([10, 7, 0]), 4)
+    assert sched.tolist() == [[3, 3, 2, 2], [2, 2, 2, 1], [0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("steps", [1, 3, 7, 16])
+@pytest.mark.parametrize("remasking", ["low_confidence", "random"])
+def test_no_mask_remains_and_prompt_never_changes(steps: int, remasking: str) -> None:
+    model = RecordingModel()
+    prompt = torch.tensor([[3, 3, 11, 12], [13, 14, 15, 16]])
+    pmask = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    params = DecodeParams(gen_length=12, block_length=5, denoise_steps=steps, temperature=0.7, remasking=remasking)  # type: ignore[arg-type]
+    out = generate_reference(model, prompt, pmask, params, MASK, torch.Generator().manual_seed(0))
+    assert out.shape == (2, 16)
+    assert not (out == MASK).any()
+    assert torch.equal(out[:, :4], prompt)
+    for canvas in model.calls:  # the prompt is intact at every step, not only at the end
+        assert torch.equal(canvas[:, :4], prompt)
+    assert len(model.calls) == sum(split_steps(steps, 3))
+
+
+def test_committed_tokens_are_never_remasked() -> None:
+    model = RecordingModel()
+    prompt = torch.tensor([[11, 12]])
+    params = DecodeParams(gen_length=8, block_length=8, denoise_steps=8)
+    generate_reference(model, prompt, torch.ones_like(prompt, dtype=torch.bool), params, MASK)
+    for before, after in zip(model.calls, model.calls[1:]):
+        committed = before != MASK
+        assert torch.equal(after[committed], before[committed])
+        assert (after == MASK).sum() == (before == MASK).sum() - 1
+
+
+def test_same_seed_same_output_and_different_seed_differs() -> None:
+    prompt = torch.tensor([[11, 12, 13]])
+    pm = torch.ones_like(prompt, dtype=torch.bool)
+    params = DecodeParams(gen_length=16, block_length=8, denoise_steps=16, temperature=1.0)
+    runs = [
+        generate_reference(RecordingModel(), prompt, pm, params, MASK, torch.Generator().manual_seed(s))
+        for s in (1, 1, 2)
+    ]
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+def test_cfg_pass_sees_the_prompt_masked() -> None:
+    model = RecordingModel()
+    prompt = torch.tensor([[3, 11, 12]])
+    pm = torch.tensor([[False, True, True]])
+    params = DecodeParams(gen_length=4, block_length=4, denoise_steps=2, cfg_scale=1.5)
+    generate_reference(model, prompt, pm, params, MASK)
+    first = model.calls[0]
+    assert first.shape[0] == 2
+    assert first[1, 0] == 3 and (first[1, 1:3] == MASK).all()  # padding kept, prompt masked
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(denoise_steps=0),
+        dict(gen_length=-1),
+        dict(block_length=0),
+        dict(temperature=-1.0),
+        dict(remasking="sideways"),
+    ],
+)
+def test_invalid_parameters_are_user_errors(bad: dict) -> None:
+    with pytest.raises(UsageError):
+        DecodeParams(**bad)

@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from celeris_cli import GenerationParams, load_engine
+from celeris_cli.engine import Engine
+from celeris_cli.errors import UsageError
+
+PROMPTS = [
+    "床前明月光，",
+    "To be, or not to be: that is the question. Shall I compare thee",
+    "白日依山尽，黄河入海流。欲穷千里目，",
+    "The quick",
+    "春",
+]
+
+
+def test_prompt_decodes_identically_alone_and_in_a_mixed_batch(engine: Engine) -> None:
+    params = engine.params(
+        {
+            "gen_length": 24,
+            "block_length": 8,
+            "denoise_steps": 12,
+            "temperature": 0.0,
+            "remasking": "low_confidence",
+            "seed": 5,
+        }
+    )
+    lengths = {len(engine.encode_prompt(p)) for p in PROMPTS}
+    assert len(lengths) == len(PROMPTS)  # really different lengths, so padding is exercised
+    batched = engine.generate(PROMPTS, params, batch_size=len(PROMPTS))
+    assert {r.batch_size for r in batched} == {len(PROMPTS)}
+    for prompt, together in zip(PROMPTS, batched):
+        [alone] = engine.generate([prompt], params, batch_size=1)
+        assert together.text == alone.text
+        assert together.output_tokens == alone.output_tokens
+
+
+def test_batched_canvas_tokens_equal_alone_including_after_eos(engine: Engine) -> None:
+    params = engine.params({"gen_length": 16, "block_length": 16, "denoise_steps": 16})
+    encoded = [engine.encode_prompt(p) for p in PROMPTS]
+    together, _ = engine.decode_ids(encoded, params, torch.Generator())
+    for ids, row in zip(encoded, together):
+        alone, _ = engine.decode_ids([ids], params, torch.Generator())
+        assert alone[0] == row
+
+
+def test_results_keep_input_order_and_carry_figures(engine: Engine) -> None:
+    params = engine.params({"gen_length": 8, "block_length": 8, "denoise_steps": 4})
+    results = engine.generate(PROMPTS, params, batch_size=2)
+    assert [r.prompt for r in results] == PROMPTS
+    r = results[0]
+    assert r.prompt_tokens == len(engine.encode_prompt(PROMPTS[0]))
+    assert r.nfe == 4 and r.denoise_steps == 4 and r.wall_s > 0
+    assert r.device == "cpu" and r.dtype == "float32"
+    assert r.settings["gen_length"] == 8
+
+
+def test_same_seed_reproduces_sampled_output(engine: Engine) -> None:
+    params = engine.params({"gen_length": 16, "block_length": 8, "denoise_steps": 8, "temperature": 1.0, "seed": 7})
+    a = engine.generate(PROMPTS, params)
+    b = engine.generate(PROMPTS, params)
+    c = engine.generate(PROMPTS, engine.params({**params.__dict__, "seed": 8}))
+    assert [r.text for r in a] == [r.text for r in b]
+    assert [r.text for r in a] != [r.text for r in c]
+
+
+class EosAfter:
+    """Fake at the model boundary: predicts token 9 everywhere, EOS from position `at` on."""
+
+    def __init__(self, cfg, at: int) -> None:  # type: ignore[no-untyped-def]
+        self.cfg, self.at = cfg, at
+
+    def __call__(self, ids: torch.Tensor, key_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(*ids.shape, self.cfg.vocab_size)
+        logits[..., 9] = 1.0
+        logits[..., self.cfg.eos_token_id] = (positions >= self.at).float() * 2
+        return logits
+
+
+def test_output_is_cut_at_the_first_eos(engine: Engine) -> None:
+    fake_engine = Engine(EosAfter(engine.model.cfg, at=5), engine.tokenizer, engine.device, engine.dtype)  # type: ignore[arg-type]
+    prompt_ids = engine.encode_prompt("床前")
+    params = GenerationParams(gen_length=12, block_length=12, denoise_steps=12)
+    [r] = fake_engine.generate(["床前"], params)
+    assert r.finish_reason == "stop"
+    assert r.output_tokens == 5 - len(prompt_ids)
+    assert r.text == engine.tokenizer.decode([9] * r.output_tokens)
+    [r] = Engine(
+        EosAfter(engine.model.cfg, at=10**6),
+        engine.tokenizer,
+        engine.device,  # type: ignore[arg-type]
+        engine.dtype,
+    ).generate(["床前"], params)
+    assert r.finish_reason == "length" and r.output_tokens == 12
+
+
+def test_prompt_longer_than_context_is_a_user_error(engine: Engine) -> None:
+    with pytest.raises(UsageError, match="context"):
+        engine.generate(["床" * 300], engine.params({"gen_length": 8}))
+
+
+def test_unknown_and_mistyped_request_params_are_named(engine: Engine) -> None:
+    with pytest.raises(UsageError, match="unknown generation parameter 'stepz'"):
+        engine.params({"stepz": 3})
+    with pytest.raises(UsageError, match="gen_length must be an integer"):
+        engine.params({"gen_length": "8"})
+    with pytest.raises(UsageError, match="unknown decoding strategy"):
+        engine.generate(["x"], engine.params({"strategy": "warp"}))
+
+
+def test_model_generation_config_sets_defaults(tmp_path: Path, tiny_model: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    (folder / "generation_config.json").write_text('{"denoise_steps": 5, "temperature": 0.5}')
+    e = load_engine(folder, device="cpu", dtype="float32")
+    assert e.params().denoise_steps == 5 and e.params({"temperature": 0}).temperature == 0.0
