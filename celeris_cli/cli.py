@@ -156,3 +156,117 @@ def _run_with_progress(engine: Any, prompts: list[str], params: Any, batch_size:
 
 def main() -> None:
     app()
+
+
+EX_TEMPFAIL = 75  # sysexits: another instance holds the queue
+
+
+def _load_batch_config(config: Path) -> Any:
+    from .spool.config import load_config
+
+    return load_config(config)
+
+
+def _spool(cfg: Any) -> Any:
+    from .spool.backend import EngineBackend
+    from .spool.daemon import Spool
+
+    return Spool(cfg, lambda: EngineBackend(cfg.model, cfg.device, cfg.dtype, cfg.threads, cfg.generation))
+
+
+def _serve(cfg: Any, once: bool) -> int:
+    from .spool.fsutil import LockHeld
+
+    try:
+        return int(_spool(cfg).run(once=once))
+    except LockHeld as e:
+        typer.echo(f"Error: another celeris instance holds the queue lock ({e.holder}); exiting", err=True)
+        raise typer.Exit(EX_TEMPFAIL) from None
+
+
+@app.command()
+def watch(
+    config: Path = typer.Argument(..., help="The queue's YAML config, e.g. configs/batch.yaml."),
+    once: bool = typer.Option(False, "--once", help="Drain the queue and exit (for cron)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress to stderr."),
+) -> None:
+    """Serve a spool folder: prompt files in, results out. Exit codes: 0 done, 1 failures recorded
+    (--once), 2 usage or config error, 75 another instance holds the lock."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(message)s")
+    try:
+        code = _serve(_load_batch_config(config), once)
+    except CelerisError as e:
+        fail(e)
+    raise typer.Exit(code)
+
+
+@app.command()
+def retry(
+    log: Path = typer.Argument(..., help="The failure log, e.g. logs/failed.jsonl."),
+    config: Path = typer.Option(Path("configs/batch.yaml"), "--config", "-c", help="The queue's config."),
+    include_all: bool = typer.Option(False, "--all", help="Also retry records marked not retryable."),
+    no_run: bool = typer.Option(False, "--no-run", help="Only queue the retries; do not drain the queue."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Run failed requests again: queue them as a new input file, then drain the queue once."""
+    from .spool.daemon import LOCK_NAME
+    from .spool.fsutil import QueueLock
+    from .spool.ops import plan_retry
+
+    try:
+        if not log.is_file():
+            raise CelerisError(f"failure log not found: {log}")
+        cfg = _load_batch_config(config)
+        report = plan_retry(cfg, log, include_all)
+        ran = "not run"
+        code = 0
+        if report.resubmitted and not no_run:
+            if QueueLock(cfg.root / LOCK_NAME).holder() is None:
+                code = _serve(cfg, once=True)
+                ran = "ran now"
+            else:
+                ran = "queued for the running daemon"
+    except CelerisError as e:
+        fail(e)
+    summary = {**report.to_dict(), "run": ran}
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        typer.echo(
+            f"resubmitted {report.resubmitted} ({ran}); skipped: {report.already_retried} already retried, "
+            f"{report.not_retryable} not retryable, {report.out_of_attempts} out of attempts, "
+            f"{report.no_request} without a request" + (f"; file {report.file}" if report.file else "")
+        )
+    raise typer.Exit(code)
+
+
+@app.command()
+def status(
+    config: Path = typer.Argument(Path("configs/batch.yaml"), help="The queue's config."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Counts per folder, the oldest pending file, the lock holder and the last heartbeat."""
+    from .spool.ops import status as queue_status
+
+    try:
+        info = queue_status(_load_batch_config(config))
+    except CelerisError as e:
+        fail(e)
+    if as_json:
+        typer.echo(json.dumps(info))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"queue {info['root']}")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for k, v in info["counts"].items():
+        table.add_row(k, str(v))
+    table.add_row("oldest pending (s)", str(info["oldest_pending_age_s"]))
+    table.add_row("lock holder", str(info["lock_holder"] or "none"))
+    hb = info["heartbeat"]
+    table.add_row("last heartbeat", f"{hb['state']} {hb['age_s']}s ago (pid {hb['pid']})" if hb else "none")
+    Console().print(table)

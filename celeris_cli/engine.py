@@ -158,6 +158,42 @@ class Engine:
                 return ids[:i], "stop"
         return ids, "length"
 
+    def decode_batch(
+        self,
+        prompts: Sequence[str],
+        encoded: Sequence[list[int]],
+        params: GenerationParams,
+        generator: torch.Generator | None = None,
+    ) -> list[Result]:
+        """Decode prompts (already encoded and checked) as one batch; one Result per prompt."""
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        t0 = time.perf_counter()
+        outs, nfe = self.decode_ids(encoded, params, generator)
+        wall = time.perf_counter() - t0
+        settings = asdict(params)
+        results = []
+        for prompt, ids_in, out in zip(prompts, encoded, outs):
+            ids, reason = self.cut(out)
+            results.append(
+                Result(
+                    prompt=prompt,
+                    text=self.tokenizer.decode(ids),
+                    finish_reason=reason,
+                    prompt_tokens=len(ids_in),
+                    output_tokens=len(ids),
+                    denoise_steps=params.denoise_steps,
+                    nfe=nfe,
+                    wall_s=round(wall, 4),
+                    tokens_per_s=round(len(ids) / wall, 2) if wall > 0 else 0.0,
+                    batch_size=len(encoded),
+                    device=str(self.device),
+                    dtype=str(self.dtype).replace("torch.", ""),
+                    settings=settings,
+                )
+            )
+        return results
+
     # -- text level --------------------------------------------------------------------------------
     def generate(
         self,
@@ -178,29 +214,11 @@ class Engine:
         order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
         results: list[Result | None] = [None] * len(prompts)
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        settings = asdict(params)
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
-            t0 = time.perf_counter()
-            outs, nfe = self.decode_ids([encoded[i] for i in idx], params, generator)
-            wall = time.perf_counter() - t0
-            for i, out in zip(idx, outs):
-                ids, reason = self.cut(out)
-                results[i] = Result(
-                    prompt=prompts[i],
-                    text=self.tokenizer.decode(ids),
-                    finish_reason=reason,
-                    prompt_tokens=len(encoded[i]),
-                    output_tokens=len(ids),
-                    denoise_steps=params.denoise_steps,
-                    nfe=nfe,
-                    wall_s=round(wall, 4),
-                    tokens_per_s=round(len(ids) / wall, 2) if wall > 0 else 0.0,
-                    batch_size=len(idx),
-                    device=str(self.device),
-                    dtype=str(self.dtype).replace("torch.", ""),
-                    settings=settings,
-                )
+            batch = self.decode_batch([prompts[i] for i in idx], [encoded[i] for i in idx], params, generator)
+            for i, r in zip(idx, batch):
+                results[i] = r
             if on_batch is not None:
                 on_batch(len(idx))
         return [r for r in results if r is not None]

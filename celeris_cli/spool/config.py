@@ -1,0 +1,158 @@
+"""`configs/batch.yaml`: typed, validated when loaded. Errors name the key: `batch_size: must be ...`.
+
+Relative folders are resolved against `root`, which is itself relative to the config file, so cron
+(which starts in $HOME) and a shell in the repo read the same queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+FOLDER_KEYS = ("inputs", "outputs", "processed", "logs")
+OUTPUT_FORMATS = ("jsonl", "txt")
+
+
+@dataclass(frozen=True)
+class Folders:
+    inputs: Path
+    outputs: Path
+    processed: Path
+    logs: Path
+
+    @property
+    def work(self) -> Path:
+        """Claimed files live here: inside the inbox, so claims are renames on one filesystem."""
+        return self.inputs / ".work"
+
+    @property
+    def quarantine(self) -> Path:
+        return self.processed / "quarantine"
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    folders: Folders
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+    generation: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 16
+    token_budget: int = 16384
+    batch_window_s: float = 0.5
+    settle_s: float = 2.0
+    rescan_s: float = 5.0
+    max_attempts: int = 3
+    output_formats: tuple[str, ...] = ("jsonl",)
+    shutdown_grace_s: float = 30.0
+    max_line_bytes: int = 1_000_000
+    max_file_requests: int = 100_000
+    log_prompts: bool = False
+    source: Path | None = None
+
+    @property
+    def root(self) -> Path:
+        return self.folders.inputs.parent
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str, type(None)),
+    "device": (str,),
+    "dtype": (str,),
+    "threads": (int, type(None)),
+    "generation": (dict,),
+    "batch_size": (int,),
+    "token_budget": (int,),
+    "batch_window_s": (int, float),
+    "settle_s": (int, float),
+    "rescan_s": (int, float),
+    "max_attempts": (int,),
+    "output_formats": (list,),
+    "shutdown_grace_s": (int, float),
+    "max_line_bytes": (int,),
+    "max_file_requests": (int,),
+    "log_prompts": (bool,),
+}
+_POSITIVE = ("batch_size", "token_budget", "max_attempts", "max_line_bytes", "max_file_requests", "rescan_s")
+_NON_NEGATIVE = ("batch_window_s", "settle_s", "shutdown_grace_s")
+
+
+def load_config(path: Path) -> BatchConfig:
+    import yaml
+
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read ({e})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    return parse_config(raw if raw is not None else {}, path)
+
+
+def parse_config(raw: Any, path: Path) -> BatchConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys at the top level")
+    known = {f.name for f in fields(BatchConfig)} - {"source", "folders"} | {"root", "folders"}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(known))})")
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in ("root", "folders"):
+            continue
+        types = _TYPES[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ConfigError(f"{key}: must be {names}, got {value!r}")
+        values[key] = value
+    for key in _POSITIVE:
+        if key in values and values[key] <= 0:
+            raise ConfigError(f"{key}: must be positive, got {values[key]!r}")
+    for key in _NON_NEGATIVE:
+        if key in values and values[key] < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {values[key]!r}")
+    if "output_formats" in values:
+        formats = values["output_formats"]
+        bad = [f for f in formats if f not in OUTPUT_FORMATS]
+        if bad or "jsonl" not in formats:
+            raise ConfigError(f"output_formats: must list jsonl, optionally txt; got {formats!r}")
+        values["output_formats"] = tuple(formats)
+    if "device" in values and values["device"] not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device: must be auto, cpu or cuda, got {values['device']!r}")
+    if "dtype" in values and values["dtype"] not in ("auto", "float32", "bfloat16"):
+        raise ConfigError(f"dtype: must be auto, float32 or bfloat16, got {values['dtype']!r}")
+    for key in values.get("generation", {}):
+        if not isinstance(key, str):
+            raise ConfigError(f"generation: keys must be names, got {key!r}")
+
+    base = path.parent
+    root_raw = raw.get("root", ".")
+    if not isinstance(root_raw, str):
+        raise ConfigError(f"root: must be str, got {root_raw!r}")
+    root = (base / root_raw).resolve()
+    folders_raw = raw.get("folders", {})
+    if not isinstance(folders_raw, dict):
+        raise ConfigError(f"folders: must be a mapping, got {folders_raw!r}")
+    folder_paths = {}
+    for key in folders_raw:
+        if key not in FOLDER_KEYS:
+            raise ConfigError(f"folders.{key}: unknown key (known: {', '.join(FOLDER_KEYS)})")
+    for key in FOLDER_KEYS:
+        value = folders_raw.get(key, f"batch_{key}" if key != "logs" else "logs")
+        if not isinstance(value, str):
+            raise ConfigError(f"folders.{key}: must be str, got {value!r}")
+        p = (root / value).resolve()
+        if not p.is_dir():
+            raise ConfigError(f"folders.{key}: folder does not exist: {p}")
+        folder_paths[key] = p
+    if "model" in values and values["model"] is not None:
+        values["model"] = (
+            str((base / values["model"]).resolve()) if not Path(values["model"]).is_absolute() else values["model"]
+        )
+    return BatchConfig(folders=Folders(**folder_paths), source=path, **values)

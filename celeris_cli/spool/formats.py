@@ -1,0 +1,193 @@
+"""Input formats: bytes of one prompt file -> requests, and a failure for every line that is not one.
+
+- `.txt`: one prompt per line; ids are `line-N`.
+- `.jsonl`: `{"id" | "custom_id", "prompt" | "messages", ...generation params}` per line, or the
+  OpenAI / vLLM batch format `{"custom_id", "method", "url", "body": {"messages" | "prompt", ...}}`.
+
+UTF-8 with or without a BOM, LF or CRLF. One bad line never sinks the file. A file that cannot be
+read at all (binary, not UTF-8 anywhere, empty, an unknown extension) is a `FileRejected`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED = (".txt", ".jsonl")
+# OpenAI body keys and the generation parameter each maps to (None: accepted and ignored)
+OPENAI_PARAMS = {
+    "model": None,
+    "max_tokens": "gen_length",
+    "max_completion_tokens": "gen_length",
+    "temperature": "temperature",
+    "seed": "seed",
+}
+SAFE_ID = re.compile(r"^[^\x00-\x1f/\\]{1,256}$")
+
+
+@dataclass(frozen=True)
+class Request:
+    custom_id: str
+    line: int
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    attempt: int = 1
+    origin: dict[str, Any] | None = None  # for retried requests: where the first attempt came from
+
+    def body(self) -> dict[str, Any]:
+        """The request as a self-contained simple-JSONL object (what `retry` resubmits)."""
+        out: dict[str, Any] = {"custom_id": self.custom_id}
+        if self.messages is not None:
+            out["messages"] = self.messages
+        else:
+            out["prompt"] = self.prompt
+        out.update(self.params)
+        return out
+
+
+@dataclass(frozen=True)
+class LineError:
+    line: int
+    code: str
+    message: str
+    request: dict[str, Any] | str | None
+    custom_id: str | None = None
+    retryable: bool = False
+    attempt: int = 1
+
+
+class FileRejected(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def parse_file(name: str, data: bytes, max_line_bytes: int) -> tuple[list[Request], list[LineError]]:
+    suffix = name[name.rfind(".") :].lower() if "." in name else ""
+    if suffix not in SUPPORTED:
+        raise FileRejected("unsupported_format", f"unsupported file type {suffix or '(none)'!r}; use .txt or .jsonl")
+    if not data.strip(b"\xef\xbb\xbf \t\r\n"):
+        raise FileRejected("empty_file", "the file is empty")
+    if b"\x00" in data[:8192]:
+        raise FileRejected("binary_file", "the file is binary (NUL bytes), not UTF-8 text")
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    requests: list[Request] = []
+    errors: list[LineError] = []
+    seen: set[str] = set()
+    decoded_any = False
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        raw = raw.rstrip(b"\r")
+        if not raw.strip():
+            continue
+        if len(raw) > max_line_bytes:
+            errors.append(
+                LineError(
+                    number,
+                    "line_too_long",
+                    f"line is {len(raw)} bytes; the limit is {max_line_bytes}",
+                    raw[:200].decode("utf-8", "replace") + "...",
+                )
+            )
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            errors.append(
+                LineError(
+                    number,
+                    "invalid_utf8",
+                    f"line is not valid UTF-8 ({e.reason} at byte {e.start})",
+                    raw[:200].decode("utf-8", "replace"),
+                )
+            )
+            continue
+        decoded_any = True
+        result = _parse_txt(number, text) if suffix == ".txt" else _parse_jsonl(number, text)
+        if isinstance(result, LineError):
+            errors.append(result)
+        elif result.custom_id in seen:
+            errors.append(
+                LineError(
+                    number,
+                    "duplicate_id",
+                    f"id {result.custom_id!r} appears earlier in this file; ids must be unique per file",
+                    result.body(),
+                    result.custom_id,
+                )
+            )
+        else:
+            seen.add(result.custom_id)
+            requests.append(result)
+    if not decoded_any and errors and all(e.code == "invalid_utf8" for e in errors):
+        raise FileRejected("invalid_utf8", "no line of the file is valid UTF-8")
+    return requests, errors
+
+
+def _parse_txt(number: int, text: str) -> Request | LineError:
+    prompt = text.strip()
+    return Request(custom_id=f"line-{number}", line=number, prompt=prompt)
+
+
+def _parse_jsonl(number: int, text: str) -> Request | LineError:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return LineError(number, "invalid_json", f"not valid JSON: {e.msg} at column {e.colno}", text[:500])
+    if not isinstance(obj, dict):
+        return LineError(number, "invalid_json", "each line must be a JSON object", text[:500])
+    raw_id = obj.get("custom_id", obj.get("id", f"line-{number}"))
+    if not isinstance(raw_id, (str, int)) or isinstance(raw_id, bool):
+        return LineError(number, "invalid_id", f"id must be a string, got {raw_id!r}", obj)
+    custom_id = str(raw_id)
+    if not SAFE_ID.match(custom_id) or custom_id in (".", "..") or custom_id.startswith("../"):
+        return LineError(
+            number,
+            "invalid_id",
+            f"id must be 1-256 characters without '/', '\\', NUL or control characters; got {custom_id[:80]!r}",
+            obj,
+            None,
+        )
+    meta = obj.get("_celeris", {})
+    attempt = meta.get("attempt", 1) if isinstance(meta, dict) else 1
+    origin = meta.get("origin") if isinstance(meta, dict) else None
+    if "body" in obj or "method" in obj or "url" in obj:
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            return LineError(number, "missing_prompt", "OpenAI batch line without a body object", obj, custom_id)
+        params: dict[str, Any] = {}
+        for key, value in body.items():
+            if key in ("messages", "prompt"):
+                continue
+            if key in OPENAI_PARAMS:
+                if OPENAI_PARAMS[key]:
+                    params[OPENAI_PARAMS[key]] = value  # type: ignore[index]
+            else:
+                params[key] = value  # generation params of our own, validated by the engine
+        content = body
+    else:
+        params = {k: v for k, v in obj.items() if k not in ("id", "custom_id", "prompt", "messages", "_celeris")}
+        content = obj
+    prompt, messages = content.get("prompt"), content.get("messages")
+    if messages is not None:
+        if not (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
+                for m in messages
+            )
+        ):
+            return LineError(
+                number, "missing_prompt", "messages must be a non-empty list of {role, content} objects", obj, custom_id
+            )
+        return Request(custom_id, number, messages=messages, params=params, attempt=attempt, origin=origin)
+    if not isinstance(prompt, str) or not prompt.strip():
+        return LineError(
+            number, "missing_prompt", 'no prompt: give a non-empty string "prompt" or "messages"', obj, custom_id
+        )
+    return Request(custom_id, number, prompt=prompt, params=params, attempt=attempt, origin=origin)

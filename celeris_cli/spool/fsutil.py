@@ -1,0 +1,115 @@
+"""Filesystem primitives the queue's guarantees rest on (Maildir / Postfix style).
+
+Publish = write a temp name, fsync, rename, fsync the directory. Claim = rename. Crash points let the
+crash tests kill the process at named places (`CELERIS_CRASH_AT=name`); in normal runs they are no-ops.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+CRASH_ENV = "CELERIS_CRASH_AT"
+CRASH_EXIT = 86
+
+
+def crashpoint(name: str) -> None:
+    """Die at once, without cleanup, when the crash tests ask for this point."""
+    if os.environ.get(CRASH_ENV) == name:
+        os._exit(CRASH_EXIT)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, crash_name: str | None = None) -> None:
+    """Replace `path` with `data` so that readers see the old file or the new one, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    if crash_name:
+        crashpoint(crash_name)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def move(src: Path, dst: Path) -> None:
+    """Atomic rename within one filesystem, made durable in both directories."""
+    os.replace(src, dst)
+    fsync_dir(dst.parent)
+    if src.parent != dst.parent:
+        fsync_dir(src.parent)
+
+
+def append_line(path: Path, line: str, crash_name: str | None = None) -> None:
+    """Append one line durably. A crash mid-write leaves at most a torn last line, which readers skip."""
+    data = (line.rstrip("\n") + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        # a torn line from an earlier crash must not swallow this record: start on a fresh line
+        if os.fstat(fd).st_size > 0:
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    data = b"\n" + data
+        if crash_name and os.environ.get(CRASH_ENV) == crash_name:
+            os.write(fd, data[: len(data) // 2])
+            os._exit(CRASH_EXIT)
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LockHeld(Exception):
+    def __init__(self, holder: str) -> None:
+        super().__init__(holder)
+        self.holder = holder
+
+
+class QueueLock:
+    """flock on a file in the queue root: one daemon per queue. The file records the holder's pid."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+            os.close(fd)
+            raise LockHeld(holder or "unknown") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def holder(self) -> str | None:
+        """Who holds the lock now, or None when nobody does (checked without taking it)."""
+        if not self.path.exists():
+            return None
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)

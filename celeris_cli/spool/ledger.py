@@ -1,0 +1,91 @@
+"""Append-only JSONL logs: `failed.jsonl` (one self-contained record per failed request), the retry
+ledger and the event log. Readers tolerate a torn last line (a crash mid-append)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .fsutil import append_line
+
+log = logging.getLogger(__name__)
+
+
+def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Records of a JSONL log; unparsable lines (a torn write) are skipped with a warning."""
+    if not path.exists():
+        return
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                log.warning("%s:%d: skipping a torn or corrupt line", path, number)
+                continue
+            if isinstance(rec, dict):
+                yield rec
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class FailureLog:
+    """`logs/failed.jsonl`. Each record has a stable `key` (claimed file, line, attempt), so a file that
+    is processed again after a crash does not record the same failure twice."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.keys = {rec.get("key") for rec in read_jsonl(path)}
+
+    def append(self, record: dict[str, Any]) -> bool:
+        if record["key"] in self.keys:
+            return False
+        append_line(self.path, json.dumps(record, ensure_ascii=False), crash_name="mid_failure_append")
+        self.keys.add(record["key"])
+        return True
+
+
+def failure_record(
+    *,
+    source: str,
+    line: int,
+    code: str,
+    message: str,
+    retryable: bool,
+    attempt: int,
+    request: Any,
+    custom_id: str | None,
+    origin: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "key": f"{source}:{line}:{attempt}",
+        "time": now_iso(),
+        "custom_id": custom_id,
+        "source": {"file": source, "line": line},
+        "origin": origin or {"file": source, "line": line},
+        "code": code,
+        "message": message,
+        "retryable": retryable,
+        "attempt": attempt,
+        "request": request,
+    }
+
+
+class EventLog:
+    """`logs/events.jsonl`: what the daemon did, one JSON object per event. Prompts never appear here."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        try:
+            append_line(self.path, json.dumps({"time": now_iso(), "event": event, **fields}, ensure_ascii=False))
+        except OSError as e:  # the event log is diagnostics; it must never stop the queue
+            log.warning("cannot write %s: %s", self.path, e)
