@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from celeris_cli.spool.fsutil import CRASH_EXIT, CRASH_ENV
+from celeris_cli.spool.fsutil import CRASH_ENV, CRASH_EXIT
 
 from .spool_helpers import drop, failures, make_queue, outputs
 
