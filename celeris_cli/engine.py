@@ -21,6 +21,7 @@ from .checkpoint import load_model
 from .decoding import DecodeParams
 from .device import resolve_device, resolve_dtype
 from .errors import ModelError, UsageError
+from .fast import FastParams
 from .model import LLaDAModel
 from .strategies import Net, SpecialTokens, get_strategy
 from .tokenizer import Tokenizer, load_tokenizer
@@ -40,37 +41,37 @@ def default_model_dir() -> Path:
 
 
 @dataclass(frozen=True)
-class GenerationParams(DecodeParams):
-    """Decoding parameters plus what the engine adds: the seed and the decoding strategy."""
+class GenerationParams(FastParams):
+    """Everything that decides an answer: the decoder's parameters, the strategy and the seed."""
 
     seed: int = 0
-    strategy: str = "reference"
+    strategy: str = "fast"
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], base: GenerationParams | None = None) -> GenerationParams:
-        """Build from user input (a request's params), naming unknown keys and wrong types."""
-        known = {f.name: f for f in fields(cls)}
+        """Build from user input (CLI, config or a request), naming unknown keys and wrong types."""
+        defaults = {f.name: f.default for f in fields(cls)}
         out: dict[str, Any] = {}
         for key, value in values.items():
-            k = key.replace("-", "_")
-            if k == "steps":
-                k = "denoise_steps"
-            if k not in known:
+            k = {"steps": "denoise_steps"}.get(key.replace("-", "_"), key.replace("-", "_"))
+            if k not in defaults:
                 raise UsageError(f"unknown generation parameter {key!r}")
-            want = known[k].type
-            if want in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)):
-                raise UsageError(f"{key} must be an integer, got {value!r}")
-            if want in ("float", float):
-                if not isinstance(value, (int, float)) or isinstance(value, bool):
-                    raise UsageError(f"{key} must be a number, got {value!r}")
+            want = type(defaults[k])
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
-            if want in ("str", str, "Remasking") and not isinstance(value, str):
-                raise UsageError(f"{key} must be a string, got {value!r}")
+            if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
+                raise UsageError(f"{key} must be {_TYPE_NAMES[want]}, got {value!r}")
             out[k] = value
         return replace(base, **out) if base is not None else cls(**out)
 
     def decode_params(self) -> DecodeParams:
         return DecodeParams(**{f.name: getattr(self, f.name) for f in fields(DecodeParams)})
+
+    def fast_params(self) -> FastParams:
+        return FastParams(**{f.name: getattr(self, f.name) for f in fields(FastParams)})
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import torch
 
 from .decoding import generate_reference
 from .errors import UsageError
+from .fast import generate_fast
 from .model import KV, LLaDAModel
 
 
@@ -70,7 +71,18 @@ def _reference(
     return generate_reference(net, prompt, prompt_mask, params.decode_params(), tokens.mask_id, generator)
 
 
-STRATEGIES: dict[str, Strategy] = {"reference": _reference}
+def _fast(
+    net: Net,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: Any,
+    tokens: SpecialTokens,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    return generate_fast(net, prompt, prompt_mask, params.fast_params(), tokens.mask_id, tokens.stop_ids, generator)
+
+
+STRATEGIES: dict[str, Strategy] = {"reference": _reference, "fast": _fast}
 
 
 def get_strategy(name: str) -> Strategy:

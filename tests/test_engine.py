@@ -84,7 +84,7 @@ class EosAfter:
 def test_output_is_cut_at_the_first_eos(engine: Engine) -> None:
     fake_engine = Engine(EosAfter(engine.model.cfg, at=5), engine.tokenizer, engine.device, engine.dtype)  # type: ignore[arg-type]
     prompt_ids = engine.encode_prompt("床前")
-    params = GenerationParams(gen_length=12, block_length=12, denoise_steps=12)
+    params = GenerationParams(gen_length=12, block_length=12, denoise_steps=12, strategy="reference")
     [r] = fake_engine.generate(["床前"], params)
     assert r.finish_reason == "stop"
     assert r.output_tokens == 5 - len(prompt_ids)

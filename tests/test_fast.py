@@ -1,0 +1,166 @@
+"""Fast decoding: threshold commits, KV cache exactness where it must be exact, early exit, batching."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from celeris_cli import load_engine
+from celeris_cli.engine import Engine
+from celeris_cli.fast import FastParams, finished_rows, generate_fast
+from celeris_cli.strategies import Net
+
+from .conftest import make_model
+
+PROMPTS = [
+    "床前明月光，",
+    "To be, or not to be: that is the question. Shall I compare thee",
+    "白日依山尽，黄河入海流。",
+    "The quick",
+    "春",
+]
+MODES = [
+    {"strategy": "reference"},
+    {"strategy": "fast", "cache": "none", "early_exit": False},
+    {"strategy": "fast", "cache": "prefix"},
+    {"strategy": "fast", "cache": "dual"},
+    {"strategy": "fast", "cache": "dual", "confidence": "margin", "threshold": 0.5},
+    {"strategy": "fast", "cache": "none", "confidence": "entropy", "threshold": 0.3},
+]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(str(v) for v in m.values()))
+def test_batch_versus_alone_equality_in_every_mode(engine: Engine, mode: dict) -> None:
+    params = engine.params({"gen_length": 24, "block_length": 8, "denoise_steps": 24, **mode})
+    encoded = [engine.encode_prompt(p) for p in PROMPTS]
+    together, _ = engine.decode_ids(encoded, params, torch.Generator())
+    for ids, row in zip(encoded, together):
+        alone, _ = engine.decode_ids([ids], params, torch.Generator())
+        assert alone[0] == row
+
+
+class Recorder(Net):
+    """The real model, with every full-canvas input recorded and the rows of every call counted."""
+
+    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(model)
+        self.canvases: list[torch.Tensor] = []
+        self.row_passes = 0
+
+    def hidden(self, ids, positions, key_mask, cache=None, start=0):  # type: ignore[no-untyped-def]
+        if cache is None:
+            self.canvases.append(ids.clone())
+        self.row_passes += ids.shape[0]
+        return super().hidden(ids, positions, key_mask, cache, start)
+
+
+def run_fast(engine: Engine, prompts: list[str], params: FastParams) -> tuple[torch.Tensor, Recorder, int]:
+    encoded = [engine.encode_prompt(p) for p in prompts]
+    P = max(map(len, encoded))
+    prompt = torch.tensor([[engine.tokenizer.pad_id] * (P - len(i)) + i for i in encoded])
+    pmask = torch.tensor([[False] * (P - len(i)) + [True] * len(i) for i in encoded])
+    net = Recorder(engine.model)
+    out = generate_fast(net, prompt, pmask, params, engine.tokenizer.mask_id, engine.tokenizer.stop_ids)
+    return out, net, P
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3, 1.0])
+def test_threshold_commits_at_least_one_per_row_per_step_and_never_touches_the_prompt(
+    engine: Engine, threshold: float
+) -> None:
+    mask = engine.tokenizer.mask_id
+    params = FastParams(
+        gen_length=16, block_length=16, denoise_steps=16, threshold=threshold, cache="none", early_exit=False
+    )
+    out, net, P = run_fast(engine, PROMPTS, params)
+    prompt = out[:, :P]
+    assert not (out == mask).any() and torch.equal(net.canvases[0][:, :P], prompt)
+    for before, after in zip(net.canvases, net.canvases[1:]):
+        assert torch.equal(after[:, :P], prompt)
+        newly = ((before == mask) & (after != mask)).sum(1)
+        still_masked = (before == mask).any(1)
+        assert (newly[still_masked] >= 1).all()
+    if threshold == 0.0:  # everything clears a zero threshold: the block is done in one step
+        assert len(net.canvases) == 1
+    if threshold == 1.0:  # nothing clears it: one commit per step, like the reference schedule
+        assert len(net.canvases) == 16
+
+
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path) -> Engine:
+    folder = make_model(tmp_path_factory.mktemp("one") / "m", tiny_tokenizer, n_layers=1, seed=4)
+    return load_engine(folder, device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_cache_is_exact_for_a_one_layer_model(one_layer: Engine, cache: str) -> None:
+    """With one layer, keys/values depend only on each position's own token, so a cache refreshed per
+    block and spliced with fresh block (and suffix) values must reproduce uncached decoding exactly."""
+    base = {"gen_length": 24, "block_length": 8, "denoise_steps": 24, "threshold": 0.95, "early_exit": False}
+    encoded = [one_layer.encode_prompt(p) for p in PROMPTS]
+    plain, nfe_plain = one_layer.decode_ids(encoded, one_layer.params({**base, "cache": "none"}), torch.Generator())
+    cached, nfe_cached = one_layer.decode_ids(encoded, one_layer.params({**base, "cache": cache}), torch.Generator())
+    assert cached == plain and nfe_cached == nfe_plain
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_cache_is_exact_with_one_step_per_block_at_any_depth(engine: Engine, cache: str) -> None:
+    base = {"gen_length": 24, "block_length": 8, "denoise_steps": 3, "early_exit": False}
+    encoded = [engine.encode_prompt(p) for p in PROMPTS]
+    plain, _ = engine.decode_ids(encoded, engine.params({**base, "cache": "none"}), torch.Generator())
+    cached, _ = engine.decode_ids(encoded, engine.params({**base, "cache": cache}), torch.Generator())
+    assert cached == plain
+
+
+@pytest.fixture(scope="module")
+def eos_prone(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path) -> Engine:
+    """A random model whose EOS logit is amplified, so rows end at different places."""
+    import torch as t
+    from safetensors.torch import load_file, save_file
+
+    folder = make_model(tmp_path_factory.mktemp("eos") / "m", tiny_tokenizer, seed=9)
+    state = load_file(str(folder / "model.safetensors"))
+    eos = 2
+    head = state["model.transformer.ff_out.weight"]
+    head[eos] = head[eos] * 2.5 + head.mean(0)
+    save_file(state, str(folder / "model.safetensors"))
+    del t
+    return load_engine(folder, device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_early_exit_keeps_every_row_equal_and_saves_forward_passes(eos_prone: Engine, cache: str) -> None:
+    base = {"gen_length": 32, "block_length": 8, "denoise_steps": 32, "threshold": 0.9, "cache": cache}
+    prompts = PROMPTS * 2
+    without = eos_prone.generate(prompts, eos_prone.params({**base, "early_exit": False}), batch_size=10)
+    with_exit = eos_prone.generate(prompts, eos_prone.params({**base, "early_exit": True}), batch_size=10)
+    assert [r.text for r in with_exit] == [r.text for r in without]
+    assert [r.finish_reason for r in with_exit] == [r.finish_reason for r in without]
+    stopped = sum(r.finish_reason == "stop" for r in without)
+    assert 0 < stopped  # the property is exercised: some rows do end early
+    # finished rows leave the batch: fewer row-forwards for the same outputs
+    fast = FastParams(**{**base, "early_exit": True})  # type: ignore[arg-type]
+    slow = FastParams(**{**base, "early_exit": False})  # type: ignore[arg-type]
+    _, net_fast, _ = run_fast(eos_prone, prompts, fast)
+    _, net_slow, _ = run_fast(eos_prone, prompts, slow)
+    assert net_fast.row_passes < net_slow.row_passes
+
+
+def test_finished_rows_needs_everything_before_the_stop_token_decoded() -> None:
+    M, S = 4, 2
+    gen = torch.tensor([[7, S, M], [M, S, 7], [7, 8, 9], [S, M, M]])
+    done, first = finished_rows(gen, M, torch.tensor([S]))
+    assert done.tolist() == [True, False, False, True]
+    assert first.tolist() == [1, 1, 3, 0]
+
+
+@pytest.mark.parametrize(
+    "bad", [{"threshold": 1.5}, {"cache": "triple"}, {"confidence": "vibes"}, {"early_exit": "yes"}]
+)
+def test_fast_parameters_are_validated(engine: Engine, bad: dict) -> None:
+    from celeris_cli.errors import UsageError
+
+    with pytest.raises(UsageError):
+        engine.params(bad)
