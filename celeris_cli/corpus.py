@@ -123,7 +123,7 @@ def chinese_docs(tgz: Path, fold: dict[int, str]) -> Iterator[tuple[str, str]]:
     for name, data in _members(tgz):
         if not name.endswith(".json") or not wanted.search(name) or "author" in name:
             continue
-        kind = "tang" if ".tang." in name else name.split("/")[2]
+        kind = "tang" if ".tang." in name else "songshi" if ".song." in name and "poet" in name else name.split("/")[2]
         for item in json.loads(data):
             paras = item.get("paragraphs") or item.get("content") or []
             if not isinstance(paras, list):
@@ -200,7 +200,11 @@ def regular_poem(text: str) -> bool:
 
 
 def build(cache: Path, out: Path, english_upsample: int = 3) -> dict[str, int]:
-    paths = fetch(cache)
+    """Fetch and verify the pinned sources, then build the corpus folder."""
+    return build_from(fetch(cache), out, english_upsample)
+
+
+def build_from(paths: dict[str, Path], out: Path, english_upsample: int = 3) -> dict[str, int]:
     fold = str.maketrans(t2s_table())
     out.mkdir(parents=True, exist_ok=True)
     train: list[str] = []

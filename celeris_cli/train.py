@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -147,7 +148,9 @@ def _step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
-def train(cfg: TrainConfig, resume: bool = True, show_progress: bool | None = None) -> list[dict]:
+def train(
+    cfg: TrainConfig, resume: bool = True, show_progress: bool | None = None, stop_after: int | None = None
+) -> list[dict]:
     """Run (or resume) training; returns the log records written this call."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -198,7 +201,15 @@ def train(cfg: TrainConfig, resume: bool = True, show_progress: bool | None = No
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model: %.2fM parameters, bf16 autocast: %s", n_params / 1e6, use_bf16)
     records: list[dict] = []
-    logf = open(out / "train_log.jsonl", "a", encoding="utf-8")
+    log_path = out / "train_log.jsonl"
+    if log_path.exists():  # records past the checkpoint were lost with the run that wrote them
+        kept = [
+            line
+            for line in log_path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and _step_of(line) <= step
+        ]
+        log_path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    logf = open(log_path, "a", encoding="utf-8")
     progress = None
     if show_progress if show_progress is not None else sys.stderr.isatty():
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -251,13 +262,40 @@ def train(cfg: TrainConfig, resume: bool = True, show_progress: bool | None = No
                 progress.update(task, completed=step, info=f"loss {rec['loss']:.3f}  {rate:,.0f} tok/s")
             elif step % 20 == 0:
                 log.info("step %d loss %.4f %.0f tok/s", step, rec["loss"], rate)
-            if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            if step % cfg.ckpt_every == 0 or step == cfg.steps or step == stop_after:
                 save_checkpoint(model, opt, step, out, data_dir)
+            if step == stop_after:  # an interruption, for the resume test
+                break
     finally:
         logf.close()
         if progress is not None:
             progress.stop()
     return records
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return 1 << 62  # a torn line is dropped
+
+
+def run_recipe(corpus: Path, out: Path, **overrides: Any) -> list[dict]:
+    """Tokenizer (once), tokenized data (once), then training; resumes from out/ckpt.pt."""
+    from .vocab import special_ids, train_tokenizer
+
+    data = out / "data"
+    tok = data / "tokenizer.model"
+    if not (corpus / "train.txt").is_file():
+        raise UsageError(f"{corpus}: no train.txt; build the corpus first (celeris corpus)")
+    if not tok.is_file():
+        fold_path = corpus / "t2s.json"
+        fold = json.loads(fold_path.read_text(encoding="utf-8")) if fold_path.is_file() else None
+        train_tokenizer(corpus / "train.txt", data, fold)
+    if not (data / "train.pt").is_file():
+        prepare_data(corpus, tok, data)
+    cfg = TrainConfig(data=str(data), out=str(out), special=special_ids(tok), **overrides)
+    return train(cfg)
 
 
 def save_checkpoint(model: LLaDAModel, opt: torch.optim.Optimizer, step: int, out: Path, data_dir: Path) -> None:
