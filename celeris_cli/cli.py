@@ -402,3 +402,71 @@ def _json_setting(text: str | None) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise CelerisError("--set must be a JSON object")
     return value
+
+
+@app.command(name="bench")
+def bench_cmd(
+    model: Path = typer.Option(None, "--model", "-m", help="Model folder (default: the embedded model)."),
+    prompts: int = typer.Option(32, "--prompts", min=1, help="Held-out poem openings to decode."),
+    batch_size: int = typer.Option(16, "--batch-size", min=1),
+    gen_length: int = typer.Option(256, "--gen-length", min=1),
+    block_length: int = typer.Option(32, "--block-length", min=1),
+    steps: int = typer.Option(None, "--denoise-steps", "--steps", min=1, help="Default: gen-length."),
+    modes: str = typer.Option(
+        None,
+        "--modes",
+        help="Comma-separated subset of: reference, threshold, threshold+exit, prefix-cache, dual-cache.",
+    ),
+    set_name: str = typer.Option(None, "--set", help="Settings for every mode, as JSON."),
+    sweep: str = typer.Option(None, "--sweep", help="Also sweep these step counts, e.g. 5,10,20,40,64."),
+    no_agreement: bool = typer.Option(False, "--no-agreement", help="Skip the cache-vs-no-cache comparison."),
+    queue: int = typer.Option(0, "--queue", min=0, help="Also measure queue overhead with this many files."),
+    device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
+    dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
+    threads: int = typer.Option(None, "--threads", min=1),
+    out: Path = typer.Option(None, "--out", help="Also write the JSON report here."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
+) -> None:
+    """Reference decoding and every fast mode side by side: speed and quality on the same outputs."""
+    import tempfile
+
+    from .bench import MODES, bench, bench_queue, render
+    from .engine import load_engine
+
+    try:
+        chosen = [m.strip() for m in modes.split(",")] if modes else None
+        for m in chosen or []:
+            if m not in MODES:
+                raise CelerisError(f"unknown mode {m!r} (choose {', '.join(MODES)})")
+        try:
+            sweep_steps = [int(x) for x in sweep.split(",")] if sweep else None
+        except ValueError:
+            raise CelerisError(f"--sweep must be comma-separated integers, got {sweep!r}") from None
+        engine = load_engine(model, device.value, dtype.value, threads)
+        settings = _json_setting(set_name)
+        report = bench(
+            engine,
+            prompts,
+            batch_size,
+            gen_length,
+            block_length,
+            steps,
+            chosen,
+            settings,
+            cache_agreement=not no_agreement,
+            sweep=sweep_steps,
+        )
+        if queue:
+            params = engine.params({**settings, "gen_length": gen_length, "block_length": block_length})
+            with tempfile.TemporaryDirectory() as tmp:
+                report["queue"] = bench_queue(engine, queue, batch_size, params, Path(tmp))
+    except CelerisError as e:
+        fail(e)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
+    if as_json:
+        typer.echo(json.dumps(report, ensure_ascii=False))
+        return
+    render(report)
+    if "queue" in report:
+        typer.echo("queue: " + json.dumps(report["queue"]))

@@ -1,0 +1,312 @@
+"""`celeris bench`: reference decoding and every fast mode side by side, in one process, on the same model,
+prompts, batch size and lengths; speed and quality measured on the same outputs.
+
+Speed is never asserted in tests: this command prints figures (tokens/s, wall time, NFE, tokens per
+forward, peak memory) together with quality (structure rate, distinct-2) and the ratio to the model's raw
+forward throughput. Its header records hardware, torch, threads, dtype and every length.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .engine import Engine, GenerationParams
+from .evaluate import EvalSet, poem_quality
+
+# name -> overrides on top of the model's defaults. The baseline is LLaDA's reference decoding.
+MODES: dict[str, dict[str, Any]] = {
+    "reference": {"strategy": "reference"},
+    "threshold": {"strategy": "fast", "cache": "none", "early_exit": False},
+    "threshold+exit": {"strategy": "fast", "cache": "none", "early_exit": True},
+    "prefix-cache": {"strategy": "fast", "cache": "prefix", "early_exit": True},
+    "dual-cache": {"strategy": "fast", "cache": "dual", "early_exit": True},
+}
+DEFAULT_MODE = "dual-cache"
+
+
+class PeakRSS:
+    """Peak resident memory while a block runs, above what was resident before it (CPU); on CUDA the
+    allocator's own peak is used."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self) -> PeakRSS:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            return self
+        self.base = self.rss()
+        self.peak = self.base
+
+        def sample() -> None:
+            while not self._stop.wait(0.01):
+                self.peak = max(self.peak, self.rss())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            self.peak_bytes = torch.cuda.max_memory_allocated()
+            return
+        self._stop.set()
+        self._thread.join()
+        self.peak_bytes = max(0, self.peak - self.base)
+
+
+def hardware() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def raw_forward_tokens_per_s(engine: Engine, batch: int, length: int, repeats: int = 5) -> float:
+    """Tokens/s through one plain full forward at this batch and canvas length: the machine's limit for a
+    decoder that must look at every token once per output token batch."""
+    ids = torch.randint(10, engine.model.cfg.vocab_size, (batch, length), device=engine.device)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        engine.model(ids, mask)  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            engine.model(ids, mask)
+        _sync(engine.device)
+    return batch * length * repeats / (time.perf_counter() - t0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_mode(engine: Engine, prompts: list[str], params: GenerationParams, batch_size: int) -> dict[str, Any]:
+    with PeakRSS(engine.device) as mem:
+        t0 = time.perf_counter()
+        results = engine.generate(prompts, params, batch_size=batch_size)
+        _sync(engine.device)
+        wall = time.perf_counter() - t0
+    nfe = round(sum(r.nfe / r.batch_size for r in results))  # each batch's NFE, shared by its rows
+    out_tokens = sum(r.output_tokens for r in results)
+    quality = poem_quality(prompts, [r.text for r in results], [r.finish_reason for r in results])
+    return {
+        "wall_s": round(wall, 3),
+        "output_tokens": out_tokens,
+        "tokens_per_s": round(out_tokens / wall, 1),
+        "nfe": nfe,
+        "tokens_per_forward": round(out_tokens / max(nfe, 1), 2),
+        "peak_mem_mb": round(mem.peak_bytes / 2**20, 1),
+        **{k: round(v, 4) for k, v in quality.items()},
+        "texts": [r.text for r in results],
+    }
+
+
+def agreement(a: list[str], b: list[str]) -> dict[str, float]:
+    """How often two decodings of the same prompts differ: identical rows, and per-character agreement."""
+    same = sum(x == y for x, y in zip(a, b))
+    chars = sum(max(len(x), len(y)) for x, y in zip(a, b))
+    match = sum(sum(p == q for p, q in zip(x, y)) for x, y in zip(a, b))
+    return {"identical_rows": round(same / len(a), 4), "char_agreement": round(match / max(chars, 1), 4)}
+
+
+def bench(
+    engine: Engine,
+    n_prompts: int = 32,
+    batch_size: int = 16,
+    gen_length: int = 256,
+    block_length: int = 32,
+    steps: int | None = None,
+    modes: list[str] | None = None,
+    settings: dict[str, Any] | None = None,
+    cache_agreement: bool = True,
+    sweep: list[int] | None = None,
+) -> dict[str, Any]:
+    evalset = EvalSet.load()
+    prompts = [r["prompt"] for r in evalset.poems[:n_prompts]]
+    base = engine.params(
+        {
+            **(settings or {}),
+            "gen_length": gen_length,
+            "block_length": block_length,
+            "denoise_steps": steps or gen_length,
+        }
+    )
+    lengths = [len(engine.encode_prompt(p)) for p in prompts]
+    report: dict[str, Any] = {
+        "hardware": hardware(),
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "model": str(engine.model_dir),
+        "prompts": len(prompts),
+        "batch_size": batch_size,
+        "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
+        "gen_length": gen_length,
+        "block_length": block_length,
+        "denoise_steps": base.denoise_steps,
+        "settings": {k: v for k, v in asdict(base).items() if k not in ("strategy", "cache", "early_exit")},
+        "modes": {},
+    }
+    canvas = max(lengths) + gen_length
+    report["raw_forward_tokens_per_s"] = round(raw_forward_tokens_per_s(engine, batch_size, canvas), 1)
+    for name in modes or list(MODES):
+        params = replace(base, **MODES[name])
+        report["modes"][name] = run_mode(engine, prompts, params, batch_size)
+    ref = report["modes"].get("reference")
+    for m in report["modes"].values():
+        if ref:
+            m["speedup"] = round(m["tokens_per_s"] / ref["tokens_per_s"], 2) if ref["tokens_per_s"] else None
+            m["structure_delta_pts"] = round(100 * (m["structure_rate"] - ref["structure_rate"]), 1)
+            m["distinct_2_delta_pts"] = round(100 * (m["distinct_2"] - ref["distinct_2"]), 1)
+        m["of_raw_forward"] = round(m["tokens_per_s"] / report["raw_forward_tokens_per_s"], 4)
+    if cache_agreement:
+        greedy = replace(base, temperature=0.0, strategy="fast", early_exit=False)
+        texts = {
+            c: run_mode(engine, prompts, replace(greedy, cache=c), batch_size)["texts"]
+            for c in ("none", "prefix", "dual")
+        }
+        report["cache_agreement_temperature_0"] = {c: agreement(texts["none"], texts[c]) for c in ("prefix", "dual")}
+    if sweep:
+        fast = replace(base, **MODES[DEFAULT_MODE])
+        rows = {}
+        for s in sweep:
+            for name, params in (
+                ("reference", replace(base, strategy="reference", denoise_steps=s)),
+                (DEFAULT_MODE, replace(fast, denoise_steps=s)),
+            ):
+                r = run_mode(engine, prompts, params, batch_size)
+                r.pop("texts")
+                rows[f"{name}@{s}"] = r
+        report["sweep"] = rows
+    for m in report["modes"].values():
+        m.pop("texts")
+    return report
+
+
+def render(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    hw = report["hardware"]
+    console.print(
+        f"[bold]celeris bench[/] {hw['cpu']} ({hw['cores']} cores, {hw['threads']} threads), torch "
+        f"{hw['torch']}, {report['device']} {report['dtype']}"
+    )
+    console.print(
+        f"prompts {report['prompts']} (tokens {report['prompt_tokens']}), batch {report['batch_size']}, "
+        f"gen_length {report['gen_length']}, block_length {report['block_length']}, steps "
+        f"{report['denoise_steps']}; raw forward {report['raw_forward_tokens_per_s']:,.0f} tokens/s"
+    )
+    cols = [
+        "mode",
+        "tokens/s",
+        "speedup",
+        "wall s",
+        "NFE",
+        "tok/fwd",
+        "peak MB",
+        "structure",
+        "distinct-2",
+        "of raw fwd",
+    ]
+    table = Table()
+    for c in cols:
+        table.add_column(c, justify="right" if c != "mode" else "left")
+    for name, m in report["modes"].items():
+        table.add_row(
+            name,
+            f"{m['tokens_per_s']:.1f}",
+            f"{m.get('speedup', '')}",
+            f"{m['wall_s']:.2f}",
+            str(m["nfe"]),
+            f"{m['tokens_per_forward']:.2f}",
+            f"{m['peak_mem_mb']:.0f}",
+            f"{m['structure_rate']:.3f}",
+            f"{m['distinct_2']:.3f}",
+            f"{m['of_raw_forward']:.3f}",
+        )
+    console.print(table)
+    if "cache_agreement_temperature_0" in report:
+        console.print("cache vs no cache at temperature 0: " + str(report["cache_agreement_temperature_0"]))
+    if "sweep" in report:
+        sweep = Table(title="steps vs quality vs time")
+        for c in ("setting", "tokens/s", "wall s", "NFE", "structure", "distinct-2"):
+            sweep.add_column(c)
+        for name, m in report["sweep"].items():
+            sweep.add_row(
+                name,
+                f"{m['tokens_per_s']:.1f}",
+                f"{m['wall_s']:.2f}",
+                str(m["nfe"]),
+                f"{m['structure_rate']:.3f}",
+                f"{m['distinct_2']:.3f}",
+            )
+        console.print(sweep)
+
+
+def bench_queue(engine: Engine, n_files: int, batch_size: int, params: GenerationParams, work: Path) -> dict[str, Any]:
+    """Queue overhead: n one-prompt files through `watch --once` versus the engine alone on the same prompts."""
+    import json
+
+    from .spool.backend import EngineBackend
+    from .spool.config import parse_config
+    from .spool.daemon import Spool
+
+    evalset = EvalSet.load()
+    prompts = [evalset.poems[i % len(evalset.poems)]["prompt"] for i in range(n_files)]
+    t0 = time.perf_counter()
+    engine.generate(prompts, params, batch_size=batch_size)
+    engine_wall = time.perf_counter() - t0
+    for d in ("batch_inputs", "batch_outputs", "batch_processed", "logs"):
+        (work / d).mkdir(parents=True, exist_ok=True)
+    for i, p in enumerate(prompts):
+        (work / "batch_inputs" / f"p{i:05d}.txt").write_text(p + "\n", encoding="utf-8")
+    past = time.time() - 60
+    for f in (work / "batch_inputs").iterdir():
+        os.utime(f, (past, past))
+    cfg = parse_config({"batch_size": batch_size, "batch_window_s": 0, "token_budget": 10**9}, work / "batch.yaml")
+    backend = EngineBackend.__new__(EngineBackend)  # reuse the loaded engine
+    backend.engine, backend.base = engine, params
+    t0 = time.perf_counter()
+    Spool(cfg, lambda: backend).run(once=True)
+    queue_wall = time.perf_counter() - t0
+    events = [json.loads(x) for x in (work / "logs" / "events.jsonl").read_text().splitlines()]
+    sizes = [e["size"] for e in events if e["event"] == "batch"]
+    return {
+        "files": n_files,
+        "batch_sizes": sizes,
+        "engine_wall_s": round(engine_wall, 3),
+        "queue_wall_s": round(queue_wall, 3),
+        "overhead": round(queue_wall / engine_wall - 1, 4),
+    }

@@ -1,0 +1,69 @@
+"""`celeris bench` on the tiny model: every figure is present and consistent (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from celeris_cli.bench import MODES, agreement, bench, bench_queue
+from celeris_cli.cli import app
+from celeris_cli.engine import Engine
+
+
+def test_bench_reports_every_mode_with_speed_and_quality_figures(engine: Engine) -> None:
+    report = bench(engine, n_prompts=6, batch_size=4, gen_length=16, block_length=8, sweep=[2, 4])
+    assert set(report["modes"]) == set(MODES)
+    ref = report["modes"]["reference"]
+    assert ref["nfe"] == 2 * 16 and ref["speedup"] == 1.0  # two batches, steps = gen_length
+    for m in report["modes"].values():
+        assert m["output_tokens"] > 0 and m["wall_s"] > 0 and m["tokens_per_s"] > 0
+        assert 0 <= m["structure_rate"] <= 1 and 0 <= m["distinct_2"] <= 1
+        assert m["tokens_per_forward"] == round(m["output_tokens"] / m["nfe"], 2)
+        assert m["of_raw_forward"] > 0 and m["peak_mem_mb"] >= 0
+    for key in ("cpu", "cores", "torch", "threads"):
+        assert key in report["hardware"]
+    assert report["gen_length"] == 16 and report["block_length"] == 8 and report["denoise_steps"] == 16
+    assert set(report["cache_agreement_temperature_0"]) == {"prefix", "dual"}
+    assert set(report["sweep"]) == {"reference@2", "reference@4", "dual-cache@2", "dual-cache@4"}
+    assert report["sweep"]["reference@2"]["nfe"] == 2 * 2
+
+
+def test_agreement_counts_identical_rows_and_characters() -> None:
+    assert agreement(["abc", "xy"], ["abc", "xz"]) == {"identical_rows": 0.5, "char_agreement": 0.8}
+
+
+def test_queue_benchmark_batches_one_prompt_files(engine: Engine, tmp_path: Path) -> None:
+    params = engine.params({"gen_length": 8, "block_length": 8, "denoise_steps": 4})
+    q = bench_queue(engine, 20, 8, params, tmp_path)
+    assert q["files"] == 20 and sum(q["batch_sizes"]) == 20 and max(q["batch_sizes"]) == 8
+    assert len(list((tmp_path / "batch_outputs").glob("*.results.jsonl"))) == 20
+
+
+def test_bench_cli_json_and_unknown_mode(tiny_model: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    args = [
+        "bench",
+        "--model",
+        str(tiny_model),
+        "--prompts",
+        "2",
+        "--batch-size",
+        "2",
+        "--gen-length",
+        "8",
+        "--block-length",
+        "8",
+        "--modes",
+        "reference,dual-cache",
+        "--no-agreement",
+        "--device",
+        "cpu",
+    ]
+    r = runner.invoke(app, [*args, "--json", "--out", str(tmp_path / "b.json")])
+    assert r.exit_code == 0, r.output
+    assert set(json.loads(r.stdout)["modes"]) == {"reference", "dual-cache"}
+    assert json.loads((tmp_path / "b.json").read_text())["batch_size"] == 2
+    r = runner.invoke(app, [a if a != "reference,dual-cache" else "warp" for a in args])
+    assert r.exit_code != 0 and "unknown mode 'warp'" in r.output
