@@ -315,3 +315,38 @@ def save_checkpoint(model: LLaDAModel, opt: torch.optim.Optimizer, step: int, ou
         final.rename(old)
     export.rename(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def plot_log(log_path: Path, png: Path) -> None:
+    """Training loss and held-out NLL bound against tokens seen, as a PNG (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("plotting needs matplotlib: pip install '.[train]'") from None
+    records = {}
+    for line in log_path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            records[rec["step"]] = rec
+    steps = sorted(records)
+    cfg_path = log_path.parent / "train_config.json"
+    tokens_per_step = 1
+    if cfg_path.is_file():
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        tokens_per_step = cfg["batch_size"] * cfg["seq_len"]
+    x = [s * tokens_per_step / 1e6 for s in steps]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(x, [records[s]["loss"] for s in steps], lw=0.6, alpha=0.6, label="train loss (NLL bound)")
+    held = [s for s in steps if "heldout_nll" in records[s]]
+    ax.plot([s * tokens_per_step / 1e6 for s in held], [records[s]["heldout_nll"] for s in held], "o-",
+            label="held-out NLL bound")
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("nats per token")
+    ax.set_title("celeris-tiny training curve")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
