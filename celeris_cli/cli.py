@@ -30,6 +30,18 @@ class Remasking(str, Enum):
     random = "random"
 
 
+class CacheOpt(str, Enum):
+    dual = "dual"
+    prefix = "prefix"
+    none = "none"
+
+
+class ConfidenceOpt(str, Enum):
+    prob = "prob"
+    margin = "margin"
+    entropy = "entropy"
+
+
 class DeviceOpt(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -75,7 +87,19 @@ def generate(
     remasking: Remasking = typer.Option(None, "--remasking", help="Which predictions to commit first."),
     cfg_scale: float = typer.Option(None, "--cfg-scale", min=0.0, help="Classifier-free guidance (0 = off)."),
     seed: int = typer.Option(None, "--seed", help="Random seed, for reproducible output."),
-    strategy: str = typer.Option(None, "--strategy", help="Decoding strategy: reference or fast."),
+    strategy: str = typer.Option(
+        None,
+        "--strategy",
+        help="fast (default: cache, threshold, early exit) or reference (LLaDA's decoder, one fixed schedule).",
+    ),
+    threshold: float = typer.Option(
+        None, "--threshold", min=0.0, max=1.0, help="fast: also commit every position at least this confident."
+    ),
+    cache: CacheOpt = typer.Option(None, "--cache", help="fast: KV cache refreshed once per block."),
+    confidence: ConfidenceOpt = typer.Option(None, "--confidence", help="fast: how confidence is measured."),
+    early_exit: bool = typer.Option(
+        None, "--early-exit/--no-early-exit", help="fast: stop a row once its end-of-text is decoded."
+    ),
     batch_size: int = typer.Option(16, "--batch-size", min=1, help="Prompts decoded together."),
     device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device", help="auto picks CUDA when present."),
     dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype", help="auto picks bfloat16 where it is fast."),
@@ -107,6 +131,10 @@ def generate(
                 cfg_scale=cfg_scale,
                 seed=seed,
                 strategy=strategy,
+                threshold=threshold,
+                cache=cache.value if cache else None,
+                confidence=confidence.value if confidence else None,
+                early_exit=early_exit,
             ).items()
             if v is not None
         }

@@ -341,8 +341,12 @@ def plot_log(log_path: Path, png: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(x, [records[s]["loss"] for s in steps], lw=0.6, alpha=0.6, label="train loss (NLL bound)")
     held = [s for s in steps if "heldout_nll" in records[s]]
-    ax.plot([s * tokens_per_step / 1e6 for s in held], [records[s]["heldout_nll"] for s in held], "o-",
-            label="held-out NLL bound")
+    ax.plot(
+        [s * tokens_per_step / 1e6 for s in held],
+        [records[s]["heldout_nll"] for s in held],
+        "o-",
+        label="held-out NLL bound",
+    )
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("nats per token")
     ax.set_title("celeris-tiny training curve")

@@ -128,3 +128,26 @@ def test_errors_reach_stderr_of_a_real_process(tmp_path: Path) -> None:
     assert p.returncode == 2
     assert p.stdout == ""
     assert p.stderr.startswith("Error: ") and "Traceback" not in p.stderr
+
+
+def test_fast_options_reach_the_settings(tiny_model: Path) -> None:
+    r = run(
+        "--model",
+        str(tiny_model),
+        "--prompt",
+        "x",
+        "--json",
+        "--threshold",
+        "0.5",
+        "--cache",
+        "prefix",
+        "--confidence",
+        "margin",
+        "--no-early-exit",
+        "--strategy",
+        "fast",
+        *FAST,
+    )
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)["settings"]
+    assert (s["threshold"], s["cache"], s["confidence"], s["early_exit"]) == (0.5, "prefix", "margin", False)
