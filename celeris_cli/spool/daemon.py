@@ -82,7 +82,8 @@ class Spool:
         for entry in sorted(self.f.work.iterdir()):
             move(entry, self.f.inputs / entry.name)
             self.events("recovered", file=entry.name)
-        for folder in (self.f.outputs, self.f.inputs, self.f.logs):  # temp files of a publish cut short
+        # our own temp files of a publish cut short (the inbox's dot-files belong to producers: left alone)
+        for folder in (self.f.outputs, self.f.logs):
             for tmp in folder.glob(".*.tmp"):
                 tmp.unlink(missing_ok=True)
 
@@ -91,8 +92,7 @@ class Spool:
         self.start()
         self.events("start", pid=os.getpid(), once=once)
         observer = None if once else self._watch()
-        if not once:
-            self._install_signals()
+        previous = self._install_signals()
         try:
             while not self.stopping:
                 ready, waiting = self.scan()
@@ -116,6 +116,8 @@ class Spool:
             self.events("stop", pid=os.getpid(), done=self.done_this_run, failed=self.failed_this_run)
             self.heartbeat("stopped")
             self.lock.release()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         return 1 if once and self.failed_this_run else 0
 
     def _watch(self) -> Any:
@@ -136,7 +138,12 @@ class Spool:
         observer.start()
         return observer
 
-    def _install_signals(self) -> None:
+    def _install_signals(self) -> dict[int, Any]:
+        """SIGTERM/SIGINT: stop intake and finish or requeue; a second one exits at once. Returns the
+        handlers replaced, to restore them (signals can only be handled on the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
         def handler(signum: int, frame: Any) -> None:
             if self.stopping:
                 os._exit(128 + signum)  # second signal: at once; startup recovery makes this safe
@@ -147,8 +154,7 @@ class Spool:
             timer.daemon = True
             timer.start()
 
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        return {signum: signal.signal(signum, handler) for signum in (signal.SIGTERM, signal.SIGINT)}
 
     def _grace_expired(self) -> None:
         self.requeue()
