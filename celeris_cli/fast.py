@@ -121,7 +121,7 @@ def generate_fast(
                 h, kv = net.hidden(xa, pos, km)  # full canvas; with a cache this is the block's refresh
                 h = h[:, s:e]
                 if params.cache != "none":
-                    cache = kv
+                    cache = [(k.contiguous(), v.contiguous()) for k, v in kv]
             elif params.cache == "prefix":
                 h, _ = net.hidden(xa[:, s:], pos[:, s:], km, cache, s)
                 h = h[:, : e - s]

@@ -183,10 +183,12 @@ class Block(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         new_kv = (k, v)
         if cache is not None:
-            # Attend to the cached canvas with positions [start, start+T) replaced by fresh values.
+            # Attend to the cached canvas with positions [start, start+T) overwritten, in place, by the
+            # fresh values (no copy of the whole cache per step).
             ck, cv = cache
-            k = torch.cat((ck[:, :, :start], k, ck[:, :, start + T :]), dim=2)
-            v = torch.cat((cv[:, :, :start], v, cv[:, :, start + T :]), dim=2)
+            ck[:, :, start : start + T] = k
+            cv[:, :, start : start + T] = v
+            k, v = ck, cv
         if cfg.kv_heads != cfg.n_heads:
             rep = cfg.n_heads // cfg.kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -249,7 +251,8 @@ class LLaDAModel(nn.Module):
         ids: (B, T). positions: (B, T) RoPE positions (default 0..T-1; under left padding pass
         cumsum(key_mask)-1 so a row's positions match its unpadded self). key_mask: (B, L) bool, True for
         keys that may be attended to, where L is T without a cache and the cached canvas length with one.
-        cache: per-layer (k, v) over the whole canvas; `ids` then stands for positions [start, start+T).
+        cache: per-layer (k, v) over the whole canvas; `ids` then stands for positions [start, start+T), and
+        the cache is updated in place there.
         """
         B, T = ids.shape
         if positions is None:
