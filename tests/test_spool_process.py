@@ -40,6 +40,15 @@ def run(config: Path, *args: str, crash: str | None = None, timeout: float = 60)
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
+def celeris(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """The real `celeris` CLI in a subprocess."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop(CRASH_ENV, None)
+    return subprocess.run(
+        [sys.executable, "-m", "celeris_cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def wait_for(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -146,22 +155,9 @@ def test_second_instance_exits_75_and_status_names_the_holder(tmp_path: Path) ->
         wait_for(lambda: (tmp_path / "logs" / "heartbeat.json").exists())
         second = run(config, "--once")
         assert second.returncode == 75 and "lock" in second.stderr
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        cli = subprocess.run(
-            [sys.executable, "-m", "celeris_cli", "watch", str(config), "--once"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        cli = celeris("watch", str(config), "--once")
         assert cli.returncode == 75 and "another celeris instance holds the queue lock" in cli.stderr
-        st = subprocess.run(
-            [sys.executable, "-m", "celeris_cli", "status", str(config), "--json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        st = celeris("status", str(config), "--json")
         assert json.loads(st.stdout)["lock_holder"] == f"pid {first.pid}"
     finally:
         first.send_signal(signal.SIGTERM)
@@ -193,14 +189,7 @@ def test_watch_once_with_the_real_engine_end_to_end(tmp_path: Path, tiny_model: 
         + json.dumps({"id": "r2", "prompt": "x", "denoise_steps": "two"})
         + "\n",
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    p = subprocess.run(
-        [sys.executable, "-m", "celeris_cli", "watch", str(config), "--once"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = celeris("watch", str(config), "--once")
     assert p.returncode == 1, p.stderr
     [rec] = outputs(tmp_path)["real.jsonl.results.jsonl"]
     body = rec["response"]["body"]
@@ -213,12 +202,5 @@ def test_watch_once_with_the_real_engine_end_to_end(tmp_path: Path, tiny_model: 
 
 def test_watch_reports_config_errors_with_exit_2(tmp_path: Path) -> None:
     config = make_queue(tmp_path, batch_size="lots")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    p = subprocess.run(
-        [sys.executable, "-m", "celeris_cli", "watch", str(config), "--once"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    p = celeris("watch", str(config), "--once")
     assert p.returncode == 2 and p.stderr.strip() == "Error: batch_size: must be int, got 'lots'"
