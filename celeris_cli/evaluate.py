@@ -7,7 +7,8 @@
   excluded (bigrams do not cross it). Greedy decoding of a small model repeats one filler line for every
   prompt and scores near 0.02 while still scoring well on structure, so both are always reported;
 - NLL bound per token on held-out documents (the diffusion ELBO, Monte-Carlo over mask ratios);
-- English word validity: the share of generated English words found in the training vocabulary.
+- English word validity: the share of generated English words found in the training vocabulary (a word
+  cut off by the end of the canvas is not counted).
 """
 
 from __future__ import annotations
@@ -95,8 +96,24 @@ def distinct_2(completions: list[str]) -> float:
     return len(set(bigrams)) / len(bigrams) if bigrams else 0.0
 
 
-def word_validity(completions: list[str], vocabulary: frozenset[str]) -> tuple[float, int]:
-    words = [w.lower() for text in completions for w in WORD.findall(text)]
+def word_validity(
+    completions: list[str], vocabulary: frozenset[str], reasons: list[str] | None = None
+) -> tuple[float, int]:
+    """Share of generated words in the training vocabulary. A word cut off by the end of the canvas
+    (finish_reason "length", no space or punctuation after it) is not a generated word and is not counted,
+    as a cut-off last line is allowed by the structure rule."""
+    words = []
+    for i, text in enumerate(completions):
+        found = WORD.findall(text)
+        if (
+            found
+            and reasons is not None
+            and reasons[i] == "length"
+            and text.rstrip() == text
+            and text.endswith(found[-1])
+        ):
+            found = found[:-1]
+        words.extend(w.lower() for w in found)
     return (sum(w in vocabulary for w in words) / len(words) if words else 0.0), len(words)
 
 
@@ -153,7 +170,7 @@ def evaluate(
     en = engine.generate([r["prompt"] for r in en_rows], params, batch_size=batch_size) if en_rows else []
     wall = time.perf_counter() - t0
     quality = poem_quality([r["prompt"] for r in poem_rows], [r.text for r in pr], [r.finish_reason for r in pr])
-    validity, n_words = word_validity([r.text for r in en], evalset.words)
+    validity, n_words = word_validity([r.text for r in en], evalset.words, [r.finish_reason for r in en])
     out_tokens = sum(r.output_tokens for r in pr + en)
     report: dict[str, Any] = {
         "poems": len(pr),

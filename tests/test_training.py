@@ -149,3 +149,7 @@ def test_distinct_2_and_word_validity() -> None:
     assert distinct_2(["春眠不觉晓"]) == 1.0
     rate, n = word_validity(["The cat sat qzxv"], frozenset({"the", "cat", "sat"}))
     assert (rate, n) == (0.75, 4)
+    # a word cut off by the end of the canvas is not counted; one followed by a space or stop is
+    assert word_validity(["the cat qz"], frozenset({"the", "cat"}), ["length"]) == (1.0, 2)
+    assert word_validity(["the cat qz."], frozenset({"the", "cat"}), ["length"]) == (2 / 3, 3)
+    assert word_validity(["the cat qz"], frozenset({"the", "cat"}), ["stop"]) == (2 / 3, 3)
