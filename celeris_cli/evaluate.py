@@ -102,7 +102,7 @@ def word_validity(
     """Share of generated words in the training vocabulary. A word cut off by the end of the canvas
     (finish_reason "length", no space or punctuation after it) is not a generated word and is not counted,
     as a cut-off last line is allowed by the structure rule."""
-    words = []
+    words: list[str] = []
     for i, text in enumerate(completions):
         found = WORD.findall(text)
         if (
