@@ -126,7 +126,7 @@ def heldout_nll(engine: Any, docs: list[str], seq_len: int = 128, draws: int = 8
     """Diffusion NLL upper bound per token on held-out documents, packed into rows with EOS between."""
     import torch
 
-    from .train import diffusion_loss, mask_batch
+    from .train import nll_bound
 
     flat: list[int] = []
     for d in docs:
@@ -135,20 +135,7 @@ def heldout_nll(engine: Any, docs: list[str], seq_len: int = 128, draws: int = 8
     if rows == 0:
         raise UsageError("held-out set is too small for the NLL estimate")
     x = torch.tensor(flat[: rows * seq_len]).view(rows, seq_len)
-    g = torch.Generator().manual_seed(seed)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for _ in range(draws):
-            for i in range(0, rows, 32):
-                xb = x[i : i + 32]
-                noisy, mask, p = mask_batch(xb, engine.tokenizer.mask_id, g, prefix_prob=0.0)
-                model = engine.model
-                loss = diffusion_loss(
-                    model, xb.to(engine.device), noisy.to(engine.device), mask.to(engine.device), p.to(engine.device)
-                )
-                total += loss.item() * xb.numel()
-                count += xb.numel()
-    return total / count
+    return nll_bound(engine.model, x, engine.tokenizer.mask_id, torch.Generator().manual_seed(seed), draws, rows=32)
 
 
 def evaluate(

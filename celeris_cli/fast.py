@@ -92,6 +92,12 @@ def finished_rows(gen: torch.Tensor, mask_id: int, stop: torch.Tensor) -> tuple[
     return (first_stop < G) & (first_mask > first_stop), first_stop
 
 
+def _finished(xa: torch.Tensor, P: int, e: int, mask_id: int, stop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows finished within the generated part decoded so far, and each row's stop token (B, 1)."""
+    done, first_stop = finished_rows(xa[:, P:e], mask_id, stop)
+    return done, xa[:, P:e].gather(1, first_stop.clamp_max(e - P - 1)[:, None])
+
+
 @torch.no_grad()
 def generate_fast(
     net: CachedNet,
@@ -134,20 +140,13 @@ def generate_fast(
             k = schedule[:, i].clamp_min(1)  # at least one commit per row that still has masks
             commit = select_top_k(conf, k) | (masked & (conf >= params.threshold))
             xa[:, s:e] = torch.where(commit, x0, block)
-            if params.early_exit:
-                done, first_stop = finished_rows(xa[:, P:e], mask_id, stop)
-                if done.any():  # the rest of a finished row is irrelevant: fill it with its stop token
-                    fill = xa[:, P:e].gather(1, first_stop.clamp_max(e - P - 1)[:, None])
-                    rest = (xa[:, s:e] == mask_id) & done[:, None]
-                    xa[:, s:e] = torch.where(rest, fill, xa[:, s:e])
+            if params.early_exit:  # the rest of a finished row is irrelevant: fill it with its stop token
+                done, fill = _finished(xa, P, e, mask_id, stop)
+                xa[:, s:e] = torch.where((xa[:, s:e] == mask_id) & done[:, None], fill, xa[:, s:e])
             if not (xa[:, s:e] == mask_id).any():
                 break
         x[active] = xa
-        if params.early_exit:
-            done, first_stop = finished_rows(xa[:, P:e], mask_id, stop)
-            if done.any():
-                fill = xa[:, P:e].gather(1, first_stop.clamp_max(e - P - 1)[:, None])
-                rows = active[done]
-                x[rows, e:] = fill[done].expand(-1, x.shape[1] - e)
-                active = active[~done]
+        if params.early_exit:  # finished rows leave the batch; their tail is the stop token
+            x[active[done], e:] = fill[done]
+            active = active[~done]
     return x

@@ -249,3 +249,24 @@ def test_config_errors_name_the_key(tmp_path: Path, patch: dict, message: str) -
 def test_shipped_config_is_valid() -> None:
     cfg = load_config(Path(__file__).parents[1] / "configs" / "batch.yaml")
     assert cfg.folders.inputs.name == "batch_inputs" and cfg.batch_size > 0
+
+
+def test_retry_command_reports_queues_once_and_rejects_a_missing_log(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from celeris_cli.cli import app
+
+    config = make_queue(tmp_path)
+    log = tmp_path / "logs" / "failed.jsonl"
+    rec = {"key": "f:1:1", "retryable": True, "attempt": 1, "request": {"custom_id": "a", "prompt": "p"}}
+    log.write_text(json.dumps(rec) + "\n", encoding="utf-8")
+    runner = CliRunner()
+    args = ["retry", str(log), "--config", str(config), "--no-run", "--json"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert json.loads(first.stdout)["resubmitted"] == 1
+    second = runner.invoke(app, args)
+    assert json.loads(second.stdout)["resubmitted"] == 0 and json.loads(second.stdout)["already_retried"] == 1
+    assert len(list((tmp_path / "batch_inputs").glob("retry-*.jsonl"))) == 1
+    missing = runner.invoke(app, ["retry", str(tmp_path / "nope.jsonl"), "--config", str(config)])
+    assert missing.exit_code != 0 and "failure log not found" in missing.output

@@ -236,14 +236,14 @@ class Spool:
             self.backend = self.backend_factory()
         budget = self.cfg.batch_size * 8  # requests claimed per round bounds memory and latency
         jobs: list[Job] = []
+        claimed = 0
         for path in paths:
-            if self.stopping or sum(len(j.requests) for j in jobs) >= budget:
+            if self.stopping or claimed >= budget:
                 break
             job = self.claim(path)
-            if job is None:
-                continue
-            if self.load(job):
+            if job is not None and self.load(job):
                 jobs.append(job)
+                claimed += len(job.requests)
         prepared = [(job, p) for job in jobs for p in self.prepare(job)]
         for job in jobs:
             if job.pending == 0:
