@@ -270,3 +270,25 @@ def test_retry_command_reports_queues_once_and_rejects_a_missing_log(tmp_path: P
     assert len(list((tmp_path / "batch_inputs").glob("retry-*.jsonl"))) == 1
     missing = runner.invoke(app, ["retry", str(tmp_path / "nope.jsonl"), "--config", str(config)])
     assert missing.exit_code != 0 and "failure log not found" in missing.output
+
+
+def test_status_command_prints_a_table_and_rejects_a_bad_config(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from celeris_cli.cli import app
+
+    drop(tmp_path, "a.txt", "x\n")
+    serve(tmp_path)
+    drop(tmp_path, "b.txt", "y\n")
+    runner = CliRunner()
+    shown = runner.invoke(app, ["status", str(tmp_path / "configs" / "batch.yaml")], terminal_width=120)
+    assert shown.exit_code == 0, shown.output
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[2].strip()
+        for line in shown.stdout.splitlines()
+        if line.count("│") == 3
+    }
+    assert rows["pending"] == "1" and rows["processed"] == "1" and rows["lock holder"] == "none"
+    assert rows["last heartbeat"].startswith("stopped")
+    bad = runner.invoke(app, ["status", str(tmp_path / "missing.yaml")])
+    assert bad.exit_code != 0 and "missing.yaml" in bad.output and "Traceback" not in bad.output
