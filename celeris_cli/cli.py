@@ -84,6 +84,13 @@ def generate(
     temperature: float = typer.Option(
         None, "--temperature", "-t", min=0.0, help="0 is greedy; > 0 samples with float64 Gumbel noise."
     ),
+    min_p: float = typer.Option(
+        None,
+        "--min-p",
+        min=0.0,
+        max=0.999,
+        help="When sampling, drop tokens less likely than min-p times the top one (0 = off).",
+    ),
     remasking: Remasking = typer.Option(None, "--remasking", help="Which predictions to commit first."),
     cfg_scale: float = typer.Option(None, "--cfg-scale", min=0.0, help="Classifier-free guidance (0 = off)."),
     seed: int = typer.Option(None, "--seed", help="Random seed, for reproducible output."),
@@ -127,6 +134,7 @@ def generate(
                 gen_length=gen_length,
                 block_length=block_length,
                 temperature=temperature,
+                min_p=min_p,
                 remasking=remasking.value if remasking else None,
                 cfg_scale=cfg_scale,
                 seed=seed,

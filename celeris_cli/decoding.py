@@ -10,6 +10,7 @@ commits the `k` most confident; k follows a linear schedule. Committed tokens ar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -32,6 +33,7 @@ class DecodeParams:
     temperature: float = 0.0
     remasking: Remasking = "low_confidence"
     cfg_scale: float = 0.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("gen_length", "block_length", "denoise_steps"):
@@ -40,6 +42,8 @@ class DecodeParams:
                 raise UsageError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if not self.temperature >= 0:
             raise UsageError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 <= self.min_p < 1:
+            raise UsageError(f"min-p must be in [0, 1), got {self.min_p!r}")
         if not self.cfg_scale >= 0:
             raise UsageError(f"cfg-scale must be >= 0, got {self.cfg_scale!r}")
         if self.remasking not in REMASKING:
@@ -72,18 +76,27 @@ def num_transfer_tokens(mask_count: torch.Tensor, steps: int) -> torch.Tensor:
     return sched
 
 
-def add_gumbel_noise(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """Perturbed scores whose argmax samples softmax(logits / temperature).
+def add_gumbel_noise(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None, min_p: float = 0.0
+) -> torch.Tensor:
+    """Perturbed scores whose argmax samples softmax(logits / temperature), restricted by min-p.
 
     The noise is drawn in float64: low-precision Gumbel sampling lowers the effective temperature and
     hurts diversity (Zheng et al. 2024, "Masked Diffusion Models are Secretly Time-Agnostic Masked Models
-    and Exploit Inaccurate Categorical Sampling"). At temperature 0 the logits are returned as they are.
+    and Exploit Inaccurate Categorical Sampling"). min-p (Nguyen et al. 2024, "Turning Up the Heat: Min-p
+    Sampling") drops every token whose tempered probability is below min_p times the top token's, which
+    cuts the misspelt tail a high temperature lets in and keeps the spread among plausible tokens; it is a
+    comparison with the row maximum, no sort. At temperature 0 the logits are returned as they are.
     """
     if temperature == 0:
         return logits
     u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
     gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-    return logits.double() / temperature + gumbel
+    scores = logits.double() / temperature
+    if min_p > 0:
+        floor = scores.amax(-1, keepdim=True) + math.log(min_p)
+        scores = scores.masked_fill(scores < floor, float("-inf"))
+    return scores + gumbel
 
 
 def select_top_k(confidence: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -128,7 +141,7 @@ def generate_reference(
         schedule = num_transfer_tokens((x[:, s:e] == mask_id).sum(1), steps)
         for i in range(steps):
             logits = guided_logits(model_fn, x, key_mask, P, params.cfg_scale, mask_id)[:, s:e]
-            x0 = add_gumbel_noise(logits, params.temperature, generator).argmax(-1)  # (B, T)
+            x0 = add_gumbel_noise(logits, params.temperature, generator, params.min_p).argmax(-1)  # (B, T)
             if params.remasking == "low_confidence":
                 probs = F.softmax(logits.float(), dim=-1)
                 confidence = probs.gather(-1, x0[..., None]).squeeze(-1)

@@ -64,12 +64,19 @@ class CachedNet(Protocol):
 
 
 def predict(
-    logits: torch.Tensor, temperature: float, confidence: Confidence, generator: torch.Generator | None
+    logits: torch.Tensor,
+    temperature: float,
+    confidence: Confidence,
+    generator: torch.Generator | None,
+    min_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x0, confidence) for block logits (B, T, V). Confidence is in [0, 1], higher is surer:
     prob = p(x0); margin = p(top1) - p(top2); entropy = exp(-H(p))."""
     logits = logits.float()
-    x0 = logits.argmax(-1) if temperature == 0 else add_gumbel_noise(logits, temperature, generator).argmax(-1)
+    if temperature == 0:
+        x0 = logits.argmax(-1)
+    else:
+        x0 = add_gumbel_noise(logits, temperature, generator, min_p).argmax(-1)
     probs = F.softmax(logits, dim=-1)
     if confidence == "prob":
         conf = probs.gather(-1, x0[..., None]).squeeze(-1)
@@ -133,7 +140,7 @@ def generate_fast(
                 h = h[:, : e - s]
             else:
                 h, _ = net.hidden(xa[:, s:e], pos[:, s:e], km, cache, s)
-            x0, conf = predict(net.head(h), params.temperature, params.confidence, generator)
+            x0, conf = predict(net.head(h), params.temperature, params.confidence, generator, params.min_p)
             block = xa[:, s:e]
             masked = block == mask_id
             conf = torch.where(masked, conf, float("-inf"))

@@ -146,8 +146,11 @@ def test_fast_options_reach_the_settings(tiny_model: Path) -> None:
         "--no-early-exit",
         "--strategy",
         "fast",
+        "--min-p",
+        "0.05",
         *FAST,
     )
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)["settings"]
     assert (s["threshold"], s["cache"], s["confidence"], s["early_exit"]) == (0.5, "prefix", "margin", False)
+    assert s["min_p"] == 0.05

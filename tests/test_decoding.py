@@ -3,8 +3,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from celeris_cli.decoding import DecodeParams, generate_reference, num_transfer_tokens, split_steps
+from celeris_cli.decoding import (
+    DecodeParams,
+    add_gumbel_noise,
+    generate_reference,
+    num_transfer_tokens,
+    split_steps,
+)
 from celeris_cli.errors import UsageError
+from celeris_cli.fast import predict
 
 MASK = 4
 
@@ -100,8 +107,45 @@ def test_cfg_pass_sees_the_prompt_masked() -> None:
         dict(block_length=0),
         dict(temperature=-1.0),
         dict(remasking="sideways"),
+        dict(min_p=1.0),
+        dict(min_p=-0.1),
     ],
 )
 def test_invalid_parameters_are_user_errors(bad: dict) -> None:
     with pytest.raises(UsageError):
         DecodeParams(**bad)
+
+
+# Tempered probabilities at T = 1: token 1 is e^-1 = 0.37 of token 0; tokens 2 and 3 are under 0.01 of it.
+TAIL_LOGITS = torch.tensor([5.0, 4.0, 0.0, -1.0, 3.0 - 1e9])
+
+
+def test_min_p_drops_the_tail_and_keeps_the_spread_among_the_rest() -> None:
+    logits = TAIL_LOGITS.expand(4000, -1)
+    g = torch.Generator().manual_seed(0)
+    free = torch.bincount(add_gumbel_noise(logits, 1.0, g).argmax(-1), minlength=5)
+    cut = torch.bincount(add_gumbel_noise(logits, 1.0, g, min_p=0.2).argmax(-1), minlength=5)
+    assert free[2] + free[3] > 0  # the tail is sampled without min-p (expected about 26 of 4000)
+    assert cut[2] == cut[3] == cut[4] == 0 and cut[0] + cut[1] == 4000
+    assert 0.22 < cut[1] / 4000 < 0.32  # renormalised: e^-1 / (1 + e^-1) = 0.27, not collapsed to greedy
+    x0, conf = predict(logits, 1.0, "prob", g, min_p=0.2)
+    assert set(x0.tolist()) == {0, 1} and torch.allclose(conf[x0 == 0], torch.softmax(TAIL_LOGITS, -1)[0])
+
+
+def test_reference_decoder_samples_only_inside_min_p() -> None:
+    def fixed(ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        return TAIL_LOGITS.expand(*ids.shape, -1).clone()
+
+    prompt, pmask = torch.full((32, 2), 3), torch.ones(32, 2, dtype=torch.bool)
+    params = DecodeParams(32, 8, 32, temperature=1.0, remasking="random", min_p=0.2)  # commit what was drawn
+    out = generate_reference(fixed, prompt, pmask, params, mask_id=MASK, generator=torch.Generator().manual_seed(1))
+    assert set(out[:, 2:].unique().tolist()) == {0, 1}
+    loose = generate_reference(
+        fixed,
+        prompt,
+        pmask,
+        DecodeParams(**{**params.__dict__, "min_p": 0.001}),
+        MASK,
+        torch.Generator().manual_seed(1),
+    )
+    assert set(loose[:, 2:].unique().tolist()) - {0, 1}  # 1,024 draws reach the tail when it is allowed

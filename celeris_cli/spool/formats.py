@@ -22,6 +22,7 @@ OPENAI_PARAMS = {
     "max_tokens": "gen_length",
     "max_completion_tokens": "gen_length",
     "temperature": "temperature",
+    "min_p": "min_p",
     "seed": "seed",
 }
 SAFE_ID = re.compile(r"^[^\x00-\x1f/\\]{1,256}$")
