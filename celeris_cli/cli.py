@@ -446,7 +446,7 @@ def bench_cmd(
     prompts: int = typer.Option(32, "--prompts", min=1, help="Held-out poem openings to decode."),
     batch_size: int = typer.Option(16, "--batch-size", min=1),
     gen_length: int = typer.Option(256, "--gen-length", min=1),
-    block_length: int = typer.Option(32, "--block-length", min=1),
+    block_length: int = typer.Option(None, "--block-length", min=1, help="Default: the model's."),
     steps: int = typer.Option(None, "--denoise-steps", "--steps", min=1, help="Default: gen-length."),
     modes: str = typer.Option(
         None,
@@ -480,6 +480,7 @@ def bench_cmd(
             raise CelerisError(f"--sweep must be comma-separated integers, got {sweep!r}") from None
         engine = load_engine(model, device.value, dtype.value, threads)
         settings = _json_setting(set_name)
+        block_length = block_length or engine.params(settings).block_length
         report = bench(
             engine,
             prompts,
