@@ -67,3 +67,17 @@ def test_bench_cli_json_and_unknown_mode(tiny_model: Path, tmp_path: Path) -> No
     assert json.loads((tmp_path / "b.json").read_text())["batch_size"] == 2
     r = runner.invoke(app, [a if a != "reference,dual-cache" else "warp" for a in args])
     assert r.exit_code != 0 and "unknown mode 'warp'" in r.output
+
+
+def test_bench_block_length_defaults_to_the_models(tiny_model: Path, tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"block_length": 4}), encoding="utf-8")
+    args = ["bench", "--model", str(folder), "--prompts", "2", "--batch-size", "2", "--gen-length", "8"]
+    r = CliRunner().invoke(app, [*args, "--modes", "dual-cache", "--no-agreement", "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["block_length"] == 4
+    r = CliRunner().invoke(app, [*args, "--block-length", "8", "--modes", "dual-cache", "--no-agreement", "--json"])
+    assert json.loads(r.stdout)["block_length"] == 8
