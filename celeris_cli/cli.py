@@ -85,11 +85,7 @@ def generate(
         None, "--temperature", "-t", min=0.0, help="0 is greedy; > 0 samples with float64 Gumbel noise."
     ),
     min_p: float = typer.Option(
-        None,
-        "--min-p",
-        min=0.0,
-        max=0.999,
-        help="When sampling, drop tokens less likely than min-p times the top one (0 = off).",
+        None, "--min-p", help="When sampling, drop tokens less likely than min-p times the top one (0 = off)."
     ),
     remasking: Remasking = typer.Option(None, "--remasking", help="Which predictions to commit first."),
     cfg_scale: float = typer.Option(None, "--cfg-scale", min=0.0, help="Classifier-free guidance (0 = off)."),

@@ -105,13 +105,7 @@ def word_validity(
     words: list[str] = []
     for i, text in enumerate(completions):
         found = WORD.findall(text)
-        if (
-            found
-            and reasons is not None
-            and reasons[i] == "length"
-            and text.rstrip() == text
-            and text.endswith(found[-1])
-        ):
+        if found and reasons is not None and reasons[i] == "length" and text.endswith(found[-1]):
             found = found[:-1]
         words.extend(w.lower() for w in found)
     return (sum(w in vocabulary for w in words) / len(words) if words else 0.0), len(words)

@@ -154,3 +154,9 @@ def test_fast_options_reach_the_settings(tiny_model: Path) -> None:
     s = json.loads(r.stdout)["settings"]
     assert (s["threshold"], s["cache"], s["confidence"], s["early_exit"]) == (0.5, "prefix", "margin", False)
     assert s["min_p"] == 0.05
+
+
+@pytest.mark.parametrize("value", ["1", "-0.1"])
+def test_min_p_out_of_range_is_a_clear_error(tiny_model: Path, value: str) -> None:
+    out = _error(run("--model", str(tiny_model), "--prompt", "x", "--min-p", value))
+    assert "min-p must be in [0, 1)" in out

@@ -187,16 +187,24 @@ def test_watch_once_with_the_real_engine_end_to_end(tmp_path: Path, tiny_model: 
         json.dumps({"id": "r1", "prompt": "床前明月光，", "denoise_steps": 2})
         + "\n"
         + json.dumps({"id": "r2", "prompt": "x", "denoise_steps": "two"})
+        + "\n"
+        + json.dumps({"id": "r3", "prompt": "x", "min_p": 1.5})
+        + "\n"
+        + json.dumps({"custom_id": "r4", "body": {"prompt": "春", "min_p": 0.05, "temperature": 1.0}})
         + "\n",
     )
     p = celeris("watch", str(config), "--once")
     assert p.returncode == 1, p.stderr
-    [rec] = outputs(tmp_path)["real.jsonl.results.jsonl"]
-    body = rec["response"]["body"]
-    assert rec["custom_id"] == "r1" and body["settings"]["denoise_steps"] == 2 and body["timing"]["nfe"] == 2
+    r1, r4 = outputs(tmp_path)["real.jsonl.results.jsonl"]
+    body = r1["response"]["body"]
+    assert r1["custom_id"] == "r1" and body["settings"]["denoise_steps"] == 2 and body["timing"]["nfe"] == 2
     assert body["usage"]["completion_tokens"] <= 8
-    [fail] = failures(tmp_path)
-    assert fail["code"] == "bad_param" and "denoise_steps must be an integer" in fail["message"]
+    settings = r4["response"]["body"]["settings"]
+    assert r4["custom_id"] == "r4" and (settings["min_p"], settings["temperature"]) == (0.05, 1.0)
+    fails = {f["custom_id"]: f for f in failures(tmp_path)}
+    assert set(fails) == {"r2", "r3"} and {f["code"] for f in fails.values()} == {"bad_param"}
+    assert "denoise_steps must be an integer" in fails["r2"]["message"]
+    assert "min-p must be in [0, 1)" in fails["r3"]["message"]
     assert (tmp_path / "batch_outputs" / "real.jsonl.results.txt").read_text().startswith("[r1]")
 
 
