@@ -39,6 +39,7 @@ class CacheOpt(str, Enum):
 class ConfidenceOpt(str, Enum):
     prob = "prob"
     margin = "margin"
+    lead = "lead"
     entropy = "entropy"
 
 
@@ -88,6 +89,11 @@ def generate(
         None, "--min-p", help="When sampling, drop tokens less likely than min-p times the top one (0 = off)."
     ),
     remasking: Remasking = typer.Option(None, "--remasking", help="Which predictions to commit first."),
+    order_temperature: float = typer.Option(
+        None,
+        "--order-temperature",
+        help="Gumbel noise on which positions commit first, fading over each block (MaskGIT; 0 = off).",
+    ),
     cfg_scale: float = typer.Option(None, "--cfg-scale", min=0.0, help="Classifier-free guidance (0 = off)."),
     seed: int = typer.Option(None, "--seed", help="Random seed, for reproducible output."),
     strategy: str = typer.Option(
@@ -132,6 +138,7 @@ def generate(
                 temperature=temperature,
                 min_p=min_p,
                 remasking=remasking.value if remasking else None,
+                order_temperature=order_temperature,
                 cfg_scale=cfg_scale,
                 seed=seed,
                 strategy=strategy,

@@ -23,14 +23,14 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from .decoding import DecodeParams, add_gumbel_noise, num_transfer_tokens, select_top_k
+from .decoding import DecodeParams, add_gumbel_noise, num_transfer_tokens, order_scores, select_top_k
 from .errors import UsageError
 from .model import KV
 
 CacheMode = Literal["none", "prefix", "dual"]
-Confidence = Literal["prob", "margin", "entropy"]
+Confidence = Literal["prob", "margin", "lead", "entropy"]
 CACHE_MODES = ("none", "prefix", "dual")
-CONFIDENCES = ("prob", "margin", "entropy")
+CONFIDENCES = ("prob", "margin", "lead", "entropy")
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,10 @@ def predict(
     generator: torch.Generator | None,
     min_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x0, confidence) for block logits (B, T, V). Confidence is in [0, 1], higher is surer:
-    prob = p(x0); margin = p(top1) - p(top2); entropy = exp(-H(p))."""
+    """(x0, confidence) for block logits (B, T, V); higher is surer. prob = p(x0); margin = p(top1) -
+    p(top2) (Dream's, blind to which token was sampled); lead = p(x0) minus the largest probability of any
+    other token, so a sampled token that is not the favourite has a negative lead and waits for more
+    context (at temperature 0, lead = margin); entropy = exp(-H(p))."""
     logits = logits.float()
     if temperature == 0:
         x0 = logits.argmax(-1)
@@ -83,6 +85,9 @@ def predict(
     elif confidence == "margin":
         top2 = probs.topk(2, dim=-1).values
         conf = top2[..., 0] - top2[..., 1]
+    elif confidence == "lead":
+        chosen = probs.gather(-1, x0[..., None])
+        conf = chosen.squeeze(-1) - probs.scatter(-1, x0[..., None], 0.0).amax(-1)
     else:
         conf = torch.exp((probs * torch.log(probs.clamp_min(1e-12))).sum(-1))
     return x0, conf
@@ -143,9 +148,9 @@ def generate_fast(
             x0, conf = predict(net.head(h), params.temperature, params.confidence, generator, params.min_p)
             block = xa[:, s:e]
             masked = block == mask_id
-            conf = torch.where(masked, conf, float("-inf"))
+            rank = torch.where(masked, order_scores(conf, params.order_temperature, i, steps, generator), float("-inf"))
             k = schedule[:, i].clamp_min(1)  # at least one commit per row that still has masks
-            commit = select_top_k(conf, k) | (masked & (conf >= params.threshold))
+            commit = select_top_k(rank, k) | (masked & (conf >= params.threshold))
             xa[:, s:e] = torch.where(commit, x0, block)
             if params.early_exit:  # the rest of a finished row is irrelevant: fill it with its stop token
                 done, fill = _finished(xa, P, e, mask_id, stop)

@@ -142,18 +142,25 @@ def test_fast_options_reach_the_settings(tiny_model: Path) -> None:
         "--cache",
         "prefix",
         "--confidence",
-        "margin",
+        "lead",
         "--no-early-exit",
         "--strategy",
         "fast",
         "--min-p",
         "0.05",
+        "--order-temperature",
+        "1.5",
         *FAST,
     )
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)["settings"]
-    assert (s["threshold"], s["cache"], s["confidence"], s["early_exit"]) == (0.5, "prefix", "margin", False)
-    assert s["min_p"] == 0.05
+    assert (s["threshold"], s["cache"], s["confidence"], s["early_exit"]) == (0.5, "prefix", "lead", False)
+    assert (s["min_p"], s["order_temperature"]) == (0.05, 1.5)
+
+
+def test_negative_order_temperature_is_a_clear_error(tiny_model: Path) -> None:
+    out = _error(run("--model", str(tiny_model), "--prompt", "x", "--order-temperature", "-1"))
+    assert "order-temperature must be >= 0" in out
 
 
 @pytest.mark.parametrize("value", ["1", "-0.1"])

@@ -8,6 +8,7 @@ from celeris_cli.decoding import (
     add_gumbel_noise,
     generate_reference,
     num_transfer_tokens,
+    order_scores,
     split_steps,
 )
 from celeris_cli.errors import UsageError
@@ -109,6 +110,7 @@ def test_cfg_pass_sees_the_prompt_masked() -> None:
         dict(remasking="sideways"),
         dict(min_p=1.0),
         dict(min_p=-0.1),
+        dict(order_temperature=-0.5),
     ],
 )
 def test_invalid_parameters_are_user_errors(bad: dict) -> None:
@@ -149,3 +151,46 @@ def test_reference_decoder_samples_only_inside_min_p() -> None:
         torch.Generator().manual_seed(1),
     )
     assert set(loose[:, 2:].unique().tolist()) - {0, 1}  # 1,024 draws reach the tail when it is allowed
+
+
+def test_lead_is_the_margin_of_the_sampled_token_over_its_best_rival() -> None:
+    logits = TAIL_LOGITS.expand(4000, -1)
+    p = torch.softmax(TAIL_LOGITS, -1)
+    x0, lead = predict(logits, 1.0, "lead", torch.Generator().manual_seed(0))
+    assert (x0 == 0).any() and (x0 == 1).any()
+    assert torch.allclose(lead[x0 == 0], p[0] - p[1])  # the favourite leads by top1 - top2
+    assert torch.allclose(lead[x0 == 1], p[1] - p[0])  # a sampled runner-up trails the favourite
+    assert (lead[x0 != 0] < 0).all()
+    _, margin = predict(logits, 1.0, "margin", torch.Generator().manual_seed(0))
+    assert torch.allclose(margin, p[0] - p[1])  # Dream's margin ignores which token was drawn
+    g0, lead0 = predict(logits[:3], 0.0, "lead", None)
+    assert torch.allclose(lead0, predict(logits[:3], 0.0, "margin", None)[1])  # greedy: lead == margin
+
+
+def test_order_noise_fades_over_the_block_and_is_off_at_zero() -> None:
+    conf = torch.tensor([[0.9, 0.5, 0.2, 0.05]]).expand(2000, -1)
+    assert order_scores(conf, 0.0, 0, 4, None) is conf  # off: the confidence itself, no draw
+    g = torch.Generator().manual_seed(0)
+    early = order_scores(conf, 2.0, 0, 4, g).argmax(1)
+    late = order_scores(conf, 2.0, 3, 4, g).argmax(1)
+
+    # Gumbel-max on log(conf) / tau picks position j first with probability conf_j^(1/tau) / sum: at the
+    # block's first step (tau 2) the least confident position still goes first sometimes (MaskGIT) ...
+    def share(picks: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+        w = conf[0] ** (1 / tau)
+        return torch.bincount(picks, minlength=4) / len(picks), w / w.sum()
+
+    seen, expected = share(early, 2.0)
+    assert torch.allclose(seen, expected, atol=0.04) and seen[3] > 0.05
+    # ... and at its last step (tau 0.5) the order leans hard on the confidence again
+    seen, expected = share(late, 0.5)
+    assert torch.allclose(seen, expected, atol=0.04) and seen[0] > 0.7
+    plain = generate_reference(
+        lambda ids, km: torch.zeros(*ids.shape, 12),
+        torch.full((2, 2), 3),
+        torch.ones(2, 2, dtype=torch.bool),
+        DecodeParams(8, 8, 4, order_temperature=3.0),
+        MASK,
+        torch.Generator().manual_seed(0),
+    )
+    assert (plain[:, 2:] != MASK).all()  # every position is still committed

@@ -28,6 +28,7 @@ MODES = [
     {"strategy": "fast", "cache": "dual"},
     {"strategy": "fast", "cache": "dual", "confidence": "margin", "threshold": 0.5},
     {"strategy": "fast", "cache": "none", "confidence": "entropy", "threshold": 0.3},
+    {"strategy": "fast", "cache": "prefix", "confidence": "lead", "threshold": 0.6},
 ]
 
 
