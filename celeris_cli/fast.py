@@ -12,7 +12,8 @@ Pure functions on token ids, like `decoding`, but they need a cache-aware model 
 - Early exit (dInfer): a row whose committed text holds a stop token with everything before it decoded
   is finished; its remaining masks are filled with that stop token, and it leaves the batch at the next
   block boundary. When every row is finished, decoding stops.
-- The LM head runs only on the active block; at temperature 0 there is no float64 and no Gumbel noise.
+- The LM head runs only on the active block; at temperature 0 there is no float64 and no Gumbel noise on
+  the tokens (an order temperature, when set, still draws the order noise).
 """
 
 from __future__ import annotations
