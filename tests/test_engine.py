@@ -120,3 +120,15 @@ def test_model_generation_config_sets_defaults(tmp_path: Path, tiny_model: Path)
     (folder / "generation_config.json").write_text('{"denoise_steps": 5, "temperature": 0.5}')
     e = load_engine(folder, device="cpu", dtype="float32")
     assert e.params().denoise_steps == 5 and e.params({"temperature": 0}).temperature == 0.0
+
+
+def test_the_shipped_generation_config_is_valid() -> None:
+    """The embedded model's defaults parse (no unknown key, no wrong type, every range rule holds)."""
+    import json
+
+    from celeris_cli.engine import default_model_dir
+
+    raw = json.loads((default_model_dir() / "generation_config.json").read_text(encoding="utf-8"))
+    params = GenerationParams.from_mapping(raw)
+    assert {k: getattr(params, k) for k in raw} == raw
+    params.fast_params()  # the fast decoder's own checks
