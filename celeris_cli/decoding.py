@@ -93,13 +93,17 @@ def add_gumbel_noise(
     """
     if temperature == 0:
         return logits
-    u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
-    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
     scores = logits.double() / temperature
     if min_p > 0:
         floor = scores.amax(-1, keepdim=True) + math.log(min_p)
         scores = scores.masked_fill(scores < floor, float("-inf"))
-    return scores + gumbel
+    return scores + gumbel_like(scores, generator)
+
+
+def gumbel_like(t: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Standard Gumbel noise of t's shape, dtype and device."""
+    u = torch.rand(t.shape, dtype=t.dtype, device=t.device, generator=generator)
+    return -torch.log(-torch.log(u.clamp_min(torch.finfo(t.dtype).tiny)))
 
 
 def order_scores(
@@ -109,13 +113,14 @@ def order_scores(
     order_temperature > 0 the log-confidence plus Gumbel noise whose scale falls linearly to 0 over the
     block's steps (MaskGIT's "choice temperature", Chang et al. 2022). Committing strictly the most
     confident positions first fills a wide block with its safest, most generic tokens; the noise lets less
-    certain positions go early while the last commits of a block stay confidence-ordered."""
+    certain positions go early while the last commits of a block stay confidence-ordered. A confidence at
+    or below zero (a `lead` whose sampled token is not the favourite) is floored, so those positions share
+    the bottom rank and the noise alone orders them."""
     if order_temperature == 0:
         return confidence
     tau = order_temperature * (1 - step / steps)
-    u = torch.rand(confidence.shape, device=confidence.device, generator=generator)
-    gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1 - 1e-7)))
-    return torch.log(confidence.float().clamp_min(1e-12)) + tau * gumbel
+    log_conf = torch.log(confidence.float().clamp_min(1e-12))
+    return log_conf + tau * gumbel_like(log_conf, generator)
 
 
 def select_top_k(confidence: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

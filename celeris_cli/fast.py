@@ -83,12 +83,14 @@ def predict(
     probs = F.softmax(logits, dim=-1)
     if confidence == "prob":
         conf = probs.gather(-1, x0[..., None]).squeeze(-1)
-    elif confidence == "margin":
-        top2 = probs.topk(2, dim=-1).values
-        conf = top2[..., 0] - top2[..., 1]
-    elif confidence == "lead":
-        chosen = probs.gather(-1, x0[..., None])
-        conf = chosen.squeeze(-1) - probs.scatter(-1, x0[..., None], 0.0).amax(-1)
+    elif confidence in ("margin", "lead"):
+        top2 = probs.topk(2, dim=-1)
+        first, second = top2.values.unbind(-1)
+        if confidence == "margin":
+            conf = first - second
+        else:  # the best rival of x0 is the runner-up when x0 is the favourite, else the favourite
+            chosen = probs.gather(-1, x0[..., None]).squeeze(-1)
+            conf = chosen - torch.where(x0 == top2.indices[..., 0], second, first)
     else:
         conf = torch.exp((probs * torch.log(probs.clamp_min(1e-12))).sum(-1))
     return x0, conf

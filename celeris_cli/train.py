@@ -133,7 +133,8 @@ def nll_bound(
     use_bf16: bool = False,
     rows: int = 64,
 ) -> float:
-    """Monte-Carlo estimate of the diffusion NLL upper bound per token of the rows of `x` (on CPU)."""
+    """Monte-Carlo estimate of the diffusion NLL upper bound per token of the rows of `x` (CPU tensors,
+    moved to the model's device a slice of `rows` at a time)."""
     device = next(model.parameters()).device
     total = 0.0
     for _ in range(draws):

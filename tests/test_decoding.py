@@ -163,7 +163,7 @@ def test_lead_is_the_margin_of_the_sampled_token_over_its_best_rival() -> None:
     assert (lead[x0 != 0] < 0).all()
     _, margin = predict(logits, 1.0, "margin", torch.Generator().manual_seed(0))
     assert torch.allclose(margin, p[0] - p[1])  # Dream's margin ignores which token was drawn
-    g0, lead0 = predict(logits[:3], 0.0, "lead", None)
+    _, lead0 = predict(logits[:3], 0.0, "lead", None)
     assert torch.allclose(lead0, predict(logits[:3], 0.0, "margin", None)[1])  # greedy: lead == margin
 
 
