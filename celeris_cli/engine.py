@@ -20,7 +20,7 @@ import torch
 from .checkpoint import load_model
 from .decoding import DecodeParams
 from .device import resolve_device, resolve_dtype
-from .errors import ModelError, UsageError
+from .errors import ModelError, PromptTooLong, UsageError
 from .fast import FastParams
 from .model import LLaDAModel
 from .strategies import Net, SpecialTokens, get_strategy
@@ -135,7 +135,7 @@ class Engine:
 
     def check_fits(self, n_prompt: int, params: DecodeParams) -> None:
         if n_prompt + params.gen_length > self.max_length:
-            raise UsageError(
+            raise PromptTooLong(
                 f"prompt of {n_prompt} tokens plus gen-length {params.gen_length} exceeds the "
                 f"model's context of {self.max_length} tokens"
             )

@@ -1,6 +1,8 @@
 """Errors a user can cause. Each carries a message meant to be shown as-is.
 
-Only the CLI turns these into exit codes and `Error: ...` lines; library code raises them.
+Only the CLI turns these into exit codes and `Error: ...` lines; library code raises them. The queue
+turns them into failure records: the exception's type carries the record's `code` and whether a retry
+can help (`retryable`), so nothing ever classifies an error by reading its message.
 """
 
 from __future__ import annotations
@@ -10,27 +12,45 @@ class CelerisError(Exception):
     """Base class: the message is displayed to the user, without a traceback."""
 
     exit_code = 1
+    code = "error"  # the failure code a queue records for a request that raised this
+    retryable = False  # a user's mistake is never retryable: the same request fails the same way
 
 
 class UsageError(CelerisError):
     """A bad option value, a bad request parameter, a prompt that does not fit."""
 
     exit_code = 2
+    code = "bad_param"
+
+
+class PromptTooLong(UsageError):
+    """A prompt that, with its generation length, does not fit the model's context."""
+
+    code = "prompt_too_long"
+
+
+class InvalidText(UsageError):
+    """Text that cannot be tokenized, such as a lone UTF-16 surrogate in a prompt or an id."""
+
+    code = "invalid_utf8"
 
 
 class ModelError(CelerisError):
     """A model folder that is missing, incomplete or inconsistent."""
 
     exit_code = 2
+    code = "model_error"
 
 
 class ConfigError(CelerisError):
     """An invalid YAML config; the message names the key."""
 
     exit_code = 2
+    code = "config_error"
 
 
 class DeviceError(CelerisError):
     """A device or dtype the machine cannot provide."""
 
     exit_code = 2
+    code = "device_error"

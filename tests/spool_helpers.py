@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from celeris_cli.errors import UsageError
+from celeris_cli.errors import PromptTooLong, UsageError
 from celeris_cli.spool.backend import Prepared
 from celeris_cli.spool.formats import Request
 
@@ -87,7 +87,7 @@ class FakeBackend:
                 raise UsageError(f"{key} must be {want.__name__}, got {value!r}")
         prompt = request.prompt or request.messages[-1]["content"]  # type: ignore[index]
         if len(prompt) > 1000:
-            raise UsageError("prompt exceeds the model's context of 1000 tokens")
+            raise PromptTooLong("prompt of more than 1000 tokens does not fit the model")
         group = tuple(sorted(request.params.items()))
         return Prepared(request, group, len(prompt) + 8, prompt)
 

@@ -289,8 +289,7 @@ class Spool:
             try:
                 out.append(self.backend.prepare(req))
             except CelerisError as e:
-                code = "prompt_too_long" if "context" in str(e) else "bad_param"
-                job.failures.append(self._request_failure(job, req, code, str(e), retryable=False))
+                job.failures.append(self._request_failure(job, req, e.code, str(e), retryable=e.retryable))
         job.pending = len(out)
         return out
 
