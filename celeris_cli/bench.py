@@ -12,7 +12,6 @@ import os
 import platform
 import threading
 import time
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -174,13 +173,13 @@ def bench(
         "gen_length": gen_length,
         "block_length": block_length,
         "denoise_steps": base.denoise_steps,
-        "settings": {k: v for k, v in asdict(base).items() if k not in ("strategy", "cache", "early_exit")},
+        "settings": {k: v for k, v in base.report().items() if k not in ("strategy", "cache", "early_exit")},
         "modes": {},
     }
     canvas = max(lengths) + gen_length
     report["raw_forward_tokens_per_s"] = round(raw_forward_tokens_per_s(engine, batch_size, canvas), 1)
     for name in modes or list(MODES):
-        params = replace(base, **MODES[name])
+        params = base.with_(**MODES[name])
         report["modes"][name] = run_mode(engine, prompts, params, batch_size)
     ref = report["modes"].get("reference")
     for m in report["modes"].values():
@@ -190,19 +189,19 @@ def bench(
             m["distinct_2_delta_pts"] = round(100 * (m["distinct_2"] - ref["distinct_2"]), 1)
         m["of_raw_forward"] = round(m["tokens_per_s"] / report["raw_forward_tokens_per_s"], 4)
     if cache_agreement:
-        greedy = replace(base, temperature=0.0, strategy="fast", early_exit=False)
+        greedy = base.with_(temperature=0.0, strategy="fast", early_exit=False)
         texts = {
-            c: run_mode(engine, prompts, replace(greedy, cache=c), batch_size)["texts"]
+            c: run_mode(engine, prompts, greedy.with_(cache=c), batch_size)["texts"]
             for c in ("none", "prefix", "dual")
         }
         report["cache_agreement_temperature_0"] = {c: agreement(texts["none"], texts[c]) for c in ("prefix", "dual")}
     if sweep:
-        fast = replace(base, **MODES[DEFAULT_MODE])
+        fast = base.with_(**MODES[DEFAULT_MODE])
         rows = {}
         for s in sweep:
             for name, params in (
-                ("reference", replace(base, strategy="reference", denoise_steps=s)),
-                (DEFAULT_MODE, replace(fast, denoise_steps=s)),
+                ("reference", base.with_(strategy="reference", denoise_steps=s)),
+                (DEFAULT_MODE, fast.with_(denoise_steps=s)),
             ):
                 r = run_mode(engine, prompts, params, batch_size)
                 r.pop("texts")

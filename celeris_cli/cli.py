@@ -15,7 +15,8 @@ from typing import Any, NoReturn
 
 import typer
 
-from .errors import CelerisError
+from .errors import CelerisError, UsageError
+from .params import MAX_SEED
 
 app = typer.Typer(
     add_completion=False,
@@ -41,6 +42,11 @@ class ConfidenceOpt(str, Enum):
     margin = "margin"
     lead = "lead"
     entropy = "entropy"
+
+
+class StrategyOpt(str, Enum):
+    fast = "fast"
+    reference = "reference"
 
 
 class DeviceOpt(str, Enum):
@@ -94,9 +100,15 @@ def generate(
         "--order-temperature",
         help="Gumbel noise on which positions commit first, fading over each block (MaskGIT; 0 = off).",
     ),
+    top_p: float = typer.Option(None, "--top-p", help="When sampling, keep the likeliest tokens holding this mass."),
+    top_k: int = typer.Option(None, "--top-k", help="When sampling, keep the k likeliest tokens (0 = off)."),
+    stop: list[str] = typer.Option(None, "--stop", help="Cut the answer before this string; repeat for several."),
     cfg_scale: float = typer.Option(None, "--cfg-scale", min=0.0, help="Classifier-free guidance (0 = off)."),
-    seed: int = typer.Option(None, "--seed", help="Random seed, for reproducible output."),
-    strategy: str = typer.Option(
+    seed: int = typer.Option(
+        None, "--seed", help="Random seed (0..2^63-1). Each prompt's answer depends on it alone, not on batch mates."
+    ),
+    samples: int = typer.Option(1, "--samples", min=1, help="Answers per prompt, with seeds seed, seed+1, ..."),
+    strategy: StrategyOpt = typer.Option(
         None,
         "--strategy",
         help="fast (default: cache, threshold, early exit) or reference (LLaDA's decoder, one fixed schedule).",
@@ -137,11 +149,14 @@ def generate(
                 block_length=block_length,
                 temperature=temperature,
                 min_p=min_p,
+                top_p=top_p,
+                top_k=top_k,
+                stop=list(stop) if stop else None,
                 remasking=remasking.value if remasking else None,
                 order_temperature=order_temperature,
                 cfg_scale=cfg_scale,
                 seed=seed,
-                strategy=strategy,
+                strategy=strategy.value if strategy else None,
                 threshold=threshold,
                 cache=cache.value if cache else None,
                 confidence=confidence.value if confidence else None,
@@ -153,8 +168,12 @@ def generate(
 
         engine = load_engine(model, device.value, dtype.value)
         params = engine.params(overrides)
+        seeds = [params.seed + k for _ in prompts for k in range(samples)]
+        if seeds and max(seeds) > MAX_SEED:
+            raise UsageError(f"seed {params.seed} plus {samples} samples passes the largest seed {MAX_SEED}")
+        prompts = [p for p in prompts for _ in range(samples)]
         t0 = time.perf_counter()
-        results = _run_with_progress(engine, prompts, params, batch_size, chat)
+        results = _run_with_progress(engine, prompts, params, batch_size, chat, seeds)
         seconds = time.perf_counter() - t0
     except CelerisError as e:
         fail(e)
@@ -175,9 +194,11 @@ def generate(
         )
 
 
-def _run_with_progress(engine: Any, prompts: list[str], params: Any, batch_size: int, chat: bool) -> list[Any]:
+def _run_with_progress(
+    engine: Any, prompts: list[str], params: Any, batch_size: int, chat: bool, seeds: list[int]
+) -> list[Any]:
     if not sys.stderr.isatty() or len(prompts) <= batch_size:
-        return list(engine.generate(prompts, params, batch_size, chat))
+        return list(engine.generate(prompts, params, batch_size, chat, seeds=seeds))
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
@@ -190,7 +211,11 @@ def _run_with_progress(engine: Any, prompts: list[str], params: Any, batch_size:
         transient=True,
     ) as progress:
         task = progress.add_task("generate", total=len(prompts))
-        return list(engine.generate(prompts, params, batch_size, chat, on_batch=lambda n: progress.advance(task, n)))
+        return list(
+            engine.generate(
+                prompts, params, batch_size, chat, on_batch=lambda n: progress.advance(task, n), seeds=seeds
+            )
+        )
 
 
 def main() -> None:

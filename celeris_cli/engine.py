@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from .checkpoint import load_model
-from .decoding import DecodeParams
 from .device import resolve_device, resolve_dtype
 from .errors import ModelError, PromptTooLong, UsageError
-from .fast import FastParams
 from .model import LLaDAModel
+from .params import GenerationParams, model_layer
+from .sampling import RowNoise
 from .strategies import Net, SpecialTokens, get_strategy
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -41,40 +41,6 @@ def default_model_dir() -> Path:
 
 
 @dataclass(frozen=True)
-class GenerationParams(FastParams):
-    """Everything that decides an answer: the decoder's parameters, the strategy and the seed."""
-
-    seed: int = 0
-    strategy: str = "fast"
-
-    @classmethod
-    def from_mapping(cls, values: dict[str, Any], base: GenerationParams | None = None) -> GenerationParams:
-        """Build from user input (CLI, config or a request), naming unknown keys and wrong types."""
-        defaults = {f.name: f.default for f in fields(cls)}
-        out: dict[str, Any] = {}
-        for key, value in values.items():
-            k = {"steps": "denoise_steps"}.get(key.replace("-", "_"), key.replace("-", "_"))
-            if k not in defaults:
-                raise UsageError(f"unknown generation parameter {key!r}")
-            want = type(defaults[k])
-            if want is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
-                raise UsageError(f"{key} must be {_TYPE_NAMES[want]}, got {value!r}")
-            out[k] = value
-        return replace(base, **out) if base is not None else cls(**out)
-
-    def decode_params(self) -> DecodeParams:
-        return DecodeParams(**{f.name: getattr(self, f.name) for f in fields(DecodeParams)})
-
-    def fast_params(self) -> FastParams:
-        return FastParams(**{f.name: getattr(self, f.name) for f in fields(FastParams)})
-
-
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-
-
-@dataclass(frozen=True)
 class Result:
     """One prompt's answer and the figures of the batch it was decoded in."""
 
@@ -83,13 +49,15 @@ class Result:
     finish_reason: str  # "stop" (EOS / end of turn) or "length"
     prompt_tokens: int
     output_tokens: int
-    denoise_steps: int
-    nfe: int
+    denoise_steps: int  # steps scheduled (the sum of steps_per_block); the fast decoder may need fewer
+    steps_per_block: list[int]
+    nfe: int  # forward passes run for the batch, counted at the model boundary (guidance included)
     wall_s: float
     tokens_per_s: float
     batch_size: int
     device: str
     dtype: str
+    seed: int = 0
     settings: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,18 +79,15 @@ class Engine:
         self.dtype = dtype
         self.model_dir = model_dir
         self.max_length = model.cfg.max_sequence_length
-        self.special = SpecialTokens(tokenizer.mask_id, tokenizer.stop_ids, tokenizer.pad_id)
-        self.defaults = GenerationParams()
-        gc = model_dir / GENERATION_CONFIG if model_dir is not None else None
-        if gc is not None and gc.is_file():
-            try:
-                raw = json.loads(gc.read_text(encoding="utf-8"))
-                self.defaults = GenerationParams.from_mapping(raw)
-            except (json.JSONDecodeError, AttributeError, UsageError) as e:
-                raise ModelError(f"{gc}: {e}") from None
+        self.defaults, extra_stops = read_generation_config(model_dir)
+        outside = sorted(i for i in extra_stops if i >= model.cfg.rows)
+        if outside:
+            raise ModelError(f"{GENERATION_CONFIG}: eos_token_id {outside[0]} is outside the embedding table")
+        self.special = SpecialTokens(tokenizer.mask_id, tokenizer.stop_ids | extra_stops, tokenizer.pad_id)
 
     def params(self, overrides: dict[str, Any] | None = None) -> GenerationParams:
-        """The model's default generation settings with `overrides` applied and validated."""
+        """Settings in the documented order: built-in defaults, the model folder's generation_config.json,
+        then `overrides` (a config's, a request's or the command line's), validated."""
         return GenerationParams.from_mapping(overrides or {}, self.defaults)
 
     # -- token level -------------------------------------------------------------------------------
@@ -133,7 +98,7 @@ class Engine:
             raise UsageError("empty prompt")
         return ids
 
-    def check_fits(self, n_prompt: int, params: DecodeParams) -> None:
+    def check_fits(self, n_prompt: int, params: GenerationParams) -> None:
         if n_prompt + params.gen_length > self.max_length:
             raise PromptTooLong(
                 f"prompt of {n_prompt} tokens plus gen-length {params.gen_length} exceeds the "
@@ -141,56 +106,70 @@ class Engine:
             )
 
     def decode_ids(
-        self, batch: Sequence[list[int]], params: GenerationParams, generator: torch.Generator
+        self, batch: Sequence[list[int]], params: GenerationParams, seeds: Sequence[int] | None = None
     ) -> tuple[list[list[int]], int]:
-        """Decode one batch of token-id prompts; returns each row's generated ids (uncut) and the NFE."""
+        """Decode one batch of token-id prompts; returns each row's generated ids (uncut) and the NFE. Row
+        b draws its randomness from seeds[b] alone (default: params.seed for every row)."""
         decode = get_strategy(params.strategy)
         P = max(len(ids) for ids in batch)
         pad = self.tokenizer.pad_id
         prompt = torch.tensor([[pad] * (P - len(ids)) + ids for ids in batch], device=self.device)
         prompt_mask = torch.tensor([[False] * (P - len(ids)) + [True] * len(ids) for ids in batch], device=self.device)
+        noise = RowNoise(seeds if seeds is not None else [params.seed] * len(batch), self.device)
         net = Net(self.model)
-        out = decode(net, prompt, prompt_mask, params, self.special, generator)
-        return out[:, P:].tolist(), net.nfe * (2 if params.cfg_scale > 0 else 1)
+        out = decode(net, prompt, prompt_mask, params, self.special, noise)
+        return out[:, P:].tolist(), net.nfe
 
-    def cut(self, ids: list[int]) -> tuple[list[int], str]:
+    def finish(self, ids: list[int], stop: Sequence[str] = ()) -> tuple[str, int, str]:
+        """(text, output tokens, finish reason): cut at the first stop token, then at the first stop string
+        (which is left out of the text, as OpenAI does)."""
+        reason = "length"
         for i, t in enumerate(ids):
-            if t in self.tokenizer.stop_ids:
-                return ids[:i], "stop"
-        return ids, "length"
+            if t in self.special.stop_ids:
+                ids, reason = ids[:i], "stop"
+                break
+        text = self.tokenizer.decode(ids)
+        cuts = [text.find(s) for s in stop if s in text]
+        if cuts:
+            text, reason = text[: min(cuts)], "stop"
+            n = next(n for n in range(1, len(ids) + 1) if any(s in self.tokenizer.decode(ids[:n]) for s in stop))
+            ids = ids[:n]
+        return text, len(ids), reason
 
     def decode_batch(
         self,
         prompts: Sequence[str],
         encoded: Sequence[list[int]],
         params: GenerationParams,
-        generator: torch.Generator | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Result]:
         """Decode prompts (already encoded and checked) as one batch; one Result per prompt."""
-        if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seeds = list(seeds) if seeds is not None else [params.seed] * len(encoded)
         t0 = time.perf_counter()
-        outs, nfe = self.decode_ids(encoded, params, generator)
+        outs, nfe = self.decode_ids(encoded, params, seeds)
         wall = time.perf_counter() - t0
-        settings = asdict(params)
+        settings = params.report()
+        steps = params.schedule.steps_per_block
         results = []
-        for prompt, ids_in, out in zip(prompts, encoded, outs):
-            ids, reason = self.cut(out)
+        for prompt, ids_in, out, seed in zip(prompts, encoded, outs, seeds):
+            text, n_out, reason = self.finish(out, params.stop)
             results.append(
                 Result(
                     prompt=prompt,
-                    text=self.tokenizer.decode(ids),
+                    text=text,
                     finish_reason=reason,
                     prompt_tokens=len(ids_in),
-                    output_tokens=len(ids),
-                    denoise_steps=params.denoise_steps,
+                    output_tokens=n_out,
+                    denoise_steps=sum(steps),
+                    steps_per_block=steps,
                     nfe=nfe,
                     wall_s=round(wall, 4),
-                    tokens_per_s=round(len(ids) / wall, 2) if wall > 0 else 0.0,
+                    tokens_per_s=round(n_out / wall, 2) if wall > 0 else 0.0,
                     batch_size=len(encoded),
                     device=str(self.device),
                     dtype=str(self.dtype).replace("torch.", ""),
-                    settings=settings,
+                    seed=seed,
+                    settings={**settings, "seed": seed},
                 )
             )
         return results
@@ -203,10 +182,16 @@ class Engine:
         batch_size: int = 16,
         chat: bool = False,
         on_batch: Callable[[int], None] | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Result]:
-        """Generate an answer for each prompt, in order. Prompts are grouped into batches of similar
-        length so one long prompt does not pad a whole batch."""
-        params = params or GenerationParams()
+        """Generate an answer for each prompt, in order, with the model's defaults unless `params` is
+        given. Prompt i draws its randomness from seeds[i] (default: params.seed), so its answer does not
+        depend on the other prompts or the batch size. Prompts are grouped into batches of similar length
+        so one long prompt does not pad a whole batch."""
+        params = params or self.params()
+        seeds = list(seeds) if seeds is not None else [params.seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise UsageError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         if batch_size < 1:
             raise UsageError(f"batch-size must be a positive integer, got {batch_size}")
         encoded = [self.encode_prompt(p, chat) for p in prompts]
@@ -214,10 +199,11 @@ class Engine:
             self.check_fits(len(ids), params)
         order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
         results: list[Result | None] = [None] * len(prompts)
-        generator = torch.Generator(device=self.device).manual_seed(params.seed)
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
-            batch = self.decode_batch([prompts[i] for i in idx], [encoded[i] for i in idx], params, generator)
+            batch = self.decode_batch(
+                [prompts[i] for i in idx], [encoded[i] for i in idx], params, [seeds[i] for i in idx]
+            )
             for i, r in zip(idx, batch):
                 results[i] = r
             if on_batch is not None:
@@ -238,3 +224,21 @@ def load_engine(
     tok = load_tokenizer(folder, m.cfg)
     log.info("loaded %s on %s (%s)", folder, dev, dt)
     return Engine(m, tok, dev, dt, folder)
+
+
+def read_generation_config(model_dir: Path | None) -> tuple[GenerationParams, frozenset[int]]:
+    """The model folder's layer of settings over the built-in defaults, and any extra stop ids. Accepts
+    both Celeris's own keys and the file `transformers` writes; keys neither knows are ignored (logged)."""
+    path = model_dir / GENERATION_CONFIG if model_dir is not None else None
+    if path is None or not path.is_file():
+        return GenerationParams(), frozenset()
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(raw, dict):
+            raise UsageError("expected a JSON object")
+        settings, stops, ignored = model_layer(raw)
+        if ignored:
+            log.debug("%s: ignoring %s", path, ", ".join(ignored))
+        return GenerationParams.from_mapping(settings), stops
+    except (json.JSONDecodeError, UnicodeDecodeError, UsageError) as e:
+        raise ModelError(f"{path}: {e}") from None

@@ -162,7 +162,7 @@ def evaluate(
         "output_tokens": out_tokens,
         "wall_s": round(wall, 2),
         "tokens_per_s": round(out_tokens / wall, 1),
-        "settings": {k: v for k, v in params.__dict__.items()},
+        "settings": params.report(),
         "device": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),
         "samples": [{"prompt": r.prompt, "text": r.text} for r in (pr[:3] + en[:2])],

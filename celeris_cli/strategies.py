@@ -1,8 +1,9 @@
 """The table of decoding strategies, and `Net`, the model boundary they call.
 
-A strategy has the form `(net, prompt, prompt_mask, params, tokens, generator) -> canvas`. `net` is
-callable as `net(ids, key_mask) -> logits` (so the reference decoder accepts any plain model_fn) and
-counts its forward passes. Choosing a strategy by an unknown name is a user error.
+A strategy has the form `(net, prompt, prompt_mask, params, tokens, noise) -> canvas`; it hands its decoder
+only the parts of the settings the strategy declares. `net` is callable as `net(ids, key_mask) -> logits`
+(so the reference decoder accepts any plain model_fn) and counts every forward pass where it happens, the
+unconditional passes of guidance included. Choosing a strategy by an unknown name is a user error.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from typing import Any
 
 import torch
 
-from .decoding import generate_reference
+from .decoding import ReferencePlan, generate_reference
 from .errors import UsageError
-from .fast import generate_fast
+from .fast import FastPlan, generate_fast
 from .model import KV, LLaDAModel
+from .params import STRATEGY_PARTS, GenerationParams
+from .sampling import RowNoise
 
 
 @dataclass(frozen=True)
@@ -57,32 +60,39 @@ class Net:
         return self.model.head(h)
 
 
-Strategy = Callable[..., torch.Tensor]
+Strategy = Callable[[Net, torch.Tensor, torch.Tensor, GenerationParams, SpecialTokens, RowNoise], torch.Tensor]
+
+
+def _plan(cls: type, params: GenerationParams) -> Any:
+    """The decoder's settings: exactly the parts its strategy declares in `params.STRATEGY_PARTS`."""
+    return cls(**{name: params.part(name) for name in STRATEGY_PARTS[params.strategy]})
 
 
 def _reference(
     net: Net,
     prompt: torch.Tensor,
     prompt_mask: torch.Tensor,
-    params: Any,
+    params: GenerationParams,
     tokens: SpecialTokens,
-    generator: torch.Generator | None,
+    noise: RowNoise,
 ) -> torch.Tensor:
-    return generate_reference(net, prompt, prompt_mask, params.decode_params(), tokens.mask_id, generator)
+    return generate_reference(net, prompt, prompt_mask, _plan(ReferencePlan, params), tokens.mask_id, noise)
 
 
 def _fast(
     net: Net,
     prompt: torch.Tensor,
     prompt_mask: torch.Tensor,
-    params: Any,
+    params: GenerationParams,
     tokens: SpecialTokens,
-    generator: torch.Generator | None,
+    noise: RowNoise,
 ) -> torch.Tensor:
-    return generate_fast(net, prompt, prompt_mask, params.fast_params(), tokens.mask_id, tokens.stop_ids, generator)
+    plan = _plan(FastPlan, params)
+    return generate_fast(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise)
 
 
 STRATEGIES: dict[str, Strategy] = {"reference": _reference, "fast": _fast}
+PLANS: dict[str, type] = {"reference": ReferencePlan, "fast": FastPlan}
 
 
 def get_strategy(name: str) -> Strategy:

@@ -20,6 +20,12 @@ class _Backend(Protocol):
     def decode(self, ids: list[int]) -> str: ...
     def size(self) -> int: ...
     def piece(self, i: int) -> str | None: ...
+    def find(self, piece: str) -> int | None: ...
+
+
+# End-of-turn tokens of the chat formats in use, for folders whose config.json does not name one
+# (LLaDA-8B-Instruct's config has no eot id; its tokenizer has <|eot_id|>).
+END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|role_end|>", "<|end|>")
 
 
 class _SentencePiece:
@@ -43,6 +49,10 @@ class _SentencePiece:
     def piece(self, i: int) -> str | None:
         return str(self.sp.id_to_piece(i)) if 0 <= i < self.size() else None
 
+    def find(self, piece: str) -> int | None:
+        i = int(self.sp.piece_to_id(piece))
+        return i if self.piece(i) == piece else None
+
 
 class _HFTokenizer:
     def __init__(self, path: Path) -> None:
@@ -65,6 +75,9 @@ class _HFTokenizer:
     def piece(self, i: int) -> str | None:
         return self.tok.id_to_token(i)
 
+    def find(self, piece: str) -> int | None:
+        return self.tok.token_to_id(piece)
+
 
 class Tokenizer:
     def __init__(self, backend: _Backend, cfg: ModelConfig, chat_template: str | None, folder: Path) -> None:
@@ -73,6 +86,8 @@ class Tokenizer:
         self.mask_id = cfg.mask_token_id
         self.eos_id = cfg.eos_token_id
         self.eot_id = cfg.eot_token_id
+        if self.eot_id is None:
+            self.eot_id = next((i for i in map(backend.find, END_OF_TURN) if i is not None), None)
         self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
         self.bos_id = cfg.bos_token_id
         self.stop_ids = frozenset(i for i in (self.eos_id, self.eot_id) if i is not None)

@@ -85,5 +85,37 @@ def engine(tiny_model: Path):  # type: ignore[no-untyped-def]
     return load_engine(tiny_model, device="cpu", dtype="float32")
 
 
+@pytest.fixture(scope="session")
+def eos_prone(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path):  # type: ignore[no-untyped-def]
+    """A random model whose EOS logit is amplified, so rows end at different places."""
+    from safetensors.torch import load_file, save_file
+
+    folder = make_model(tmp_path_factory.mktemp("eos") / "m", tiny_tokenizer, seed=9)
+    state = load_file(str(folder / "model.safetensors"))
+    eos = 2
+    head = state["model.transformer.ff_out.weight"]
+    head[eos] = head[eos] * 2.5 + head.mean(0)
+    save_file(state, str(folder / "model.safetensors"))
+    from celeris_cli import load_engine
+
+    return load_engine(folder, device="cpu", dtype="float32")
+
+
 def write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data), encoding="utf-8")
+
+
+def plan(strategy: str = "reference", **settings: object):  # type: ignore[no-untyped-def]
+    """A decoder's plan (exactly the parts its strategy honours) from settings, validated as users' are."""
+    from celeris_cli.params import GenerationParams
+    from celeris_cli.strategies import PLANS, _plan
+
+    return _plan(PLANS[strategy], GenerationParams.from_mapping({"strategy": strategy, **settings}))
+
+
+def noise(rows: int, seed: int = 0):  # type: ignore[no-untyped-def]
+    import torch
+
+    from celeris_cli.sampling import RowNoise
+
+    return RowNoise([seed] * rows, torch.device("cpu"))

@@ -160,10 +160,10 @@ def test_fast_options_reach_the_settings(tiny_model: Path) -> None:
 
 def test_negative_order_temperature_is_a_clear_error(tiny_model: Path) -> None:
     out = _error(run("--model", str(tiny_model), "--prompt", "x", "--order-temperature", "-1"))
-    assert "order-temperature must be >= 0" in out
+    assert "order_temperature must be a finite number >= 0" in out
 
 
 @pytest.mark.parametrize("value", ["1", "-0.1"])
 def test_min_p_out_of_range_is_a_clear_error(tiny_model: Path, value: str) -> None:
     out = _error(run("--model", str(tiny_model), "--prompt", "x", "--min-p", value))
-    assert "min-p must be in [0, 1)" in out
+    assert "min_p must be in [0, 1)" in out

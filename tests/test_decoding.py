@@ -3,16 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from celeris_cli.decoding import (
-    DecodeParams,
-    add_gumbel_noise,
-    generate_reference,
-    num_transfer_tokens,
-    order_scores,
-    split_steps,
-)
+from celeris_cli.decoding import generate_reference, num_transfer_tokens
 from celeris_cli.errors import UsageError
-from celeris_cli.fast import predict
+from celeris_cli.fast import confidence_of
+from celeris_cli.params import GenerationParams, Sampling, split_steps
+from celeris_cli.sampling import order_scores, sample_tokens
+
+from .conftest import noise, plan
 
 MASK = 4
 
@@ -50,27 +47,31 @@ def test_linear_schedule_commits_every_masked_token() -> None:
     assert sched.tolist() == [[3, 3, 2, 2], [2, 2, 2, 1], [0, 0, 0, 0]]
 
 
-@pytest.mark.parametrize("steps", [1, 3, 7, 16])
+@pytest.mark.parametrize("steps", [1, 3, 7, 12])
 @pytest.mark.parametrize("remasking", ["low_confidence", "random"])
 def test_no_mask_remains_and_prompt_never_changes(steps: int, remasking: str) -> None:
     model = RecordingModel()
     prompt = torch.tensor([[3, 3, 11, 12], [13, 14, 15, 16]])
     pmask = torch.tensor([[False, False, True, True], [True, True, True, True]])
-    params = DecodeParams(gen_length=12, block_length=5, denoise_steps=steps, temperature=0.7, remasking=remasking)  # type: ignore[arg-type]
-    out = generate_reference(model, prompt, pmask, params, MASK, torch.Generator().manual_seed(0))
+    p = plan(gen_length=12, block_length=5, denoise_steps=steps, temperature=0.7, remasking=remasking)
+    out = generate_reference(model, prompt, pmask, p, MASK, noise(2))
     assert out.shape == (2, 16)
     assert not (out == MASK).any()
     assert torch.equal(out[:, :4], prompt)
     for canvas in model.calls:  # the prompt is intact at every step, not only at the end
         assert torch.equal(canvas[:, :4], prompt)
-    assert len(model.calls) == sum(split_steps(steps, 3))
+    assert (
+        len(model.calls)
+        == sum(p.schedule.steps_per_block)
+        == sum(min(n, 5) for n in split_steps(steps, 3)[:2]) + min(split_steps(steps, 3)[2], 2)
+    )
 
 
 def test_committed_tokens_are_never_remasked() -> None:
     model = RecordingModel()
     prompt = torch.tensor([[11, 12]])
-    params = DecodeParams(gen_length=8, block_length=8, denoise_steps=8)
-    generate_reference(model, prompt, torch.ones_like(prompt, dtype=torch.bool), params, MASK)
+    p = plan(gen_length=8, block_length=8, denoise_steps=8)
+    generate_reference(model, prompt, torch.ones_like(prompt, dtype=torch.bool), p, MASK, noise(1))
     for before, after in zip(model.calls, model.calls[1:]):
         committed = before != MASK
         assert torch.equal(after[committed], before[committed])
@@ -80,11 +81,8 @@ def test_committed_tokens_are_never_remasked() -> None:
 def test_same_seed_same_output_and_different_seed_differs() -> None:
     prompt = torch.tensor([[11, 12, 13]])
     pm = torch.ones_like(prompt, dtype=torch.bool)
-    params = DecodeParams(gen_length=16, block_length=8, denoise_steps=16, temperature=1.0)
-    runs = [
-        generate_reference(RecordingModel(), prompt, pm, params, MASK, torch.Generator().manual_seed(s))
-        for s in (1, 1, 2)
-    ]
+    p = plan(gen_length=16, block_length=8, denoise_steps=16, temperature=1.0)
+    runs = [generate_reference(RecordingModel(), prompt, pm, p, MASK, noise(1, seed=s)) for s in (1, 1, 2)]
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
 
@@ -93,11 +91,13 @@ def test_cfg_pass_sees_the_prompt_masked() -> None:
     model = RecordingModel()
     prompt = torch.tensor([[3, 11, 12]])
     pm = torch.tensor([[False, True, True]])
-    params = DecodeParams(gen_length=4, block_length=4, denoise_steps=2, cfg_scale=1.5)
-    generate_reference(model, prompt, pm, params, MASK)
-    first = model.calls[0]
-    assert first.shape[0] == 2
-    assert first[1, 0] == 3 and (first[1, 1:3] == MASK).all()  # padding kept, prompt masked
+    generate_reference(
+        model, prompt, pm, plan(gen_length=4, block_length=4, denoise_steps=2, cfg_scale=1.5), MASK, noise(1)
+    )
+    cond, un = model.calls[:2]  # each step: the conditional pass, then the unconditional one
+    assert torch.equal(cond[0, :3], prompt[0])
+    assert un[0, 0] == 3 and (un[0, 1:3] == MASK).all()  # padding kept, prompt masked
+    assert len(model.calls) == 4  # two steps, two forward passes each
 
 
 @pytest.mark.parametrize(
@@ -115,7 +115,11 @@ def test_cfg_pass_sees_the_prompt_masked() -> None:
 )
 def test_invalid_parameters_are_user_errors(bad: dict) -> None:
     with pytest.raises(UsageError):
-        DecodeParams(**bad)
+        GenerationParams.from_mapping(bad)
+
+
+def sampling(**kw: float) -> Sampling:
+    return Sampling(**{"temperature": 1.0, "min_p": 0.0, "top_p": 1.0, "top_k": 0, **kw})  # type: ignore[arg-type]
 
 
 # Tempered probabilities at T = 1: token 1 is e^-1 = 0.37 of token 0; tokens 2 and 3 are under 0.01 of it.
@@ -123,15 +127,16 @@ TAIL_LOGITS = torch.tensor([5.0, 4.0, 0.0, -1.0, 3.0 - 1e9])
 
 
 def test_min_p_drops_the_tail_and_keeps_the_spread_among_the_rest() -> None:
-    logits = TAIL_LOGITS.expand(4000, -1)
-    g = torch.Generator().manual_seed(0)
-    free = torch.bincount(add_gumbel_noise(logits, 1.0, g).argmax(-1), minlength=5)
-    cut = torch.bincount(add_gumbel_noise(logits, 1.0, g, min_p=0.2).argmax(-1), minlength=5)
+    logits = TAIL_LOGITS.expand(1, 4000, -1)
+    g = [torch.Generator().manual_seed(0)]
+    free = torch.bincount(sample_tokens(logits, sampling(), g)[0], minlength=5)
+    cut = torch.bincount(sample_tokens(logits, sampling(min_p=0.2), g)[0], minlength=5)
     assert free[2] + free[3] > 0  # the tail is sampled without min-p (expected about 26 of 4000)
     assert cut[2] == cut[3] == cut[4] == 0 and cut[0] + cut[1] == 4000
     assert 0.22 < cut[1] / 4000 < 0.32  # renormalised: e^-1 / (1 + e^-1) = 0.27, not collapsed to greedy
-    x0, conf = predict(logits, 1.0, "prob", g, min_p=0.2)
-    assert set(x0.tolist()) == {0, 1} and torch.allclose(conf[x0 == 0], torch.softmax(TAIL_LOGITS, -1)[0])
+    x0 = sample_tokens(logits, sampling(min_p=0.2), g)
+    conf = confidence_of(logits, x0, "prob")
+    assert set(x0.flatten().tolist()) == {0, 1} and torch.allclose(conf[x0 == 0], torch.softmax(TAIL_LOGITS, -1)[0])
 
 
 def test_reference_decoder_samples_only_inside_min_p() -> None:
@@ -139,40 +144,34 @@ def test_reference_decoder_samples_only_inside_min_p() -> None:
         return TAIL_LOGITS.expand(*ids.shape, -1).clone()
 
     prompt, pmask = torch.full((32, 2), 3), torch.ones(32, 2, dtype=torch.bool)
-    params = DecodeParams(32, 8, 32, temperature=1.0, remasking="random", min_p=0.2)  # commit what was drawn
-    out = generate_reference(fixed, prompt, pmask, params, mask_id=MASK, generator=torch.Generator().manual_seed(1))
+    settings = dict(gen_length=32, block_length=8, denoise_steps=32, temperature=1.0, remasking="random")
+    out = generate_reference(fixed, prompt, pmask, plan(**settings, min_p=0.2), MASK, noise(32, seed=1))
     assert set(out[:, 2:].unique().tolist()) == {0, 1}
-    loose = generate_reference(
-        fixed,
-        prompt,
-        pmask,
-        DecodeParams(**{**params.__dict__, "min_p": 0.001}),
-        MASK,
-        torch.Generator().manual_seed(1),
-    )
+    loose = generate_reference(fixed, prompt, pmask, plan(**settings, min_p=0.001), MASK, noise(32, seed=1))
     assert set(loose[:, 2:].unique().tolist()) - {0, 1}  # 1,024 draws reach the tail when it is allowed
 
 
 def test_lead_is_the_margin_of_the_sampled_token_over_its_best_rival() -> None:
-    logits = TAIL_LOGITS.expand(4000, -1)
+    logits = TAIL_LOGITS.expand(1, 4000, -1)
     p = torch.softmax(TAIL_LOGITS, -1)
-    x0, lead = predict(logits, 1.0, "lead", torch.Generator().manual_seed(0))
+    x0 = sample_tokens(logits, sampling(), [torch.Generator().manual_seed(0)])
+    lead = confidence_of(logits, x0, "lead")
     assert (x0 == 0).any() and (x0 == 1).any()
     assert torch.allclose(lead[x0 == 0], p[0] - p[1])  # the favourite leads by top1 - top2
     assert torch.allclose(lead[x0 == 1], p[1] - p[0])  # a sampled runner-up trails the favourite
     assert (lead[x0 != 0] < 0).all()
-    _, margin = predict(logits, 1.0, "margin", torch.Generator().manual_seed(0))
+    margin = confidence_of(logits, x0, "margin")
     assert torch.allclose(margin, p[0] - p[1])  # Dream's margin ignores which token was drawn
-    _, lead0 = predict(logits[:3], 0.0, "lead", None)
-    assert torch.allclose(lead0, predict(logits[:3], 0.0, "margin", None)[1])  # greedy: lead == margin
+    greedy = logits.argmax(-1)
+    assert torch.allclose(confidence_of(logits, greedy, "lead"), confidence_of(logits, greedy, "margin"))
 
 
 def test_order_noise_fades_over_the_block_and_is_off_at_zero() -> None:
     conf = torch.tensor([[0.9, 0.5, 0.2, 0.05]]).expand(2000, -1)
-    assert order_scores(conf, 0.0, 0, 4, None) is conf  # off: the confidence itself, no draw
-    g = torch.Generator().manual_seed(0)
-    early = order_scores(conf, 2.0, 0, 4, g).argmax(1)
-    late = order_scores(conf, 2.0, 3, 4, g).argmax(1)
+    assert order_scores(conf, 0.0, 0, 4, []) is conf  # off: the confidence itself, no draw
+    gens = [torch.Generator().manual_seed(i) for i in range(2000)]
+    early = order_scores(conf, 2.0, 0, 4, gens).argmax(1)
+    late = order_scores(conf, 2.0, 3, 4, gens).argmax(1)
 
     # Gumbel-max on log(conf) / tau picks position j first with probability conf_j^(1/tau) / sum: at the
     # block's first step (tau 2) the least confident position still goes first sometimes (MaskGIT) ...
@@ -189,8 +188,8 @@ def test_order_noise_fades_over_the_block_and_is_off_at_zero() -> None:
         lambda ids, km: torch.zeros(*ids.shape, 12),
         torch.full((2, 2), 3),
         torch.ones(2, 2, dtype=torch.bool),
-        DecodeParams(8, 8, 4, order_temperature=3.0),
+        plan(gen_length=8, block_length=8, denoise_steps=4, order_temperature=3.0),
         MASK,
-        torch.Generator().manual_seed(0),
+        noise(2),
     )
     assert (plain[:, 2:] != MASK).all()  # every position is still committed

@@ -39,13 +39,19 @@ def test_prompt_decodes_identically_alone_and_in_a_mixed_batch(engine: Engine) -
         assert together.output_tokens == alone.output_tokens
 
 
-def test_batched_canvas_tokens_equal_alone_including_after_eos(engine: Engine) -> None:
-    params = engine.params({"gen_length": 16, "block_length": 16, "denoise_steps": 16})
-    encoded = [engine.encode_prompt(p) for p in PROMPTS]
-    together, _ = engine.decode_ids(encoded, params, torch.Generator())
-    for ids, row in zip(encoded, together):
-        alone, _ = engine.decode_ids([ids], params, torch.Generator())
-        assert alone[0] == row
+@pytest.mark.parametrize("early_exit", [True, False])
+def test_batched_canvas_tokens_equal_alone_including_after_eos(eos_prone: Engine, early_exit: bool) -> None:
+    params = eos_prone.params(
+        {"gen_length": 16, "block_length": 8, "denoise_steps": 16, "temperature": 1.0, "early_exit": early_exit}
+    )
+    encoded = [eos_prone.encode_prompt(p) for p in PROMPTS * 2]
+    together, _ = eos_prone.decode_ids(encoded, params, seeds=range(10))
+    stops = eos_prone.special.stop_ids
+    ended = [row for row in together if any(t in stops for t in row[:-1])]
+    assert ended and len(ended) < len(together)  # some rows end early, some do not: the property is exercised
+    for seed, (ids, row) in enumerate(zip(encoded, together)):
+        alone, _ = eos_prone.decode_ids([ids], params, seeds=[seed])
+        assert alone[0] == row  # the whole canvas, the part after the stop token included
 
 
 def test_results_keep_input_order_and_carry_figures(engine: Engine) -> None:
@@ -63,7 +69,7 @@ def test_same_seed_reproduces_sampled_output(engine: Engine) -> None:
     params = engine.params({"gen_length": 16, "block_length": 8, "denoise_steps": 8, "temperature": 1.0, "seed": 7})
     a = engine.generate(PROMPTS, params)
     b = engine.generate(PROMPTS, params)
-    c = engine.generate(PROMPTS, engine.params({**params.__dict__, "seed": 8}))
+    c = engine.generate(PROMPTS, params.with_(seed=8))
     assert [r.text for r in a] == [r.text for r in b]
     assert [r.text for r in a] != [r.text for r in c]
 
@@ -108,7 +114,7 @@ def test_unknown_and_mistyped_request_params_are_named(engine: Engine) -> None:
         engine.params({"stepz": 3})
     with pytest.raises(UsageError, match="gen_length must be an integer"):
         engine.params({"gen_length": "8"})
-    with pytest.raises(UsageError, match="unknown decoding strategy"):
+    with pytest.raises(UsageError, match="strategy: unknown value 'warp'"):
         engine.generate(["x"], engine.params({"strategy": "warp"}))
 
 
@@ -131,4 +137,3 @@ def test_the_shipped_generation_config_is_valid() -> None:
     raw = json.loads((default_model_dir() / "generation_config.json").read_text(encoding="utf-8"))
     params = GenerationParams.from_mapping(raw)
     assert {k: getattr(params, k) for k in raw} == raw
-    params.fast_params()  # the fast decoder's own checks

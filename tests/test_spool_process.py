@@ -204,7 +204,7 @@ def test_watch_once_with_the_real_engine_end_to_end(tmp_path: Path, tiny_model: 
     fails = {f["custom_id"]: f for f in failures(tmp_path)}
     assert set(fails) == {"r2", "r3"} and {f["code"] for f in fails.values()} == {"bad_param"}
     assert "denoise_steps must be an integer" in fails["r2"]["message"]
-    assert "min-p must be in [0, 1)" in fails["r3"]["message"]
+    assert "min_p must be in [0, 1)" in fails["r3"]["message"]
     assert (tmp_path / "batch_outputs" / "real.jsonl.results.txt").read_text().startswith("[r1]")
 
 

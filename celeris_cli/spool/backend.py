@@ -47,7 +47,7 @@ class EngineBackend:
             raise ConfigError(f"generation: {e}") from None
 
     def prepare(self, request: Request) -> Prepared:
-        params = type(self.base).from_mapping(request.params, self.base)
+        params = self.base.with_(**request.params)
         if request.messages is not None:
             if self.engine.tokenizer.chat_template:
                 ids = self.engine.tokenizer.encode(self.engine.tokenizer.render_chat(request.messages))
@@ -58,11 +58,14 @@ class EngineBackend:
             assert request.prompt is not None
             ids, text = self.engine.encode_prompt(request.prompt), request.prompt
         self.engine.check_fits(len(ids), params)
-        return Prepared(request, params, len(ids) + params.gen_length, (text, ids))
+        # requests that differ only in their seed share a batch: each row draws from its own seed
+        return Prepared(request, params.batch_key(), len(ids) + params.gen_length, (text, ids, params.seed))
 
     def run(self, batch: list[Prepared]) -> list[dict[str, Any]]:
         params = batch[0].group
-        results = self.engine.decode_batch([p.payload[0] for p in batch], [p.payload[1] for p in batch], params)
+        results = self.engine.decode_batch(
+            [p.payload[0] for p in batch], [p.payload[1] for p in batch], params, [p.payload[2] for p in batch]
+        )
         return [
             {
                 "text": r.text,
@@ -76,6 +79,8 @@ class EngineBackend:
                     "wall_s": r.wall_s,
                     "batch_size": r.batch_size,
                     "nfe": r.nfe,
+                    "denoise_steps": r.denoise_steps,
+                    "steps_per_block": r.steps_per_block,
                     "tokens_per_s": r.tokens_per_s,
                     "device": r.device,
                     "dtype": r.dtype,

@@ -19,12 +19,19 @@ SUPPORTED = (".txt", ".jsonl")
 # OpenAI body keys and the generation parameter each maps to (None: accepted and ignored)
 OPENAI_PARAMS = {
     "model": None,
+    "user": None,
+    "metadata": None,
     "max_tokens": "gen_length",
     "max_completion_tokens": "gen_length",
     "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
     "min_p": "min_p",
+    "stop": "stop",
     "seed": "seed",
 }
+# OpenAI body keys Celeris cannot honour, and the one value of each that asks for nothing
+UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": None, "stream": False, "best_of": 1}
 SAFE_ID = re.compile(r"^[^\x00-\x1f/\\]{1,256}$")
 
 
@@ -164,8 +171,14 @@ def _parse_jsonl(number: int, text: str) -> Request | LineError:
         for key, value in body.items():
             if key in ("messages", "prompt"):
                 continue
+            if key in UNSUPPORTED:
+                if value not in (UNSUPPORTED[key], None):
+                    return LineError(
+                        number, "bad_param", f"{key}={value!r} is not supported by celeris", obj, custom_id
+                    )
+                continue
             if key in OPENAI_PARAMS:
-                if OPENAI_PARAMS[key]:
+                if OPENAI_PARAMS[key] and value is not None:  # OpenAI's null means "the default"
                     params[OPENAI_PARAMS[key]] = value  # type: ignore[index]
             else:
                 params[key] = value  # generation params of our own, validated by the engine

@@ -1,0 +1,288 @@
+"""Every generation setting, validated once, with no torch.
+
+A setting ("knob") is declared once in `KNOBS`: its type, built-in default and range rule. Knobs are grouped
+into parts (`Schedule`, `Sampling`, `Ordering`, `Guidance`, `Parallel`), and each strategy declares the
+parts it honours (`STRATEGY_PARTS`); a decoder receives only those parts, so it cannot quietly ignore a
+knob. A knob the user sets that the chosen strategy does not honour is an error naming both.
+
+Layers merge in one order: built-in defaults, then the model folder's `generation_config.json`, then the
+queue's `batch.yaml` `generation:`, then the request or the command-line flags. Each layer is checked
+against what it lands on; only the last layer's keys count as the user's explicit choice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
+
+from .errors import UsageError
+
+Remasking = Literal["low_confidence", "random"]
+CacheMode = Literal["none", "prefix", "dual"]
+Confidence = Literal["prob", "margin", "lead", "entropy"]
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Knob:
+    kind: type
+    default: Any
+    rule: Callable[[Any], bool] = lambda v: True
+    meaning: str = ""  # what the rule demands, for the error message
+    choices: tuple[str, ...] = ()
+
+
+def _finite(lo: float, hi: float = math.inf, hi_open: bool = False) -> Callable[[Any], bool]:
+    return lambda v: math.isfinite(v) and lo <= v and (v < hi if hi_open else v <= hi)
+
+
+KNOBS: dict[str, Knob] = {
+    # schedule
+    "gen_length": Knob(int, 64, lambda v: v >= 1, "a positive integer"),
+    "block_length": Knob(int, 32, lambda v: v >= 1, "a positive integer"),
+    "denoise_steps": Knob(int, 64, lambda v: v >= 1, "a positive integer"),
+    # sampling
+    "temperature": Knob(float, 0.0, _finite(0.0), "a finite number >= 0"),
+    "min_p": Knob(float, 0.0, _finite(0.0, 1.0, hi_open=True), "in [0, 1)"),
+    "top_p": Knob(float, 1.0, lambda v: math.isfinite(v) and 0 < v <= 1, "in (0, 1]"),
+    "top_k": Knob(int, 0, lambda v: v >= 0, "an integer >= 0 (0 = off)"),
+    # ordering
+    "remasking": Knob(str, "low_confidence", choices=("low_confidence", "random")),
+    "order_temperature": Knob(float, 0.0, _finite(0.0), "a finite number >= 0"),
+    # guidance
+    "cfg_scale": Knob(float, 0.0, _finite(0.0), "a finite number >= 0"),
+    # parallel (fast only)
+    "threshold": Knob(float, 0.9, _finite(0.0, 1.0), "between 0 and 1"),
+    "cache": Knob(str, "dual", choices=("dual", "prefix", "none")),
+    "confidence": Knob(str, "prob", choices=("prob", "margin", "lead", "entropy")),
+    "early_exit": Knob(bool, True),
+    # per request
+    "seed": Knob(int, 0, lambda v: 0 <= v <= MAX_SEED, f"an integer in 0..{MAX_SEED}"),
+    "strategy": Knob(str, "fast", choices=("fast", "reference")),
+    "stop": Knob(tuple, (), lambda v: len(v) <= 16 and all(isinstance(s, str) and s for s in v), "non-empty strings"),
+}
+ALIASES = {"steps": "denoise_steps"}
+_TYPE_NAMES = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "true or false",
+    tuple: "a string or a list",
+}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    gen_length: int
+    block_length: int
+    denoise_steps: int
+
+    @property
+    def block_spans(self) -> list[tuple[int, int]]:
+        """(start, end) of each block within the generation part; the last block may be shorter."""
+        b = min(self.block_length, self.gen_length)
+        return [(s, min(s + b, self.gen_length)) for s in range(0, self.gen_length, b)]
+
+    @property
+    def steps_per_block(self) -> list[int]:
+        """The steps spread over the blocks: equal shares, the remainder to the first blocks, at least one
+        per block and at most one per token of the block (a step that can commit nothing is not run)."""
+        spans = self.block_spans
+        return [min(n, e - s) for n, (s, e) in zip(split_steps(self.denoise_steps, len(spans)), spans)]
+
+
+def split_steps(steps: int, num_blocks: int) -> list[int]:
+    """Equal shares of `steps`, the remainder to the first blocks, and at least one step per block."""
+    base, extra = divmod(steps, num_blocks)
+    return [max(1, base + (1 if i < extra else 0)) for i in range(num_blocks)]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    min_p: float
+    top_p: float
+    top_k: int
+
+
+@dataclass(frozen=True)
+class Ordering:
+    remasking: Remasking
+    order_temperature: float
+
+
+@dataclass(frozen=True)
+class Guidance:
+    cfg_scale: float
+
+
+@dataclass(frozen=True)
+class Parallel:
+    threshold: float
+    cache: CacheMode
+    confidence: Confidence
+    early_exit: bool
+
+
+PARTS: dict[str, type] = {
+    "schedule": Schedule,
+    "sampling": Sampling,
+    "ordering": Ordering,
+    "guidance": Guidance,
+    "parallel": Parallel,
+}
+STRATEGY_PARTS: dict[str, tuple[str, ...]] = {
+    "reference": ("schedule", "sampling", "ordering", "guidance"),
+    "fast": ("schedule", "sampling", "ordering", "guidance", "parallel"),
+}
+PER_REQUEST = ("seed", "strategy", "stop")  # honoured by every strategy, outside the decoder
+
+
+def honoured(strategy: str) -> tuple[str, ...]:
+    """The knobs a strategy honours, in declaration order."""
+    names = {f.name for p in STRATEGY_PARTS[strategy] for f in fields(PARTS[p])} | set(PER_REQUEST)
+    return tuple(k for k in KNOBS if k in names)
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Everything that decides an answer. Build it with `from_mapping` (or `resolve`), which validates."""
+
+    gen_length: int = KNOBS["gen_length"].default
+    block_length: int = KNOBS["block_length"].default
+    denoise_steps: int = KNOBS["denoise_steps"].default
+    temperature: float = KNOBS["temperature"].default
+    min_p: float = KNOBS["min_p"].default
+    top_p: float = KNOBS["top_p"].default
+    top_k: int = KNOBS["top_k"].default
+    remasking: Remasking = KNOBS["remasking"].default
+    order_temperature: float = KNOBS["order_temperature"].default
+    cfg_scale: float = KNOBS["cfg_scale"].default
+    threshold: float = KNOBS["threshold"].default
+    cache: CacheMode = KNOBS["cache"].default
+    confidence: Confidence = KNOBS["confidence"].default
+    early_exit: bool = KNOBS["early_exit"].default
+    seed: int = KNOBS["seed"].default
+    strategy: str = KNOBS["strategy"].default
+    stop: tuple[str, ...] = KNOBS["stop"].default
+    explicit: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], base: GenerationParams | None = None) -> GenerationParams:
+        """`values` (user input: flags, a config, a request) on top of `base`, validated. Unknown keys and
+        wrong types are errors that name the key."""
+        out = dict(_coerce(k, v) for k, v in values.items())
+        merged = replace(base or cls(), **out, explicit=frozenset(out))
+        merged._check()
+        return merged._settle()
+
+    def with_(self, **changes: Any) -> GenerationParams:
+        return GenerationParams.from_mapping(changes, self)
+
+    def _check(self) -> None:
+        if self.strategy not in STRATEGY_PARTS:
+            return  # _coerce already rejected it
+        ignored = [k for k in sorted(self.explicit) if k not in honoured(self.strategy)]
+        if ignored:
+            raise UsageError(
+                f"{', '.join(ignored)}: not used by the {self.strategy} strategy "
+                f"(it honours {', '.join(k for k in honoured(self.strategy) if k not in PER_REQUEST)})"
+            )
+        if self.denoise_steps > self.gen_length and "denoise_steps" in self.explicit:
+            raise UsageError(
+                f"denoise_steps {self.denoise_steps} exceeds gen_length {self.gen_length}: a step commits at least "
+                "one token, so more steps than tokens cannot run"
+            )
+        if self.remasking == "random" and self.order_temperature > 0 and "order_temperature" in self.explicit:
+            raise UsageError("order_temperature: random remasking already commits in random order; set it to 0")
+
+    def _settle(self) -> GenerationParams:
+        """Resolve what defaults from lower layers left inconsistent, so the settings say what runs."""
+        fixes: dict[str, Any] = {}
+        if self.denoise_steps > self.gen_length:
+            fixes["denoise_steps"] = self.gen_length
+        if self.remasking == "random" and self.order_temperature > 0:
+            fixes["order_temperature"] = 0.0
+        return replace(self, **fixes) if fixes else self
+
+    # -- parts, as the decoders receive them ---------------------------------------------------------
+    def part(self, name: str) -> Any:
+        cls = PARTS[name]
+        return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.part("schedule")
+
+    @property
+    def sampling(self) -> Sampling:
+        return self.part("sampling")
+
+    @property
+    def ordering(self) -> Ordering:
+        return self.part("ordering")
+
+    @property
+    def guidance(self) -> Guidance:
+        return self.part("guidance")
+
+    @property
+    def parallel(self) -> Parallel:
+        return self.part("parallel")
+
+    def batch_key(self) -> GenerationParams:
+        """Requests whose keys are equal can share a batch: everything but the per-row seed."""
+        return replace(self, seed=0)
+
+    def report(self) -> dict[str, Any]:
+        """The settings that ran: the knobs the strategy honours, with their values."""
+        out = {k: getattr(self, k) for k in honoured(self.strategy)}
+        out["stop"] = list(self.stop)
+        return out
+
+
+def _coerce(key: str, value: Any) -> tuple[str, Any]:
+    """Check one user-given value against its knob; returns the knob's name and the value in its type."""
+    name = ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
+    knob = KNOBS.get(name)
+    if knob is None:
+        raise UsageError(f"unknown generation parameter {key!r}")
+    if knob.kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if knob.kind is tuple and isinstance(value, (str, list)):
+        value = (value,) if isinstance(value, str) else tuple(value)
+    if not isinstance(value, knob.kind) or (isinstance(value, bool) and knob.kind is not bool):
+        raise UsageError(f"{name} must be {_TYPE_NAMES[knob.kind]}, got {value!r}")
+    if knob.choices and value not in knob.choices:
+        raise UsageError(f"{name}: unknown value {value!r} (choose {', '.join(knob.choices)})")
+    if not knob.rule(value):
+        raise UsageError(f"{name} must be {knob.meaning}, got {value!r}")
+    return name, value
+
+
+# generation_config.json as `transformers` writes it: keys that mean something to Celeris
+HF_KEYS = {"max_new_tokens": "gen_length", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+
+
+def model_layer(raw: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[int], list[str]]:
+    """Split a model folder's generation_config.json into Celeris settings, extra stop ids (HF's
+    `eos_token_id`, an int or a list) and the keys ignored (bookkeeping such as `_from_model_config`,
+    `transformers_version`, or settings Celeris does not have). `do_sample: false` means greedy."""
+    settings: dict[str, Any] = {}
+    ignored: list[str] = []
+    for key, value in raw.items():
+        if key in KNOBS or key in ALIASES:
+            settings[key] = value
+        elif key in HF_KEYS and value is not None:
+            settings[HF_KEYS[key]] = value
+        elif key != "eos_token_id" and key != "do_sample":
+            ignored.append(key)
+    if raw.get("do_sample") is False:
+        settings["temperature"] = 0.0
+    eos = raw.get("eos_token_id")
+    eos_list = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos_list):
+        raise UsageError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
+    return settings, frozenset(eos_list), ignored
