@@ -191,8 +191,7 @@ def bench(
     if cache_agreement:
         greedy = base.with_(temperature=0.0, strategy="fast", early_exit=False)
         texts = {
-            c: run_mode(engine, prompts, greedy.with_(cache=c), batch_size)["texts"]
-            for c in ("none", "prefix", "dual")
+            c: run_mode(engine, prompts, greedy.with_(cache=c), batch_size)["texts"] for c in ("none", "prefix", "dual")
         }
         report["cache_agreement_temperature_0"] = {c: agreement(texts["none"], texts[c]) for c in ("prefix", "dual")}
     if sweep:
