@@ -85,6 +85,11 @@ class Engine:
             raise ModelError(f"{GENERATION_CONFIG}: eos_token_id {outside[0]} is outside the embedding table")
         self.special = SpecialTokens(tokenizer.mask_id, tokenizer.stop_ids | extra_stops, tokenizer.pad_id)
 
+    def with_defaults(self, settings: dict[str, Any]) -> Engine:
+        """This engine with `settings` as its model-folder layer of defaults (for tests and tools)."""
+        self.defaults = GenerationParams.from_mapping(settings)
+        return self
+
     def params(self, overrides: dict[str, Any] | None = None) -> GenerationParams:
         """Settings in the documented order: built-in defaults, the model folder's generation_config.json,
         then `overrides` (a config's, a request's or the command line's), validated."""

@@ -94,10 +94,10 @@ class ModelConfig:
         missing = [k for k in required if k not in kwargs]
         if missing:
             raise ModelError(f"config.json: missing required keys: {', '.join(missing)}")
-        try:
-            return cls(**kwargs)
-        except TypeError as e:
-            raise ModelError(f"config.json: {e}") from None
+        for f in fields(cls):
+            if f.name in kwargs:
+                _check_type(f.name, kwargs[f.name], str(f.type))
+        return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -115,6 +115,19 @@ class ModelConfig:
             }
         )
         return d
+
+
+_KINDS = {"int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "true or false")}
+
+
+def _check_type(key: str, value: Any, annotation: str) -> None:
+    """config.json values by the dataclass annotation ("int", "float | None", ...), naming the key."""
+    kind, optional = annotation.replace(" | None", ""), annotation.endswith("| None")
+    if kind not in _KINDS or (optional and value is None):
+        return
+    types, name = _KINDS[kind]
+    if not isinstance(value, types) or (isinstance(value, bool) and kind != "bool"):
+        raise ModelError(f"config.json: {key} must be {name}, got {value!r}")
 
 
 class RMSNorm(nn.Module):
