@@ -117,7 +117,11 @@ class ModelConfig:
         return d
 
 
-_KINDS = {"int": (int, "an integer"), "float": ((int, float), "a number"), "bool": (bool, "true or false")}
+_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "bool": ((bool,), "true or false"),
+}
 
 
 def _check_type(key: str, value: Any, annotation: str) -> None:
