@@ -167,3 +167,62 @@ def test_negative_order_temperature_is_a_clear_error(tiny_model: Path) -> None:
 def test_min_p_out_of_range_is_a_clear_error(tiny_model: Path, value: str) -> None:
     out = _error(run("--model", str(tiny_model), "--prompt", "x", "--min-p", value))
     assert "min_p must be in [0, 1)" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--denoise-steps", "100000000"], "denoise_steps"),
+        (["--temperature", "inf"], "temperature"),
+        (["--seed", "18446744073709551616"], "seed"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--strategy", "reference", "--threshold", "0.5"], "threshold: not used by the reference strategy"),
+    ],
+)
+def test_bad_values_exit_2_with_one_line_naming_the_setting(tiny_model: Path, args: list[str], named: str) -> None:
+    r = run("--model", str(tiny_model), "--prompt", "x", *args)
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    [line] = r.output.strip().splitlines()
+    assert line.startswith("Error: ") and named in line
+
+
+@pytest.mark.parametrize(("key", "value"), [("n_layers", 6.0), ("max_sequence_length", "512"), ("n_layers", "6")])
+def test_mistyped_config_json_exits_2_naming_the_key(
+    tmp_path: Path, tiny_tokenizer: Path, key: str, value: object
+) -> None:
+    folder = make_model(tmp_path / "m", tiny_tokenizer)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, key: value}))
+    r = run("--model", str(folder), "--prompt", "x", *FAST)
+    assert r.exit_code == 2 and "Traceback" not in r.output and f"config.json: {key} must be" in r.output
+
+
+def test_cfg_and_random_remasking_change_the_default_strategys_text(tiny_model: Path) -> None:
+    def texts(*extra: str) -> list[str]:
+        r = run("--model", str(tiny_model), "-p", "床前明月光，", "-p", "To be", "--jsonl", "-t", "0", *FAST, *extra)
+        assert r.exit_code == 0, r.output
+        return [json.loads(line)["text"] for line in r.stdout.splitlines()]
+
+    plain = texts()
+    assert texts("--cfg-scale", "2") != plain
+    assert texts("--remasking", "random") != plain
+
+
+def test_samples_use_consecutive_seeds_and_match_single_runs(tiny_model: Path) -> None:
+    args = ["--model", str(tiny_model), "-p", "床前", "--jsonl", "-t", "1.0", *FAST]
+    r = run(*args, "--samples", "3", "--seed", "40")
+    assert r.exit_code == 0, r.output
+    recs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["seed"] for x in recs] == [40, 41, 42]
+    single = json.loads(run(*args, "--seed", "41").stdout)
+    assert single["text"] == recs[1]["text"] and single["settings"]["seed"] == 41
+
+
+def test_json_reports_the_steps_that_ran(tiny_model: Path) -> None:
+    r = run(
+        "--model", str(tiny_model), "-p", "x", "--json", "--gen-length", "64", "--block-length", "4",
+        "--denoise-steps", "3", "--no-early-exit", "--device", "cpu",
+    )  # fmt: skip
+    rec = json.loads(r.stdout)
+    assert rec["steps_per_block"] == [1] * 16 and rec["denoise_steps"] == 16
+    assert rec["settings"]["strategy"] == "fast" and rec["nfe"] <= 16

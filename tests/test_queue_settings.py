@@ -1,0 +1,101 @@
+"""Settings through the queue: a request's answer depends only on the request (not on the file it came
+in or its neighbours), OpenAI sampling keys are honoured or rejected by name, and a user's mistake is a
+non-retryable `bad_param` classified by the error's type."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from celeris_cli.spool.formats import parse_file
+
+from .spool_helpers import drop, failures, make_queue, outputs
+
+REPO = Path(__file__).parents[1]
+
+
+def watch_once(config: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "celeris_cli", "watch", str(config), "--once"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+
+
+def line(custom_id: str, prompt: str, **body: object) -> str:
+    return json.dumps(
+        {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": {"prompt": prompt, **body}}
+    )
+
+
+def test_the_same_request_in_two_files_with_different_neighbours_gives_the_same_text(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    sampled = {"temperature": 1.2, "seed": 77, "max_tokens": 16}
+    same = line("same", "床前明月光，", **sampled)
+    a = [line(f"a{i}", p, temperature=1.2, seed=i, max_tokens=16) for i, p in enumerate(["春", "The quick brown fox"])]
+    b = [
+        line(f"b{i}", p, temperature=1.2, seed=9 + i, max_tokens=16)
+        for i, p in enumerate(["白日依山尽，黄河入海流。", "To"])
+    ]
+    config = make_queue(tmp_path, model=tiny_model, batch_size=8, generation={"denoise_steps": 16})
+    drop(tmp_path, "first.jsonl", "\n".join([a[0], same, a[1]]) + "\n")
+    assert watch_once(config).returncode == 0
+    drop(tmp_path, "second.jsonl", "\n".join([*b, same]) + "\n")  # a later run: other batch mates
+    p = watch_once(config)
+    assert p.returncode == 0, p.stderr
+    out = outputs(tmp_path)
+    first = {r["custom_id"]: r["response"]["body"] for r in out["first.jsonl.results.jsonl"]}
+    second = {r["custom_id"]: r["response"]["body"] for r in out["second.jsonl.results.jsonl"]}
+    assert first["same"]["text"] == second["same"]["text"]
+    assert first["same"]["settings"]["seed"] == 77
+    # requests with different seeds but equal settings were batched together, so the equality is not trivial
+    assert first["same"]["timing"]["batch_size"] == second["same"]["timing"]["batch_size"] == 3
+    assert first["a0"]["text"] != first["same"]["text"]
+
+
+def test_openai_sampling_keys_are_honoured_and_unsupported_ones_named(tmp_path: Path, tiny_model: Path) -> None:
+    rows = [
+        line("topk", "床前明月光，", temperature=1.0, top_k=1, top_p=0.5, max_completion_tokens=12, user="u1"),
+        line("greedy", "床前明月光，", temperature=0, max_tokens=12, metadata={"k": "v"}, stop=None),
+        line("n2", "x", n=2),
+        line("lp", "x", logprobs=True),
+        line("stream", "x", stream=True),
+        line("big_seed", "x", seed=2**64),
+        line("ctx", "x", context_len=3),
+    ]
+    config = make_queue(tmp_path, model=tiny_model, generation={"denoise_steps": 12, "block_length": 12})
+    drop(tmp_path, "oa.jsonl", "\n".join(rows) + "\n")
+    p = watch_once(config)
+    assert p.returncode == 1, p.stderr
+    got = {r["custom_id"]: r["response"]["body"] for r in outputs(tmp_path)["oa.jsonl.results.jsonl"]}
+    assert set(got) == {"topk", "greedy"}
+    s = got["topk"]["settings"]
+    assert (s["top_k"], s["top_p"], s["gen_length"]) == (1, 0.5, 12)
+    assert got["topk"]["text"] == got["greedy"]["text"]  # top-k 1 samples the argmax: greedy's answer
+    fails = {f["custom_id"]: f for f in failures(tmp_path)}
+    assert set(fails) == {"n2", "lp", "stream", "big_seed", "ctx"}
+    assert all(f["code"] == "bad_param" and f["retryable"] is False for f in fails.values())
+    assert "n=2" in fails["n2"]["message"] and "seed" in fails["big_seed"]["message"]
+    assert "context_len" in fails["ctx"]["message"]  # an unknown key, not a prompt that is too long
+
+
+def test_a_stop_string_in_a_request_cuts_its_answer(tmp_path: Path, tiny_model: Path) -> None:
+    config = make_queue(tmp_path, model=tiny_model, generation={"denoise_steps": 12, "block_length": 12})
+    drop(tmp_path, "free.jsonl", line("q", "床前明月光，", temperature=0, max_tokens=12) + "\n")
+    assert watch_once(config).returncode == 0
+    free = outputs(tmp_path)["free.jsonl.results.jsonl"][0]["response"]["body"]["text"]
+    stop = free[2:4]
+    drop(tmp_path, "cut.jsonl", line("q", "床前明月光，", temperature=0, max_tokens=12, stop=[stop]) + "\n")
+    assert watch_once(config).returncode == 0
+    cut = outputs(tmp_path)["cut.jsonl.results.jsonl"][0]["response"]["body"]
+    assert cut["text"] == free[: free.find(stop)] and cut["finish_reason"] == "stop"
+
+
+def test_unsupported_openai_values_are_line_errors_and_their_neutral_values_pass() -> None:
+    data = "\n".join([line("a", "x", n=1, logprobs=False, stream=False), line("b", "x", n=3)]) + "\n"
+    requests, errors = parse_file("f.jsonl", data.encode(), 10_000)
+    assert [r.custom_id for r in requests] == ["a"] and requests[0].params == {}
+    [err] = errors
+    assert (err.custom_id, err.code) == ("b", "bad_param")
