@@ -485,6 +485,9 @@ def bench_cmd(
     sweep: str = typer.Option(None, "--sweep", help="Also sweep these step counts, e.g. 5,10,20,40,64."),
     no_agreement: bool = typer.Option(False, "--no-agreement", help="Skip the cache-vs-no-cache comparison."),
     queue: int = typer.Option(0, "--queue", min=0, help="Also measure queue overhead with this many files."),
+    invariance: int = typer.Option(
+        0, "--invariance", min=0, help="Only measure: N prompts alone versus batched, share of identical answers."
+    ),
     device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
     dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
     threads: int = typer.Option(None, "--threads", min=1),
@@ -494,9 +497,19 @@ def bench_cmd(
     """Reference decoding and every fast mode side by side: speed and quality on the same outputs."""
     import tempfile
 
-    from .bench import MODES, bench, bench_queue, render
+    from .bench import MODES, batch_invariance, bench, bench_queue, render
     from .engine import load_engine
 
+    if invariance:
+        try:
+            engine = load_engine(model, device.value, dtype.value, threads)
+            result = batch_invariance(engine, invariance, batch_size, _json_setting(set_name))
+        except CelerisError as e:
+            fail(e)
+        if out is not None:
+            out.write_text(json.dumps(result, indent=1, ensure_ascii=False), encoding="utf-8")
+        typer.echo(json.dumps(result, ensure_ascii=False))
+        return
     try:
         chosen = [m.strip() for m in modes.split(",")] if modes else None
         for m in chosen or []:
