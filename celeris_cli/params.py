@@ -243,6 +243,13 @@ class GenerationParams:
         return out
 
 
+def check_values(values: Mapping[str, Any]) -> None:
+    """Each setting on its own (name, type, range), before any model is known: for a config file's layer,
+    whose combination with the model's defaults is checked when the model loads."""
+    for key, value in values.items():
+        _coerce(key, value)
+
+
 def _coerce(key: str, value: Any) -> tuple[str, Any]:
     """Check one user-given value against its knob; returns the knob's name and the value in its type."""
     name = ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))

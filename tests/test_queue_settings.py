@@ -99,3 +99,18 @@ def test_unsupported_openai_values_are_line_errors_and_their_neutral_values_pass
     assert [r.custom_id for r in requests] == ["a"] and requests[0].params == {}
     [err] = errors
     assert (err.custom_id, err.code) == ("b", "bad_param")
+
+
+def test_generation_settings_in_batch_yaml_are_checked_when_the_config_loads(tmp_path: Path) -> None:
+    from celeris_cli.errors import ConfigError
+    from celeris_cli.spool.config import load_config
+
+    for bad, named in (({"temperature": "hot"}, "temperature"), ({"stepz": 3}, "stepz"), ({"seed": -1}, "seed")):
+        config = make_queue(tmp_path, generation=bad)
+        try:
+            load_config(config)
+        except ConfigError as e:
+            assert str(e).startswith("generation: ") and named in str(e)
+        else:
+            raise AssertionError(f"{bad} was accepted")
+    assert load_config(make_queue(tmp_path, generation={"denoise_steps": 100})).generation == {"denoise_steps": 100}

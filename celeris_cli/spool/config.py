@@ -10,7 +10,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UsageError
+from ..params import check_values
 
 FOLDER_KEYS = ("inputs", "outputs", "processed", "logs")
 OUTPUT_FORMATS = ("jsonl", "txt")
@@ -130,6 +131,10 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
     for key in values.get("generation", {}):
         if not isinstance(key, str):
             raise ConfigError(f"generation: keys must be names, got {key!r}")
+    try:  # each setting on its own, now; how they combine with the model's defaults, when the model loads
+        check_values(values.get("generation", {}))
+    except UsageError as e:
+        raise ConfigError(f"generation: {e}") from None
 
     base = path.parent
     root_raw = raw.get("root", ".")
