@@ -56,6 +56,16 @@ class Request:
         return out
 
 
+def result_line(source: str, request: Request, body: dict[str, Any]) -> dict[str, Any]:
+    """One results-file line, in the OpenAI batch output shape, matched by custom_id."""
+    return {
+        "id": f"{source}:{request.line}",
+        "custom_id": request.custom_id,
+        "response": {"status_code": 200, "body": body},
+        "error": None,
+    }
+
+
 @dataclass(frozen=True)
 class LineError:
     line: int

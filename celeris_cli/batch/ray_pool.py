@@ -1,0 +1,148 @@
+"""Running requests on a Ray actor pool with Ray Data, the way vLLM's and Ray's own offline LLM inference
+do: each actor loads the engine once and maps batches of request rows to outcome rows.
+
+A request's failure is data (an outcome row with its code), never a raised exception: Ray drops whole
+blocks when user code raises (`max_errored_blocks`), and it does not retry user exceptions. A killed actor
+is restarted and its batch redone; per-request seeds make a redone row identical to its first run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from ..spool.formats import Request
+from . import Outcome
+
+log = logging.getLogger(__name__)
+
+# fault injection for tests: the first worker to reach a batch exits, once (the marker file remembers)
+CRASH_ENV = "CELERIS_RAY_CRASH_ONCE"
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    address: str | None = None  # None: a local Ray for this run; "auto" or "ray://host:10001": a cluster
+    actors: int = 1
+    cpus_per_actor: float | None = None  # None: what leaves room for Ray Data's own read task
+    gpus_per_actor: float = 0.0
+    batch_size: int = 16
+    token_budget: int = 16384
+    engine: dict[str, Any] = field(default_factory=dict)  # model, device, dtype, generation
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError:
+        raise UsageError("--ray needs Ray: pip install 'celeris[ray]'") from None
+    return ray
+
+
+class RayExecutor:
+    def __init__(self, options: RayOptions) -> None:
+        self.options = options
+        self.ray = import_ray()
+
+    def run(self, requests: list[Request]) -> Iterator[Outcome]:
+        with _stdout_to_stderr():
+            yield from self._session(requests)
+
+    def _session(self, requests: list[Request]) -> Iterator[Outcome]:
+        ray, o = self.ray, self.options
+        started_here = not ray.is_initialized()
+        if started_here:
+            ray.init(
+                address=o.address,
+                log_to_driver=False,  # stdout belongs to the results, stderr to our own progress
+                logging_level=logging.WARNING,
+                include_dashboard=False,
+                runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("CELERIS_")}},
+            )
+        try:
+            yield from self._run(requests)
+        finally:
+            if started_here:
+                ray.shutdown()
+
+    def _run(self, requests: list[Request]) -> Iterator[Outcome]:
+        ray, o = self.ray, self.options
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        ctx.print_on_execution_start = False
+        total_cpus = float(ray.cluster_resources().get("CPU", 1))
+        cpus = o.cpus_per_actor if o.cpus_per_actor is not None else min(1.0, total_cpus / (o.actors + 1))
+        by_line = {r.line: r for r in requests}
+        # settings first, then length: consecutive rows share settings and have similar lengths, so Ray's
+        # batches pack well inside each actor
+        order = sorted(requests, key=lambda r: (json.dumps(r.params, sort_keys=True), len(r.prompt or str(r.messages))))
+        ds = ray.data.from_items([{"request": json.dumps(asdict(r), ensure_ascii=False)} for r in order])
+        out = ds.map_batches(
+            RayWorker,
+            fn_constructor_kwargs={
+                "engine": o.engine,
+                "threads": max(1, int(cpus)),
+                "token_budget": o.token_budget,
+                "batch_size": o.batch_size,
+            },  # fmt: skip
+            batch_size=o.batch_size,
+            compute=ray.data.ActorPoolStrategy(size=o.actors),
+            num_cpus=cpus,
+            num_gpus=o.gpus_per_actor,
+            max_restarts=-1,  # a killed actor comes back, and its batch is redone
+            max_task_retries=-1,
+        )
+        for row in out.iter_rows():
+            rec = json.loads(row["outcome"])
+            yield Outcome(by_line[rec.pop("line")], **rec)
+
+
+@contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Ray's raylet prints retries and worker deaths to the driver's stdout even with log_to_driver off;
+    stdout belongs to the results, so file descriptor 1 points at stderr while Ray runs."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+class RayWorker:
+    """One actor: loads the engine once, then turns batches of request rows into outcome rows."""
+
+    def __init__(self, engine: dict[str, Any], threads: int, batch_size: int, token_budget: int) -> None:
+        from ..spool.backend import EngineBackend
+        from .local import LocalExecutor
+
+        backend = EngineBackend(
+            engine.get("model"), engine.get("device", "auto"), engine.get("dtype", "auto"), threads,
+            engine.get("generation", {}),
+        )  # fmt: skip
+        self.executor = LocalExecutor(backend, batch_size, token_budget)
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list[str]]:
+        marker = os.environ.get(CRASH_ENV)
+        if marker and not Path(marker).exists():
+            Path(marker).touch()
+            os._exit(1)  # as if the node lost the process mid-batch
+        requests = [Request(**json.loads(s)) for s in batch["request"]]
+        outcomes = []
+        for oc in self.executor.run(requests):
+            rec = {"line": oc.request.line, "body": oc.body, "code": oc.code, "message": oc.message,
+                   "retryable": oc.retryable}  # fmt: skip
+            outcomes.append(json.dumps(rec, ensure_ascii=False))
+        return {"outcome": outcomes}
