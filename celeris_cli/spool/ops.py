@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from .config import BatchConfig
-from .daemon import HEARTBEAT, LOCK_NAME, is_candidate
+from .daemon import HEARTBEAT, LOCK_NAME
 from .fsutil import QueueLock, append_line, atomic_write
+from .intake import is_candidate
 from .ledger import now_iso, read_jsonl
 
 
