@@ -250,8 +250,7 @@ def retry(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Run failed requests again: queue them as a new input file, then drain the queue once."""
-    from .spool.daemon import LOCK_NAME
-    from .spool.fsutil import QueueLock
+    from .spool.daemon import queue_lock
     from .spool.ops import plan_retry
 
     try:
@@ -262,7 +261,7 @@ def retry(
         ran = "not run"
         code = 0
         if report.resubmitted and not no_run:
-            if QueueLock(cfg.root / LOCK_NAME).holder() is None:
+            if queue_lock(cfg).holder() is None:
                 code = _serve(cfg, once=True)
                 ran = "ran now"
             else:
@@ -275,6 +274,7 @@ def retry(
     else:
         typer.echo(
             f"resubmitted {report.resubmitted} ({ran}); skipped: {report.already_retried} already retried, "
+            f"{report.already_done} already have a result, "
             f"{report.not_retryable} not retryable, {report.out_of_attempts} out of attempts, "
             f"{report.no_request} without a request" + (f"; file {report.file}" if report.file else "")
         )

@@ -52,6 +52,9 @@ class BatchConfig:
     max_line_bytes: int = 1_000_000
     max_file_requests: int = 100_000
     log_prompts: bool = False
+    request_timeout_s: float | None = None  # a batch run past this fails (bisected down to one request)
+    max_claims: int = 3  # a request in flight this many times when the daemon died or stopped is poison
+    publish_retry_s: float = 1.0  # first back-off after the filesystem refused a publish (doubles, max 60)
     source: Path | None = None
 
     @property
@@ -76,8 +79,20 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "max_line_bytes": (int,),
     "max_file_requests": (int,),
     "log_prompts": (bool,),
+    "request_timeout_s": (int, float, type(None)),
+    "max_claims": (int,),
+    "publish_retry_s": (int, float),
 }
-_POSITIVE = ("batch_size", "token_budget", "max_attempts", "max_line_bytes", "max_file_requests", "rescan_s")
+_POSITIVE = (
+    "batch_size",
+    "token_budget",
+    "max_attempts",
+    "max_line_bytes",
+    "max_file_requests",
+    "rescan_s",
+    "max_claims",
+    "publish_retry_s",
+)
 _NON_NEGATIVE = ("batch_window_s", "settle_s", "shutdown_grace_s")
 
 
@@ -114,6 +129,8 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
     for key in _POSITIVE:
         if key in values and values[key] <= 0:
             raise ConfigError(f"{key}: must be positive, got {values[key]!r}")
+    if values.get("request_timeout_s") is not None and values["request_timeout_s"] <= 0:
+        raise ConfigError(f"request_timeout_s: must be positive or null, got {values['request_timeout_s']!r}")
     for key in _NON_NEGATIVE:
         if key in values and values[key] < 0:
             raise ConfigError(f"{key}: must be >= 0, got {values[key]!r}")

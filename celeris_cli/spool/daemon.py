@@ -1,19 +1,14 @@
 """The spool daemon: inbox -> claim -> batch -> publish -> processed, with no lost work.
 
-State lives in the folders (Maildir, Postfix qmgr):
-- a file is claimed by renaming it into `inputs/.work/`; at startup, anything there goes back to the inbox;
-- results are published with temp-write, fsync, rename, directory fsync, under a name derived from the
-  claimed file name, so a rerun after a crash overwrites instead of duplicating;
-- failures are appended to `logs/failed.jsonl` with a stable key, so a rerun does not repeat them;
-- the input moves to `processed/` only after its results and failures are durable.
-
-Watchdog events only wake the loop; the loop also rescans every `rescan_s`. Intake, publishing and
-signals live in their own modules; this one runs the loop and the batches.
+State lives in the folders (Maildir, Postfix qmgr): a claimed file stays in `inputs/.work/` under its
+claim number, with a journal of its finished batches, until its results are published; at startup it is
+resumed there, and only its undecided requests are decoded. Watchdog events only wake the loop; the loop
+also rescans every `rescan_s`. Intake, journal, batching, publishing and signals have modules of their own.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import logging
 import os
 import stat
@@ -23,15 +18,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import CelerisError
-from . import signals
-from .backend import Backend, Prepared
+from ..errors import ConfigError
+from . import finish, signals
+from .backend import Backend
+from .batching import Item, Outcome, pack, run_bisecting
 from .config import BatchConfig
 from .formats import FileRejected, parse_file
-from .fsutil import QueueLock, atomic_write, crashpoint
+from .fsutil import FolderLocks, crashpoint
 from .intake import Inbox, Job
-from .ledger import EventLog, FailureLog, now_iso
+from .journal import try_counts
+from .ledger import EventLog, FailureLog
 from .publish import Publisher, line_failure, request_failure
+from .status import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -39,69 +37,100 @@ LOCK_NAME = ".celeris.lock"
 HEARTBEAT = "heartbeat.json"
 
 
+def queue_lock(cfg: BatchConfig) -> FolderLocks:
+    f = cfg.folders
+    return FolderLocks([f.inputs, f.outputs, f.processed, f.logs], LOCK_NAME)
+
+
 class Spool:
-    def __init__(self, cfg: BatchConfig, backend_factory: Callable[[], Backend]) -> None:
+    def __init__(
+        self, cfg: BatchConfig, backend_factory: Callable[[], Backend], progress: Callable[[str], None] | None = None
+    ) -> None:
         self.cfg = cfg
         self.f = cfg.folders
         self.backend_factory = backend_factory
         self.backend: Backend | None = None
+        self.progress = progress
         self.events = EventLog(self.f.logs / "events.jsonl")
-        self.lock = QueueLock(cfg.root / LOCK_NAME)
+        self.lock = queue_lock(cfg)
         self.inbox = Inbox(self.f, cfg.settle_s, self.events)
+        self.beat = Heartbeat(self.f.logs / HEARTBEAT)
         self.wake = threading.Event()
         self.stopping = False
-        self.claimed: dict[str, Job] = {}
+        self.claimed: dict[int, Job] = {}  # claim number -> job in progress (resumed, decoding or deferred)
+        self.in_flight: list[Item] = []
         self.failed_this_run = 0
         self.done_this_run = 0
+        self.files_this_run = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        """Take the lock, recover the work folder, load the failure log."""
+        """Take the locks, check every folder and the backend, and find claims to resume."""
         self.lock.acquire()  # raises LockHeld
-        self.f.work.mkdir(exist_ok=True)
-        self.f.quarantine.mkdir(exist_ok=True)
-        self.failures = FailureLog(self.f.logs / "failed.jsonl")
-        self.publisher = Publisher(self.f, self.cfg.output_formats, self.failures, self.events)
-        self.inbox.recover()
-        # our own temp files of a publish cut short (the inbox's dot-files belong to producers: left alone)
-        for folder in (self.f.outputs, self.f.logs):
-            for tmp in folder.glob(".*.tmp"):
-                tmp.unlink(missing_ok=True)
+        try:
+            self.f.work.mkdir(exist_ok=True)
+            self.f.quarantine.mkdir(exist_ok=True)
+            for key in ("inputs", "outputs", "processed", "logs"):
+                _check_writable(key, getattr(self.f, key))
+            self.failures = FailureLog(self.f.logs / "failed.jsonl")
+            self.publisher = Publisher(self.f, self.cfg.output_formats, self.failures, self.events)
+            for folder in (self.f.outputs, self.f.logs):  # our temp files of a publish cut short
+                for tmp in folder.glob(".*.tmp"):
+                    tmp.unlink(missing_ok=True)
+            self.backend = self.backend_factory()  # a missing model or bad `generation:` fails now
+            for job in self.inbox.open(self.failures.max_claim):
+                self.claimed[job.seq] = job
+        except BaseException:
+            self.lock.release()
+            raise
 
     def run(self, once: bool) -> int:
-        """Serve the queue. Returns the exit code: 0, or 1 in --once mode when failures were recorded."""
+        """Serve the queue. Returns the exit code: 0; 1 in --once mode when failures were recorded; 75 in
+        --once mode when a publish is still refused by the filesystem (the file stays claimed)."""
         self.start()
         self.events("start", pid=os.getpid(), once=once)
         observer = None if once else self._watch()
         previous = signals.install(self._on_signal, self.cfg.shutdown_grace_s, self._grace_expired)
+        gave_up = False
         try:
             while not self.stopping:
-                ready, waiting = self.scan()
-                if ready:
-                    if not once and self.cfg.batch_window_s > 0 and len(ready) < self.cfg.batch_size:
+                self.retry_deferred()
+                ready, waiting = self.inbox.scan()
+                resumable = [j for j in self.claimed.values() if j.resumed]
+                if ready or resumable:
+                    if not once and not resumable and self.cfg.batch_window_s > 0 and len(ready) < self.cfg.batch_size:
                         time.sleep(self.cfg.batch_window_s)  # let a burst of files arrive, then batch them
-                        ready, waiting = self.scan()
+                        ready, waiting = self.inbox.scan()
                     self.process(ready)
                     continue
-                self.heartbeat("idle")
-                if once and not waiting:
+                self.beat.write("idle", self)
+                if once and not waiting and not self.claimed:
+                    break
+                if once and self.claimed and all(j.blocked >= finish.ONCE_PUBLISH_TRIES for j in self.claimed.values()):
+                    gave_up = True
                     break
                 delay = self.cfg.rescan_s if not waiting else min(self.cfg.rescan_s, self.cfg.settle_s / 2 + 0.05)
+                if self.claimed:
+                    delay = max(0.01, min(delay, min(j.not_before for j in self.claimed.values()) - time.time()))
                 self.wake.wait(delay)
                 self.wake.clear()
         finally:
-            self.requeue()
+            self.stop_claims([])
             if observer is not None:
                 observer.stop()
                 observer.join(timeout=5)
-            self.events("stop", pid=os.getpid(), done=self.done_this_run, failed=self.failed_this_run)
-            self.heartbeat("stopped")
+            self.events("stop", pid=os.getpid(), done=self.done_this_run, failed=self.failed_this_run, reason="done")
+            self.beat.write("stopped", self)
             self.lock.release()
             signals.restore(previous)
+        if once and self.progress:
+            self.progress(
+                f"celeris watch --once: {self.files_this_run} files, {self.done_this_run} results, "
+                f"{self.failed_this_run} failures" + (", publishing blocked (files kept claimed)" if gave_up else "")
+            )
+        if gave_up:
+            return 75
         return 1 if once and self.failed_this_run else 0
-
-    def scan(self) -> tuple[list[Path], int]:
-        return self.inbox.scan()
 
     def _watch(self) -> Any:
         try:
@@ -127,66 +156,70 @@ class Spool:
         self.events("signal", signal=signum, grace_s=self.cfg.shutdown_grace_s)
 
     def _grace_expired(self) -> None:
-        self.requeue()
-        self.events("grace_expired")
+        self.stop_claims(self.in_flight)
+        self.events(
+            "stop", pid=os.getpid(), done=self.done_this_run, failed=self.failed_this_run, reason="grace_expired"
+        )
         os._exit(0)
 
-    def requeue(self) -> None:
-        """Give claimed but unfinished files back to the inbox."""
-        self.inbox.requeue(list(self.claimed.values()))
+    def stop_claims(self, in_flight: list[Item]) -> None:
+        """A clean stop: claimed files stay in the work folder; their journals say what was in flight."""
+        for job in list(self.claimed.values()):
+            if job.path.exists():
+                lines = sorted(p.request.line for j, p in in_flight if j is job)
+                job.journal.append({"stopped": lines})
+                self.events("kept_claimed", file=job.name, claim=job.seq, in_flight=len(lines))
         self.claimed.clear()
-
-    def heartbeat(self, state: str) -> None:
-        data = {
-            "pid": os.getpid(),
-            "time": now_iso(),
-            "unix": time.time(),
-            "state": state,
-            "done": self.done_this_run,
-            "failed": self.failed_this_run,
-        }
-        try:
-            atomic_write(self.f.logs / HEARTBEAT, json.dumps(data).encode())
-        except OSError as e:
-            log.warning("heartbeat: %s", e)
 
     # -- processing --------------------------------------------------------------------------------
     def process(self, paths: list[Path]) -> None:
-        if self.backend is None:
-            self.backend = self.backend_factory()
-        budget = self.cfg.batch_size * 8  # requests claimed per round bounds memory and latency
-        jobs: list[Job] = []
-        claimed = 0
-        for path in paths:
-            if self.stopping or claimed >= budget:
-                break
-            job = self.inbox.claim(path)
-            if job is not None and self.load(job):
-                jobs.append(job)
-                claimed += len(job.requests)
-        prepared = [(job, p) for job in jobs for p in self.prepare(job)]
+        budget = self.cfg.batch_size * 8  # requests taken per round bounds memory and latency
+        jobs = [j for j in self.claimed.values() if j.resumed]
+        taken = 0
         for job in jobs:
-            if job.pending == 0:
-                self.finish(job)
-        for i, batch in enumerate(self.batches(prepared)):
-            if self.stopping:
+            self.load(job)
+            job.resumed = False
+            taken += len(job.requests)
+        for path in paths:
+            if self.stopping or taken >= budget:
                 break
-            self.run_batch(batch)
-            if i == 0:
-                crashpoint("mid_batch")
-        if self.stopping:
-            self.requeue()
+            new = self.inbox.claim(path)
+            if new is not None:
+                self.claimed[new.seq] = new
+                if self.load(new):
+                    jobs.append(new)
+                    taken += len(new.requests)
+        work = [item for job in jobs for item in self.prepare(job, job.requests)]
+        for job in jobs:
+            if job.pending == 0 and job.seq in self.claimed:
+                work += self.complete(job)
+        self.drain(work)
+
+    def drain(self, work: list[Item]) -> None:
+        first = True
+        while work and not self.stopping:
+            batches, work = pack(work, self.cfg.batch_size, self.cfg.token_budget), []
+            for batch in batches:
+                if self.stopping:
+                    break
+                work += self.run_batch(batch)
+                if first:
+                    crashpoint("mid_batch")
+                    first = False
 
     def load(self, job: Job) -> bool:
-        """Parse a claimed file. Unreadable files are quarantined; returns False for those."""
-        self.claimed[job.name] = job
+        """Parse a claimed file (and, for a resumed one, its journal). Unreadable files are quarantined."""
         try:
             st = os.lstat(job.path)
             if stat.S_ISLNK(st.st_mode):
                 raise FileRejected("symlink", "symlinks in the inbox are not followed; publish a regular file")
             if not stat.S_ISREG(st.st_mode):
                 raise FileRejected("not_a_file", "only regular files are read")
-            requests, errors = parse_file(job.name, job.path.read_bytes(), self.cfg.max_line_bytes)
+            data = job.path.read_bytes()
+            young = time.time() - st.st_mtime < self.cfg.settle_s
+            if young and not data.endswith(b"\n") and b"\n" in data:
+                data = data[: data.rindex(b"\n") + 1]  # a writer is mid-line: read its whole lines only
+            requests, errors = parse_file(job.name, data, self.cfg.max_line_bytes)
             if len(requests) > self.cfg.max_file_requests:
                 raise FileRejected(
                     "too_many_requests", f"{len(requests)} requests; the limit per file is {self.cfg.max_file_requests}"
@@ -197,81 +230,128 @@ class Spool:
         except OSError as e:
             self.quarantine(job, "unreadable", f"cannot read the file: {e}")
             return False
+        job.read_len = len(data)
+        job.digest = hashlib.sha256(data).hexdigest()
+        job.last_line = data.count(b"\n") + (0 if data.endswith(b"\n") else 1)
         job.requests = requests
-        for err in errors:
-            job.failures.append(line_failure(job, err))
+        job.failures = [line_failure(job, err) for err in errors]
+        if job.resumed:
+            self.resume(job)
         return True
 
-    def prepare(self, job: Job) -> list[Prepared]:
+    def resume(self, job: Job) -> None:
+        state = job.journal.resume()
+        job.outcomes = state.outcomes
+        job.suspects = state.suspects
+        counts = try_counts(state)
+        poisoned: list[dict[str, Any]] = []
+        for req in job.requests:
+            if req.line not in job.outcomes and counts.get(req.line, 0) >= self.cfg.max_claims:
+                message = f"in flight each of the {counts[req.line]} times the daemon died or was stopped"
+                rec = request_failure(job, req, "poison", message, retryable=False)
+                poisoned.append({"line": req.line, "failure": rec})
+        if state.idle_claims >= 2 * self.cfg.max_claims:  # nothing decided in many claims, no request to blame
+            for req in job.requests:
+                if req.line not in job.outcomes and not any(o["line"] == req.line for o in poisoned):
+                    message = f"the file was claimed {state.idle_claims} times in a row without progress"
+                    poisoned.append({"line": req.line, "failure": request_failure(job, req, "poison", message, False)})
+        if poisoned:
+            job.journal.append({"outcomes": poisoned})
+            job.outcomes.update({o["line"]: o for o in poisoned})
+            self.events("poison", file=job.name, claim=job.seq, lines=[o["line"] for o in poisoned])
+
+    def prepare(self, job: Job, requests: list[Any]) -> list[Item]:
         assert self.backend is not None
         out = []
-        for req in job.requests:
+        for req in requests:
+            if req.line in job.outcomes:
+                continue  # decided by an earlier claim
             try:
-                out.append(self.backend.prepare(req))
-            except CelerisError as e:
-                job.failures.append(request_failure(job, req, e.code, str(e), retryable=e.retryable))
-        job.pending = len(out)
+                out.append((job, self.backend.prepare(req)))
+            except Exception as e:  # any error preparing one request is that request's failure
+                code, retryable = getattr(e, "code", "prepare_error"), getattr(e, "retryable", False)
+                message = str(e) if hasattr(e, "code") else f"{type(e).__name__}: {e}"
+                job.outcomes[req.line] = {
+                    "line": req.line,
+                    "failure": request_failure(job, req, code, message, retryable),
+                }
+        job.pending += len(out)
         return out
 
-    def batches(self, prepared: list[tuple[Job, Prepared]]) -> list[list[tuple[Job, Prepared]]]:
-        """Group compatible requests; cap each batch by size and by padded canvas tokens. Within a group
-        requests are sorted by length, so rows of a batch are of similar length (little padding)."""
-        groups: dict[Any, list[tuple[Job, Prepared]]] = {}
-        for item in prepared:
-            groups.setdefault(item[1].group, []).append(item)
-        out: list[list[tuple[Job, Prepared]]] = []
-        for members in groups.values():
-            members.sort(key=lambda item: item[1].cost)
-            batch: list[tuple[Job, Prepared]] = []
-            for item in members:
-                # sorted by cost, so this row is the longest: the padded batch is cost * rows
-                if batch and (
-                    len(batch) >= self.cfg.batch_size or item[1].cost * (len(batch) + 1) > self.cfg.token_budget
-                ):
-                    out.append(batch)
-                    batch = []
-                batch.append(item)
-            if batch:
-                out.append(batch)
-        return out
-
-    def run_batch(self, batch: list[tuple[Job, Prepared]]) -> None:
+    def run_batch(self, batch: list[Item]) -> list[Item]:
+        """Decode one batch; returns new work (lines appended to a file meanwhile)."""
         assert self.backend is not None
         t0 = time.perf_counter()
-        try:
-            bodies = self.backend.run([p for _, p in batch])
-            error = None
-        except Exception as e:  # one failing batch must not stop the daemon; its requests can be retried
-            log.exception("batch failed")
-            bodies, error = [], f"{type(e).__name__}: {e}"
+        jobs = {id(j): j for j, _ in batch}
+        for job in jobs.values():
+            mine = [p.request.line for j, p in batch if j is job]
+            if job.journal.exists or job.pending > len(mine) or job.suspects is None or job.suspects:
+                job.journal.append({"try": mine})  # so a death here can be blamed on these lines
+        self.in_flight = batch
+        self.beat.write("decoding", self)
+        outcomes = run_bisecting(self.backend, batch, self.cfg.request_timeout_s, lambda: self.stopping, self.events)
+        self.in_flight = []
         wall = time.perf_counter() - t0
+        failed = [o for o in outcomes if o.body is None]
+        tokens = sum(o.prepared.cost for o in outcomes)
         self.events(
             "batch",
             size=len(batch),
-            tokens=sum(p.cost for _, p in batch),
+            tokens=tokens,
             wall_s=round(wall, 4),
             files=sorted({job.name for job, _ in batch}),
-            error=error,
+            failed=len(failed),
             **({"prompts": [(p.request.prompt or "")[:200] for _, p in batch]} if self.cfg.log_prompts else {}),
         )
-        for i, (job, p) in enumerate(batch):
-            if error is None:
-                job.bodies[p.request.custom_id] = bodies[i]
-            else:
-                job.failures.append(request_failure(job, p.request, "engine_error", error, retryable=True))
-            job.pending -= 1
+        if self.progress:
+            self.progress(
+                f"batch: {len(jobs)} files, {len(batch)} requests, {tokens / max(wall, 1e-9):.0f} tok/s, "
+                f"{len(failed)} failed"
+            )
+        self.beat.last_batch = time.time()
+        work: list[Item] = []
+        for job in jobs.values():
+            self.record(job, [o for o in outcomes if o.job is job])
             if job.pending == 0:
-                self.finish(job)
-        self.heartbeat("busy")
+                work += self.complete(job)
+        self.beat.write("busy", self)
+        return work
+
+    def record(self, job: Job, outcomes: list[Outcome]) -> None:
+        new: list[dict[str, Any]] = []
+        for o in outcomes:
+            req = o.prepared.request
+            if o.body is not None:
+                new.append({"line": req.line, "body": o.body})
+            else:
+                new.append({"line": req.line, "failure": request_failure(job, req, o.code, o.message, o.retryable)})
+        for rec in new:
+            job.outcomes[rec["line"]] = rec
+        job.pending -= len(outcomes)
+        if new and (job.journal.exists or job.pending > 0 or any("failure" in r for r in new)):
+            job.journal.append({"outcomes": new})  # decided once: a rerun never decodes these again
 
     # -- publishing --------------------------------------------------------------------------------
-    def finish(self, job: Job) -> None:
-        results, failures = self.publisher.finish(job)
-        self.claimed.pop(job.name, None)
-        self.done_this_run += results
-        self.failed_this_run += failures
+    def complete(self, job: Job) -> list[Item]:
+        return finish.complete(self, job)
+
+    def retry_deferred(self) -> None:
+        now = time.time()
+        for job in list(self.claimed.values()):
+            if not job.resumed and job.pending == 0 and 0 < job.not_before <= now:
+                self.drain(self.complete(job))
 
     def quarantine(self, job: Job, code: str, message: str) -> None:
         self.publisher.quarantine(job, code, message)
-        self.claimed.pop(job.name, None)
+        self.claimed.pop(job.seq, None)
+        self.inbox.release(job)
         self.failed_this_run += 1
+
+
+def _check_writable(key: str, folder: Path) -> None:
+    probe = folder / f".celeris-probe-{os.getpid()}.tmp"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"folders.{key}: cannot write in {folder} ({e.strerror})") from None

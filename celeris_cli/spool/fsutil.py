@@ -6,9 +6,12 @@ crash tests kill the process at named places (`CELERIS_CRASH_AT=name`); in norma
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import os
 from pathlib import Path
+from typing import Any
 
 CRASH_ENV = "CELERIS_CRASH_AT"
 CRASH_EXIT = 86
@@ -29,16 +32,56 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes, crash_name: str | None = None) -> None:
-    """Replace `path` with `data` so that readers see the old file or the new one, never a part."""
+    """Replace `path` with `data` so that readers see the old file or the new one, never a part. On an
+    I/O error (a full disk, a read-only folder) the temp file is removed and the error raised."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    if crash_name:
-        crashpoint(crash_name)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if crash_name:
+            crashpoint(crash_name)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def _renameat2() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.renameat2
+    except (OSError, AttributeError):
+        return None
+
+
+_renameat2_fn = _renameat2()
+
+
+def rename_noreplace(src: Path, dst: Path) -> bool:
+    """Rename unless `dst` exists (atomically: renameat2 RENAME_NOREPLACE, else link + unlink). Returns
+    False when `dst` exists, so recovery can never overwrite a file that arrived meanwhile."""
+    if _renameat2_fn is not None:
+        rc = _renameat2_fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
+        if rc == 0:
+            return True
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            return False
+        if err not in (errno.EINVAL, errno.ENOSYS):  # a filesystem without the flag: fall back below
+            raise OSError(err, os.strerror(err), str(src))
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        return False
+    os.unlink(src)
+    return True
 
 
 def move(src: Path, dst: Path) -> None:
@@ -76,7 +119,7 @@ class LockHeld(Exception):
 
 
 class QueueLock:
-    """flock on a file in the queue root: one daemon per queue. The file records the holder's pid."""
+    """flock on one lock file; the file records the holder's pid."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -113,3 +156,34 @@ class QueueLock:
             return None
         finally:
             os.close(fd)
+
+
+class FolderLocks:
+    """A queue owns every folder it writes: one flock in each (inbox, outputs, processed, logs). Two
+    configs that share any folder cannot both run; queues that share none never block each other."""
+
+    def __init__(self, folders: list[Path], name: str) -> None:
+        unique = sorted({f.resolve() for f in folders})
+        self.locks = [QueueLock(f / name) for f in unique]
+
+    def acquire(self) -> None:
+        taken: list[QueueLock] = []
+        try:
+            for lock in self.locks:
+                lock.acquire()
+                taken.append(lock)
+        except LockHeld as e:
+            for lock in taken:
+                lock.release()
+            raise LockHeld(f"{e.holder}, on {lock.path.parent}") from None
+
+    def release(self) -> None:
+        for lock in self.locks:
+            lock.release()
+
+    def holder(self) -> str | None:
+        for lock in self.locks:
+            who = lock.holder()
+            if who is not None:
+                return who
+        return None

@@ -1,16 +1,21 @@
-"""Publish: a claimed file's results, then its input to `processed/`, each step durable before the next;
-or, for a file that cannot be read at all, its input to quarantine with one failure record."""
+"""Publish: a claimed file's results, then its failure records, then its input to `processed/`, each step
+durable before the next; or, for a file that cannot be read at all, its input to quarantine.
+
+Results first: a crash after the publish and before the failure records is redone from the journal with
+the same outcomes, so each id has one result or one failure record, never both.
+"""
 
 from __future__ import annotations
 
-import json
+from pathlib import Path
 from typing import Any
 
+from . import fsutil
 from .config import Folders
 from .formats import LineError, Request
-from .fsutil import atomic_write, crashpoint, move
+from .fsutil import crashpoint, fsync_dir, rename_noreplace
 from .intake import Job
-from .ledger import EventLog, FailureLog, failure_record
+from .ledger import EventLog, FailureLog, dumps, failure_record
 
 
 class Publisher:
@@ -20,15 +25,12 @@ class Publisher:
         self.failures = failures
         self.events = events
 
-    def finish(self, job: Job) -> tuple[int, int]:
-        """Failures, then outputs, then the move to processed. Returns (results, failures)."""
-        recorded = 0
-        for rec in job.failures:
-            recorded += self.failures.append(rec)
-        crashpoint("after_failure_append")
+    def results(self, job: Job) -> None:
+        """Write the results files. Raises OSError (full disk, read-only folder) with no temp file left."""
         lines = []
+        text = []
         for req in job.requests:
-            body = job.bodies.get(req.custom_id)
+            body = job.outcomes.get(req.line, {}).get("body")
             if body is not None:
                 lines.append(
                     {
@@ -38,28 +40,28 @@ class Publisher:
                         "error": None,
                     }
                 )
-        out = self.f.outputs / f"{job.name}.results.jsonl"
-        atomic_write(
-            out,
-            "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode(),
-            crash_name="after_output_tmp",
-        )
+                text.append(f"[{req.custom_id}]\n{body['text']}\n\n")
+        data = "".join(dumps(x) + "\n" for x in lines).encode()
+        fsutil.atomic_write(self.f.outputs / f"{job.name}.results.jsonl", data, crash_name="after_output_tmp")
         if "txt" in self.output_formats:
-            text = "".join(
-                f"[{req.custom_id}]\n{job.bodies[req.custom_id]['text']}\n\n"
-                for req in job.requests
-                if req.custom_id in job.bodies
-            )
-            atomic_write(self.f.outputs / f"{job.name}.results.txt", text.encode())
+            fsutil.atomic_write(self.f.outputs / f"{job.name}.results.txt", "".join(text).encode("utf-8", "replace"))
         crashpoint("after_publish")
-        move(job.path, self.f.processed / job.name)
-        crashpoint("after_move")
-        self.events(
-            "published", file=job.name, results=len(lines), failures=len(job.failures), new_failure_records=recorded
-        )
-        return len(lines), len(job.failures)
 
-    def quarantine(self, job: Job, code: str, message: str) -> None:
+    def records(self, job: Job) -> tuple[int, int]:
+        """Append the failure records (already-recorded keys are skipped). Returns (failures, new records)."""
+        recs = job.failures + [o["failure"] for o in job.outcomes.values() if "failure" in o]
+        recorded = sum(self.failures.append(rec) for rec in recs)
+        crashpoint("after_failure_append")
+        return len(recs), recorded
+
+    def processed(self, job: Job) -> Path:
+        dst = _place(job, self.f.processed)
+        fsync_dir(job.path.parent)
+        crashpoint("after_move")
+        job.journal.remove()
+        return dst
+
+    def quarantine(self, job: Job, code: str, message: str) -> dict[str, Any]:
         rec = failure_record(
             source=job.name,
             line=0,
@@ -69,10 +71,23 @@ class Publisher:
             attempt=1,
             request=None,
             custom_id=None,
+            claim=job.seq,
         )
         self.failures.append(rec)
-        move(job.path, self.f.quarantine / job.name)
-        self.events("quarantined", file=job.name, code=code)
+        _place(job, self.f.quarantine)
+        job.journal.remove()
+        self.events("quarantined", file=job.name, claim=job.seq, code=code)
+        return rec
+
+
+def _place(job: Job, folder: Path) -> Path:
+    """Move the claimed file to `folder/name`, or `name~claim` if a file of that name got there meanwhile:
+    never over another file."""
+    for dst in (folder / job.name, folder / f"{job.name}~{job.seq}"):
+        if rename_noreplace(job.path, dst):
+            fsync_dir(folder)
+            return dst
+    raise FileExistsError(f"{folder}: both {job.name} and {job.name}~{job.seq} exist")
 
 
 def line_failure(job: Job, err: LineError) -> dict[str, Any]:
@@ -85,6 +100,7 @@ def line_failure(job: Job, err: LineError) -> dict[str, Any]:
         attempt=err.attempt,
         request=err.request,
         custom_id=err.custom_id,
+        claim=job.seq,
     )
 
 
@@ -99,4 +115,5 @@ def request_failure(job: Job, req: Request, code: str, message: str, retryable: 
         request=req.body(),
         custom_id=req.custom_id,
         origin=req.origin,
+        claim=job.seq,
     )
