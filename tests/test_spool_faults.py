@@ -127,17 +127,17 @@ def test_full_disk_on_publish_backs_off_without_failure_records_and_younger_file
 ) -> None:
     from celeris_cli.spool import fsutil
 
-    real = fsutil.atomic_write
+    real = fsutil.stage
     blocked = {"on": True}
 
-    def atomic_write(path: Path, data: bytes, crash_name: str | None = None) -> None:
+    def stage(path: Path, data: bytes) -> Path:
         if blocked["on"] and path.name.startswith("big"):
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_bytes(data[: len(data) // 2])  # half written, then the disk is full
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
-        real(path, data, crash_name)
+        return real(path, data)
 
-    monkeypatch.setattr(fsutil, "atomic_write", atomic_write)
+    monkeypatch.setattr(fsutil, "stage", stage)
     drop(tmp_path, "big.txt", "".join(f"long prompt {i}\n" for i in range(20)), age_s=30)
     drop(tmp_path, "small.txt", "younger\n", age_s=10)
     config = make_queue(tmp_path, publish_retry_s=0.05)

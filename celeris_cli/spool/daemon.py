@@ -190,9 +190,7 @@ class Spool:
                     jobs.append(new)
                     taken += len(new.requests)
         work = [item for job in jobs for item in self.prepare(job, job.requests)]
-        for job in jobs:
-            if job.pending == 0 and job.seq in self.claimed:
-                work += self.complete(job)
+        work += self.complete([job for job in jobs if job.pending == 0 and job.seq in self.claimed])
         self.drain(work)
 
     def drain(self, work: list[Item]) -> None:
@@ -309,11 +307,9 @@ class Spool:
                 f"{len(failed)} failed"
             )
         self.beat.last_batch = time.time()
-        work: list[Item] = []
         for job in jobs.values():
             self.record(job, [o for o in outcomes if o.job is job])
-            if job.pending == 0:
-                work += self.complete(job)
+        work = self.complete([job for job in jobs.values() if job.pending == 0])
         self.beat.write("busy", self)
         return work
 
@@ -332,14 +328,13 @@ class Spool:
             job.journal.append({"outcomes": new})  # decided once: a rerun never decodes these again
 
     # -- publishing --------------------------------------------------------------------------------
-    def complete(self, job: Job) -> list[Item]:
-        return finish.complete(self, job)
+    def complete(self, jobs: list[Job]) -> list[Item]:
+        return finish.complete(self, jobs) if jobs else []
 
     def retry_deferred(self) -> None:
         now = time.time()
-        for job in list(self.claimed.values()):
-            if not job.resumed and job.pending == 0 and 0 < job.not_before <= now:
-                self.drain(self.complete(job))
+        due = [j for j in self.claimed.values() if not j.resumed and j.pending == 0 and 0 < j.not_before <= now]
+        self.drain(self.complete(due))
 
     def quarantine(self, job: Job, code: str, message: str) -> None:
         self.publisher.quarantine(job, code, message)

@@ -31,22 +31,58 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes, crash_name: str | None = None) -> None:
+def atomic_write(
+    path: Path, data: bytes, crash_name: str | None = None, sync_dir: bool = True, durable: bool = True
+) -> None:
     """Replace `path` with `data` so that readers see the old file or the new one, never a part. On an
-    I/O error (a full disk, a read-only folder) the temp file is removed and the error raised."""
+    I/O error (a full disk, a read-only folder) the temp file is removed and the error raised.
+    `sync_dir=False`: the caller fsyncs the folder once for many files; `durable=False`: no fsync at all
+    (a heartbeat, which only has to be whole)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         if crash_name:
             crashpoint(crash_name)
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if sync_dir and durable:
+        fsync_dir(path.parent)
+
+
+def stage(path: Path, data: bytes) -> Path:
+    """The first half of a group publish: write `.name.tmp` beside `path`, not yet fsynced. Then
+    `sync_folder` once for the group, then `os.replace` each temp file and `fsync_dir` once."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def sync_folder(folder: Path, files: list[Path]) -> None:
+    """Make `files` durable: one syncfs of their filesystem (Linux), else an fsync per file."""
+    if _syncfs_fn is not None:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if _syncfs_fn(fd) == 0:
+                return
+        finally:
+            os.close(fd)
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 _RENAME_NOREPLACE = 1
@@ -62,6 +98,16 @@ def _renameat2() -> Any:
 
 
 _renameat2_fn = _renameat2()
+
+
+def _syncfs() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+
+
+_syncfs_fn = _syncfs()
 
 
 def rename_noreplace(src: Path, dst: Path) -> bool:
@@ -92,8 +138,9 @@ def move(src: Path, dst: Path) -> None:
         fsync_dir(src.parent)
 
 
-def append_line(path: Path, line: str, crash_name: str | None = None) -> None:
-    """Append one line durably. A crash mid-write leaves at most a torn last line, which readers skip."""
+def append_line(path: Path, line: str, crash_name: str | None = None, durable: bool = True) -> None:
+    """Append one line (fsynced unless not `durable`). A crash mid-write leaves at most a torn last line,
+    which readers skip."""
     data = (line.rstrip("\n") + "\n").encode("utf-8")
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -107,7 +154,8 @@ def append_line(path: Path, line: str, crash_name: str | None = None) -> None:
             os.write(fd, data[: len(data) // 2])
             os._exit(CRASH_EXIT)
         os.write(fd, data)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
 

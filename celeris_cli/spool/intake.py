@@ -131,14 +131,17 @@ class Inbox:
             path = Path(entry.path)
             sizes[entry.name] = (st.st_size, st.st_mtime)
             settled = now - st.st_mtime >= self.settle_s
-            stable = self.seen_sizes.get(entry.name) == sizes[entry.name] and _ends_with_newline(path)
-            if not stat.S_ISREG(st.st_mode) or settled or stable:
+            if not stat.S_ISREG(st.st_mode) or settled or self._stable(entry.name, sizes[entry.name], path):
                 ready.append((st.st_mtime, entry.name, path))
             else:
                 waiting += 1
         self.seen_sizes = sizes
         ready.sort()
         return [p for _, _, p in ready], waiting
+
+    def _stable(self, name: str, size: tuple[int, float], path: Path) -> bool:
+        """Unchanged since the last scan and ending in a newline: published whole, though its mtime is fresh."""
+        return self.seen_sizes.get(name) == size and _ends_with_newline(path)
 
     def taken(self, name: str) -> bool:
         return (

@@ -100,13 +100,14 @@ def failure_record(
 
 
 class EventLog:
-    """`logs/events.jsonl`: what the daemon did, one JSON object per event. Prompts never appear here."""
+    """`logs/events.jsonl`: what the daemon did, one JSON object per event. Prompts never appear here.
+    Diagnostics, not state: appended without fsync (the queue's truth is in its folders and journals)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def __call__(self, event: str, **fields: Any) -> None:
         try:
-            append_line(self.path, dumps({"time": now_iso(), "event": event, **fields}))
+            append_line(self.path, dumps({"time": now_iso(), "event": event, **fields}), durable=False)
         except OSError as e:  # the event log is diagnostics; it must never stop the queue
             log.warning("cannot write %s: %s", self.path, e)

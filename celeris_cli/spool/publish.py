@@ -25,8 +25,9 @@ class Publisher:
         self.failures = failures
         self.events = events
 
-    def results(self, job: Job) -> None:
-        """Write the results files. Raises OSError (full disk, read-only folder) with no temp file left."""
+    def stage(self, job: Job) -> list[tuple[Path, Path]]:
+        """Write the results files under temp names: (temp, final) pairs. Raises OSError (full disk,
+        read-only folder) with no temp file left."""
         lines = []
         text = []
         for req in job.requests:
@@ -41,11 +42,18 @@ class Publisher:
                     }
                 )
                 text.append(f"[{req.custom_id}]\n{body['text']}\n\n")
-        data = "".join(dumps(x) + "\n" for x in lines).encode()
-        fsutil.atomic_write(self.f.outputs / f"{job.name}.results.jsonl", data, crash_name="after_output_tmp")
+        files = {f"{job.name}.results.jsonl": "".join(dumps(x) + "\n" for x in lines).encode()}
         if "txt" in self.output_formats:
-            fsutil.atomic_write(self.f.outputs / f"{job.name}.results.txt", "".join(text).encode("utf-8", "replace"))
-        crashpoint("after_publish")
+            files[f"{job.name}.results.txt"] = "".join(text).encode("utf-8", "replace")
+        staged: list[tuple[Path, Path]] = []
+        try:
+            for name, data in files.items():
+                staged.append((fsutil.stage(self.f.outputs / name, data), self.f.outputs / name))
+        except OSError:
+            for tmp, _ in staged:
+                tmp.unlink(missing_ok=True)
+            raise
+        return staged
 
     def records(self, job: Job) -> tuple[int, int]:
         """Append the failure records (already-recorded keys are skipped). Returns (failures, new records)."""
@@ -55,11 +63,8 @@ class Publisher:
         return len(recs), recorded
 
     def processed(self, job: Job) -> Path:
-        dst = _place(job, self.f.processed)
-        fsync_dir(job.path.parent)
-        crashpoint("after_move")
-        job.journal.remove()
-        return dst
+        """Move the input to processed/ (the caller fsyncs both folders once for a group of files)."""
+        return _place(job, self.f.processed, sync=False)
 
     def quarantine(self, job: Job, code: str, message: str) -> dict[str, Any]:
         rec = failure_record(
@@ -75,17 +80,19 @@ class Publisher:
         )
         self.failures.append(rec)
         _place(job, self.f.quarantine)
+        fsync_dir(job.path.parent)
         job.journal.remove()
         self.events("quarantined", file=job.name, claim=job.seq, code=code)
         return rec
 
 
-def _place(job: Job, folder: Path) -> Path:
+def _place(job: Job, folder: Path, sync: bool = True) -> Path:
     """Move the claimed file to `folder/name`, or `name~claim` if a file of that name got there meanwhile:
     never over another file."""
     for dst in (folder / job.name, folder / f"{job.name}~{job.seq}"):
         if rename_noreplace(job.path, dst):
-            fsync_dir(folder)
+            if sync:
+                fsync_dir(folder)
             return dst
     raise FileExistsError(f"{folder}: both {job.name} and {job.name}~{job.seq} exist")
 

@@ -31,7 +31,7 @@ class Heartbeat:
             "last_batch_unix": self.last_batch,
         }
         try:
-            atomic_write(self.path, json.dumps(data).encode())
+            atomic_write(self.path, json.dumps(data).encode(), durable=False)
         except OSError as e:
             log.warning("heartbeat: %s", e)
 
