@@ -152,3 +152,22 @@ def test_full_disk_on_publish_backs_off_without_failure_records_and_younger_file
     assert Spool(load_config(config), lambda: backend).run(once=True) == 0
     assert len(outputs(tmp_path)["big.txt.results.jsonl"]) == 20
     assert backend.batches == []  # its results were journaled: nothing decoded twice
+
+
+def test_metrics_textfile_counts_results_failures_by_code_and_queue_depth(tmp_path: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    drop(tmp_path, "m.jsonl", '{"id": "a", "prompt": "x"}\n{broken\n{"id": "b", "prompt": "y"}\n')
+    (tmp_path / "metrics").mkdir()
+    rc, _ = serve(tmp_path, metrics_textfile="metrics/celeris.prom")
+    assert rc == 1
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families((tmp_path / "metrics" / "celeris.prom").read_text())
+        for s in family.samples
+    }
+    assert samples[("celeris_queue_requests_done_total", ())] == 2
+    assert samples[("celeris_queue_requests_failed_total", (("code", "invalid_json"),))] == 1
+    assert samples[("celeris_queue_batches_total", ())] == 1
+    assert samples[("celeris_queue_depth", ())] == 0 and samples[("celeris_queue_claimed", ())] == 0
+    assert samples[("celeris_queue_last_success_timestamp_seconds", ())] > time.time() - 60

@@ -198,3 +198,17 @@ def test_grace_running_out_logs_a_stop_event(tmp_path: Path) -> None:
     p.communicate(timeout=30)
     events = [json.loads(x) for x in (tmp_path / "logs" / "events.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "stop" and events[-1]["reason"] == "grace_expired"
+
+
+def test_watch_prints_a_line_per_batch_and_once_ends_with_a_summary(tmp_path: Path, tiny_model: Path) -> None:
+    config = make_queue(tmp_path, model=tiny_model)
+    drop(tmp_path, "a.txt", "床前\n明月\n")
+    p = celeris("watch", str(config), "--once")
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert lines[0].startswith("batch: 1 files, 2 requests, ") and lines[0].endswith(" 0 failed")
+    assert lines[-1].startswith("celeris watch --once: 1 files, 2 results, 0 failures in ")
+    drop(tmp_path, "b.txt", "举头\n")
+    quiet = celeris("watch", str(config), "--once", "--quiet")
+    assert quiet.returncode == 0 and len(quiet.stderr.strip().splitlines()) == 1  # only the summary
+    assert quiet.stderr.startswith("celeris watch --once: 1 files, 1 results")

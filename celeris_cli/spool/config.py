@@ -55,6 +55,7 @@ class BatchConfig:
     request_timeout_s: float | None = None  # a batch run past this fails (bisected down to one request)
     max_claims: int = 3  # a request in flight this many times when the daemon died or stopped is poison
     publish_retry_s: float = 1.0  # first back-off after the filesystem refused a publish (doubles, max 60)
+    metrics_textfile: Path | None = None  # Prometheus text file, rewritten as the queue works
     source: Path | None = None
 
     @property
@@ -82,6 +83,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "request_timeout_s": (int, float, type(None)),
     "max_claims": (int,),
     "publish_retry_s": (int, float),
+    "metrics_textfile": (str, type(None)),
 }
 _POSITIVE = (
     "batch_size",
@@ -172,4 +174,9 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
         values["model"] = (
             str((base / values["model"]).resolve()) if not Path(values["model"]).is_absolute() else values["model"]
         )
+    if values.get("metrics_textfile") is not None:
+        metrics = (root / values["metrics_textfile"]).resolve()
+        if not metrics.parent.is_dir():
+            raise ConfigError(f"metrics_textfile: folder does not exist: {metrics.parent}")
+        values["metrics_textfile"] = metrics
     return BatchConfig(folders=Folders(**folder_paths), source=path, **values)

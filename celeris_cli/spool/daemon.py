@@ -28,6 +28,7 @@ from .fsutil import FolderLocks, crashpoint
 from .intake import Inbox, Job
 from .journal import try_counts
 from .ledger import EventLog, FailureLog
+from .metrics import Metrics, output_tokens
 from .publish import Publisher, line_failure, request_failure
 from .status import Heartbeat
 
@@ -55,6 +56,7 @@ class Spool:
         self.lock = queue_lock(cfg)
         self.inbox = Inbox(self.f, cfg.settle_s, self.events)
         self.beat = Heartbeat(self.f.logs / HEARTBEAT)
+        self.metrics = Metrics(cfg.metrics_textfile)
         self.wake = threading.Event()
         self.stopping = False
         self.claimed: dict[int, Job] = {}  # claim number -> job in progress (resumed, decoding or deferred)
@@ -104,6 +106,8 @@ class Spool:
                     self.process(ready)
                     continue
                 self.beat.write("idle", self)
+                self.metrics.queue(self.inbox.depth, self.inbox.oldest_mtime, len(self.claimed))
+                self.metrics.write()
                 if once and not waiting and not self.claimed:
                     break
                 if once and self.claimed and all(j.blocked >= finish.ONCE_PUBLISH_TRIES for j in self.claimed.values()):
@@ -121,13 +125,10 @@ class Spool:
                 observer.join(timeout=5)
             self.events("stop", pid=os.getpid(), done=self.done_this_run, failed=self.failed_this_run, reason="done")
             self.beat.write("stopped", self)
+            self.metrics.queue(self.inbox.depth, self.inbox.oldest_mtime, len(self.claimed))
+            self.metrics.write(force=True)
             self.lock.release()
             signals.restore(previous)
-        if once and self.progress:
-            self.progress(
-                f"celeris watch --once: {self.files_this_run} files, {self.done_this_run} results, "
-                f"{self.failed_this_run} failures" + (", publishing blocked (files kept claimed)" if gave_up else "")
-            )
         if gave_up:
             return 75
         return 1 if once and self.failed_this_run else 0
@@ -156,17 +157,21 @@ class Spool:
         self.events("signal", signal=signum, grace_s=self.cfg.shutdown_grace_s)
 
     def _grace_expired(self) -> None:
-        self.stop_claims(self.in_flight)
-        self.events(
-            "stop", pid=os.getpid(), done=self.done_this_run, failed=self.failed_this_run, reason="grace_expired"
-        )
-        os._exit(0)
+        try:
+            self.stop_claims(self.in_flight)
+            done, failed = self.done_this_run, self.failed_this_run
+            self.events("stop", pid=os.getpid(), done=done, failed=failed, reason="grace_expired")
+            self.beat.write("stopped", self)
+        finally:
+            os._exit(0)
 
     def stop_claims(self, in_flight: list[Item]) -> None:
         """A clean stop: claimed files stay in the work folder; their journals say what was in flight."""
         for job in list(self.claimed.values()):
             if job.path.exists():
                 lines = sorted(p.request.line for j, p in in_flight if j is job)
+                if job.pending == 0 and job.outcomes:  # decided, waiting to publish: keep the outcomes
+                    job.journal.append({"outcomes": list(job.outcomes.values())})
                 job.journal.append({"stopped": lines})
                 self.events("kept_claimed", file=job.name, claim=job.seq, in_flight=len(lines))
         self.claimed.clear()
@@ -292,6 +297,8 @@ class Spool:
         wall = time.perf_counter() - t0
         failed = [o for o in outcomes if o.body is None]
         tokens = sum(o.prepared.cost for o in outcomes)
+        out_tokens = sum(output_tokens(o.body) for o in outcomes if o.body is not None)
+        self.metrics.batch(out_tokens, wall)
         self.events(
             "batch",
             size=len(batch),
@@ -303,7 +310,7 @@ class Spool:
         )
         if self.progress:
             self.progress(
-                f"batch: {len(jobs)} files, {len(batch)} requests, {tokens / max(wall, 1e-9):.0f} tok/s, "
+                f"batch: {len(jobs)} files, {len(batch)} requests, {out_tokens / max(wall, 1e-9):.1f} tok/s, "
                 f"{len(failed)} failed"
             )
         self.beat.last_batch = time.time()
@@ -311,6 +318,8 @@ class Spool:
             self.record(job, [o for o in outcomes if o.job is job])
         work = self.complete([job for job in jobs.values() if job.pending == 0])
         self.beat.write("busy", self)
+        self.metrics.queue(self.inbox.depth, self.inbox.oldest_mtime, len(self.claimed))
+        self.metrics.write()
         return work
 
     def record(self, job: Job, outcomes: list[Outcome]) -> None:
@@ -338,6 +347,7 @@ class Spool:
 
     def quarantine(self, job: Job, code: str, message: str) -> None:
         self.publisher.quarantine(job, code, message)
+        self.metrics.published(0, [code])
         self.claimed.pop(job.seq, None)
         self.inbox.release(job)
         self.failed_this_run += 1

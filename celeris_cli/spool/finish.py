@@ -153,6 +153,10 @@ def publish(spool: Spool, jobs: list[Job]) -> None:
         spool.done_this_run += results
         spool.failed_this_run += failed
         spool.files_this_run += 1
+        codes = [r["code"] for r in job.failures] + [
+            o["failure"]["code"] for o in job.outcomes.values() if "failure" in o
+        ]
+        spool.metrics.published(results, codes)
         spool.events(
             "published", file=job.name, claim=job.seq, results=results, failures=failed, new_failure_records=recorded
         )

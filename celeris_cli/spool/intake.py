@@ -63,6 +63,8 @@ class Inbox:
         self.settle_s = settle_s
         self.events = events
         self.seen_sizes: dict[str, tuple[int, float]] = {}
+        self.depth = 0  # inbox files at the last scan, ready or settling
+        self.oldest_mtime: float | None = None
         self.active: set[str] = set()  # names of claims in progress
         self.seq_file = folders.work / ".seq"
         self.next_seq = 1
@@ -136,6 +138,8 @@ class Inbox:
             else:
                 waiting += 1
         self.seen_sizes = sizes
+        self.depth = len(sizes)
+        self.oldest_mtime = min((m for _, m in sizes.values()), default=None)
         ready.sort()
         return [p for _, _, p in ready], waiting
 
