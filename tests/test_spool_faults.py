@@ -171,3 +171,12 @@ def test_metrics_textfile_counts_results_failures_by_code_and_queue_depth(tmp_pa
     assert samples[("celeris_queue_batches_total", ())] == 1
     assert samples[("celeris_queue_depth", ())] == 0 and samples[("celeris_queue_claimed", ())] == 0
     assert samples[("celeris_queue_last_success_timestamp_seconds", ())] > time.time() - 60
+
+
+def test_status_shows_the_age_of_the_last_batch(tmp_path: Path) -> None:
+    from celeris_cli.spool.ops import status
+
+    drop(tmp_path, "a.txt", "x\n")
+    serve(tmp_path)
+    hb = status(load_config(tmp_path / "configs" / "batch.yaml"))["heartbeat"]
+    assert hb["state"] == "stopped" and 0 <= hb["last_batch_age_s"] < 60

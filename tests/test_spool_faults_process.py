@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from celeris_cli.spool.config import load_config
@@ -212,3 +213,19 @@ def test_watch_prints_a_line_per_batch_and_once_ends_with_a_summary(tmp_path: Pa
     quiet = celeris("watch", str(config), "--once", "--quiet")
     assert quiet.returncode == 0 and len(quiet.stderr.strip().splitlines()) == 1  # only the summary
     assert quiet.stderr.startswith("celeris watch --once: 1 files, 1 results")
+
+
+def test_soak_with_random_sigkills_loses_and_duplicates_nothing() -> None:
+    """A short run of scripts/soak.py: producer, reused names, bad lines, one poison line, one appender."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    p = subprocess.run(
+        [sys.executable, "scripts/soak.py", "soak", "--prompts", "150", "--max-life-s", "1.5"],
+        cwd=Path(__file__).parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    report = json.loads(p.stdout.strip().splitlines()[-1])
+    assert report["lost"] == 0 and report["duplicated"] == 0 and report["poison_record"] == ["poison"]

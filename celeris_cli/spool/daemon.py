@@ -3,7 +3,8 @@
 State lives in the folders (Maildir, Postfix qmgr): a claimed file stays in `inputs/.work/` under its
 claim number, with a journal of its finished batches, until its results are published; at startup it is
 resumed there, and only its undecided requests are decoded. Watchdog events only wake the loop; the loop
-also rescans every `rescan_s`. Intake, journal, batching, publishing and signals have modules of their own.
+also rescans every `rescan_s`. This module runs the loop; intake (claims), journal and poison (resuming),
+batching (bisecting, timeouts), finish and publish (commit order, full disks) and signals have their own.
 """
 
 from __future__ import annotations
@@ -18,15 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from . import finish, signals
+from ..errors import CelerisError, ConfigError
+from . import finish, poison, signals
 from .backend import Backend
 from .batching import Item, Outcome, pack, run_bisecting
 from .config import BatchConfig
 from .formats import FileRejected, parse_file
 from .fsutil import FolderLocks, crashpoint
 from .intake import Inbox, Job
-from .journal import try_counts
 from .ledger import EventLog, FailureLog
 from .metrics import Metrics, output_tokens
 from .publish import Publisher, line_failure, request_failure
@@ -134,22 +134,7 @@ class Spool:
         return 1 if once and self.failed_this_run else 0
 
     def _watch(self) -> Any:
-        try:
-            from watchdog.events import FileSystemEventHandler
-            from watchdog.observers import Observer
-        except ImportError:  # pragma: no cover - watchdog is a dependency; rescans still work without it
-            return None
-        wake = self.wake
-
-        class Wake(FileSystemEventHandler):
-            def on_any_event(self, event: Any) -> None:
-                wake.set()
-
-        observer = Observer()
-        observer.schedule(Wake(), str(self.f.inputs), recursive=False)
-        observer.daemon = True
-        observer.start()
-        return observer
+        return signals.watch(self.f.inputs, self.wake)
 
     def _on_signal(self, signum: int) -> None:
         self.stopping = True
@@ -239,29 +224,8 @@ class Spool:
         job.requests = requests
         job.failures = [line_failure(job, err) for err in errors]
         if job.resumed:
-            self.resume(job)
+            poison.resume(job, self.cfg.max_claims, self.events)
         return True
-
-    def resume(self, job: Job) -> None:
-        state = job.journal.resume()
-        job.outcomes = state.outcomes
-        job.suspects = state.suspects
-        counts = try_counts(state)
-        poisoned: list[dict[str, Any]] = []
-        for req in job.requests:
-            if req.line not in job.outcomes and counts.get(req.line, 0) >= self.cfg.max_claims:
-                message = f"in flight each of the {counts[req.line]} times the daemon died or was stopped"
-                rec = request_failure(job, req, "poison", message, retryable=False)
-                poisoned.append({"line": req.line, "failure": rec})
-        if state.idle_claims >= 2 * self.cfg.max_claims:  # nothing decided in many claims, no request to blame
-            for req in job.requests:
-                if req.line not in job.outcomes and not any(o["line"] == req.line for o in poisoned):
-                    message = f"the file was claimed {state.idle_claims} times in a row without progress"
-                    poisoned.append({"line": req.line, "failure": request_failure(job, req, "poison", message, False)})
-        if poisoned:
-            job.journal.append({"outcomes": poisoned})
-            job.outcomes.update({o["line"]: o for o in poisoned})
-            self.events("poison", file=job.name, claim=job.seq, lines=[o["line"] for o in poisoned])
 
     def prepare(self, job: Job, requests: list[Any]) -> list[Item]:
         assert self.backend is not None
@@ -271,13 +235,13 @@ class Spool:
                 continue  # decided by an earlier claim
             try:
                 out.append((job, self.backend.prepare(req)))
-            except Exception as e:  # any error preparing one request is that request's failure
-                code, retryable = getattr(e, "code", "prepare_error"), getattr(e, "retryable", False)
-                message = str(e) if hasattr(e, "code") else f"{type(e).__name__}: {e}"
-                job.outcomes[req.line] = {
-                    "line": req.line,
-                    "failure": request_failure(job, req, code, message, retryable),
-                }
+            except CelerisError as e:  # the exception's type carries the code
+                code, retryable, message = e.code, e.retryable, str(e)
+            except Exception as e:  # any other error preparing one request is still only that request's
+                code, retryable, message = "prepare_error", False, f"{type(e).__name__}: {e}"
+            else:
+                continue
+            job.outcomes[req.line] = {"line": req.line, "failure": request_failure(job, req, code, message, retryable)}
         job.pending += len(out)
         return out
 
@@ -354,6 +318,7 @@ class Spool:
 
 
 def _check_writable(key: str, folder: Path) -> None:
+    """A folder the queue cannot write in is a config error at startup, not a crash at the first publish."""
     probe = folder / f".celeris-probe-{os.getpid()}.tmp"
     try:
         probe.write_bytes(b"")

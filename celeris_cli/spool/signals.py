@@ -1,5 +1,6 @@
-"""Signals: the first SIGTERM/SIGINT stops intake and starts the grace timer; a second exits at once
-(startup recovery makes that safe). Signals can only be handled on the main thread."""
+"""What wakes or stops the loop. Signals: the first SIGTERM/SIGINT stops intake and starts the grace
+timer; a second exits at once (startup recovery makes that safe); they can only be handled on the main
+thread. watchdog events only wake the loop (they are hints, not truth: the loop rescans anyway)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -33,3 +35,22 @@ def install(on_stop: Callable[[int], None], grace_s: float, on_grace_expired: Ca
 def restore(previous: dict[int, Any]) -> None:
     for signum, handler in previous.items():
         signal.signal(signum, handler)
+
+
+def watch(folder: Path, wake: threading.Event) -> Any:
+    """A watchdog observer that sets `wake` on any event in `folder`; None without watchdog."""
+    try:
+        from watchdog.events import FileSystemEventHandler
+        from watchdog.observers import Observer
+    except ImportError:  # pragma: no cover - watchdog is a dependency; rescans still work without it
+        return None
+
+    class Wake(FileSystemEventHandler):
+        def on_any_event(self, event: Any) -> None:
+            wake.set()
+
+    observer = Observer()
+    observer.schedule(Wake(), str(folder), recursive=False)
+    observer.daemon = True
+    observer.start()
+    return observer
