@@ -180,3 +180,15 @@ def test_status_shows_the_age_of_the_last_batch(tmp_path: Path) -> None:
     serve(tmp_path)
     hb = status(load_config(tmp_path / "configs" / "batch.yaml"))["heartbeat"]
     assert hb["state"] == "stopped" and 0 <= hb["last_batch_age_s"] < 60
+
+
+def test_a_file_left_claimed_by_an_older_version_is_served_not_lost(tmp_path: Path) -> None:
+    make_queue(tmp_path)
+    work = tmp_path / "batch_inputs" / ".work"
+    work.mkdir(parents=True)
+    (work / "old.txt").write_text("left behind\n")  # the old layout: .work/<name>, no claim number
+    drop(tmp_path, "old.txt", "a new file of the same name\n")
+    rc, _ = serve(tmp_path)
+    assert rc == 0
+    texts = sorted(r["response"]["body"]["text"] for recs in outputs(tmp_path).values() for r in recs)
+    assert texts == sorted(["dniheb tfel", "eman emas eht fo elif wen a"])

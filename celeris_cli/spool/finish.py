@@ -168,10 +168,7 @@ def _blocked(spool: Spool, job: Job, e: OSError) -> None:
     job.blocked += 1
     delay = min(MAX_BACKOFF_S, spool.cfg.publish_retry_s * 2 ** (job.blocked - 1))
     job.not_before = time.time() + delay
-    try:  # keep what was decoded, so a restart publishes it without decoding again
-        job.journal.append({"outcomes": list(job.outcomes.values())})
-    except OSError:
-        pass
+    job.journal.append({"outcomes": list(job.outcomes.values())})  # a restart publishes without decoding
     code = errno.errorcode.get(e.errno or 0, str(e.errno))
     log.warning("cannot publish %s: %s (%s); retrying in %.1f s", job.name, e.strerror, code, delay)
     spool.events("publish_blocked", file=job.name, claim=job.seq, errno=code, message=str(e), retry_in_s=delay)

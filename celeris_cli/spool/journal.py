@@ -12,6 +12,7 @@ stopped `max_claims` times is poison: it gets a failure record and the rest of t
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,8 @@ from typing import Any
 
 from .fsutil import append_line
 from .ledger import dumps, read_jsonl
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,9 +41,16 @@ class Journal:
     def exists(self) -> bool:
         return self.path.exists()
 
-    def append(self, record: dict[str, Any]) -> None:
-        self.path.parent.mkdir(exist_ok=True)
-        append_line(self.path, dumps(record))
+    def append(self, record: dict[str, Any]) -> bool:
+        """Append one record durably. On a full or read-only disk, warn and go on: the queue then keeps
+        its promises as without a journal (a restart decodes the file's undecided requests again)."""
+        try:
+            self.path.parent.mkdir(exist_ok=True)
+            append_line(self.path, dumps(record))
+        except OSError as e:
+            log.warning("cannot write the journal %s: %s", self.path, e)
+            return False
+        return True
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
