@@ -210,7 +210,9 @@ def _spool(cfg: Any, progress: Any = None) -> Any:
     from .spool.backend import EngineBackend
     from .spool.daemon import Spool
 
-    backend = lambda: EngineBackend(cfg.model, cfg.device, cfg.dtype, cfg.threads, cfg.generation)  # noqa: E731
+    def backend() -> EngineBackend:
+        return EngineBackend(cfg.model, cfg.device, cfg.dtype, cfg.threads, cfg.generation)
+
     return Spool(cfg, backend, progress=progress)
 
 
