@@ -1,8 +1,16 @@
 """Run the real Spool daemon in this process with the fake backend: `python -m tests.run_spool CONFIG
-[--once] [--delay S] [--no-watchdog]`. Used by the crash, signal and lock tests as a real subprocess."""
+[--once] [--delay S] [--no-watchdog] [--fail-on TEXT] [--die-on TEXT] [--hang-on TEXT] [--count-file F]`.
+Used by the crash, signal and lock tests as a real subprocess.
+
+--fail-on: a batch holding a prompt with TEXT raises (an out-of-memory stand-in);
+--die-on: the process SIGKILLs itself on such a batch (a segfault or OOM-killer stand-in);
+--hang-on: such a batch never returns; --count-file: every decoded custom_id is appended there.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -15,19 +23,42 @@ from .spool_helpers import FakeBackend
 
 
 class SlowBackend(FakeBackend):
-    def __init__(self, delay: float) -> None:
-        super().__init__()
+    def __init__(self, delay: float, die_on: str | None, hang_on: str | None, count_file: str | None, **kw):  # type: ignore[no-untyped-def]
+        super().__init__(**kw)
         self.delay = delay
+        self.die_on = die_on
+        self.hang_on = hang_on
+        self.count_file = count_file
 
     def run(self, batch):  # type: ignore[no-untyped-def]
+        prompts = [p.payload for p in batch]
+        if self.die_on and any(self.die_on in p for p in prompts):
+            os.kill(os.getpid(), signal.SIGKILL)
+        while self.hang_on and any(self.hang_on in p for p in prompts):
+            time.sleep(0.05)
         time.sleep(self.delay)
-        return super().run(batch)
+        out = super().run(batch)
+        if self.count_file:
+            with open(self.count_file, "a") as f:
+                f.write("".join(p.request.custom_id + "\n" for p in batch))
+        return out
+
+
+def _opt(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
 
 
 def main(argv: list[str]) -> int:
     cfg = load_config(Path(argv[0]))
-    delay = float(argv[argv.index("--delay") + 1]) if "--delay" in argv else 0.0
-    spool = Spool(cfg, lambda: SlowBackend(delay))
+    delay = float(_opt(argv, "--delay") or 0.0)
+    backend = SlowBackend(
+        delay,
+        _opt(argv, "--die-on"),
+        _opt(argv, "--hang-on"),
+        _opt(argv, "--count-file"),
+        fail_on=_opt(argv, "--fail-on"),
+    )
+    spool = Spool(cfg, lambda: backend)
     if "--no-watchdog" in argv:
         spool._watch = lambda: None  # type: ignore[method-assign]
     try:

@@ -58,6 +58,19 @@ def outputs(root: Path) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def claimed(root: Path) -> list[str]:
+    """Files claimed and not yet published: `batch_inputs/.work/<claim>.<name>`."""
+    work = root / "batch_inputs" / ".work"
+    if not work.is_dir():
+        return []
+    return sorted(p.name for p in work.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def visible(folder: Path) -> list[str]:
+    """The files a user sees in a folder (the queue's lock and temp files are dot-files)."""
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
 def failures(root: Path) -> list[dict[str, Any]]:
     path = root / "logs" / "failed.jsonl"
     if not path.exists():

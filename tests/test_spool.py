@@ -13,7 +13,7 @@ from celeris_cli.spool.config import load_config
 from celeris_cli.spool.daemon import Spool
 from celeris_cli.spool.ops import plan_retry, status
 
-from .spool_helpers import FakeBackend, drop, failures, make_queue, outputs
+from .spool_helpers import FakeBackend, claimed, drop, failures, make_queue, outputs, visible
 
 
 def serve(root: Path, backend: FakeBackend | None = None, **cfg: object) -> tuple[int, FakeBackend]:
@@ -40,12 +40,12 @@ def test_txt_jsonl_and_openai_formats_produce_keyed_outputs(tmp_path: Path) -> N
     assert out["b.jsonl.results.jsonl"][0]["custom_id"] == "x1"
     rec = out["诗.jsonl.results.jsonl"][0]
     assert rec["custom_id"] == "req-1" and rec["error"] is None and rec["response"]["status_code"] == 200
-    assert sorted(p.name for p in (tmp_path / "batch_processed").iterdir() if p.is_file()) == [
+    assert visible(tmp_path / "batch_processed") == [
         "a.txt",
         "b.jsonl",
         "诗.jsonl",
     ]
-    assert not list((tmp_path / "batch_inputs" / ".work").iterdir())
+    assert claimed(tmp_path) == []
 
 
 BAD_LINES = {
@@ -121,7 +121,8 @@ def test_hidden_temp_and_partial_files_are_ignored(tmp_path: Path) -> None:
         os.utime(tmp_path / "batch_inputs" / name, (1, 1))
     rc, backend = serve(tmp_path)
     assert rc == 0 and backend.batches == []
-    assert sorted(p.name for p in (tmp_path / "batch_inputs").iterdir()) == [".hidden.txt", ".work", "x.tmp", "y.part"]
+    names = sorted(p.name for p in (tmp_path / "batch_inputs").iterdir())
+    assert names == [".celeris.lock", ".hidden.txt", ".work", "x.tmp", "y.part"]
 
 
 def test_a_file_still_growing_waits_for_the_settle_time(tmp_path: Path) -> None:
@@ -130,14 +131,14 @@ def test_a_file_still_growing_waits_for_the_settle_time(tmp_path: Path) -> None:
     drop(tmp_path, "whole.jsonl", '{"id": "b", "prompt": "all"}\n', age_s=0)
     spool = Spool(load_config(make_queue(tmp_path, settle_s=60)), FakeBackend)
     spool.start()
-    ready, waiting = spool.scan()
+    ready, waiting = spool.inbox.scan()
     assert [p.name for p in ready] == ["old.txt"] and waiting == 2
     # a complete-looking file that did not change between two scans is read before the settle time
-    ready, waiting = spool.scan()
+    ready, waiting = spool.inbox.scan()
     assert [p.name for p in ready] == ["old.txt", "whole.jsonl"] and waiting == 1
     with open(tmp_path / "batch_inputs" / "whole.jsonl", "a") as f:
         f.write('{"id": "c", "prompt": "more"}\n')  # it grows again: back to waiting
-    ready, waiting = spool.scan()
+    ready, waiting = spool.inbox.scan()
     assert [p.name for p in ready] == ["old.txt"] and waiting == 2
     spool.lock.release()
 
@@ -218,7 +219,8 @@ def test_same_input_name_twice_never_overwrites_earlier_results(tmp_path: Path) 
     serve(tmp_path)
     out = outputs(tmp_path)
     assert out["daily.txt.results.jsonl"][0]["response"]["body"]["text"] == "tsrif"
-    assert out["daily~2.txt.results.jsonl"][0]["response"]["body"]["text"] == "dnoces"
+    [again] = [name for name in out if name.startswith("daily~")]  # daily~<claim number>.txt
+    assert out[again][0]["response"]["body"]["text"] == "dnoces"
 
 
 def test_status_reports_counts_lock_and_heartbeat(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from celeris_cli.spool.fsutil import CRASH_ENV, CRASH_EXIT
 
-from .spool_helpers import drop, failures, make_queue, outputs
+from .spool_helpers import claimed, drop, failures, make_queue, outputs, visible
 
 REPO = Path(__file__).parents[1]
 
@@ -107,29 +107,28 @@ def test_crash_at_each_point_then_restart_loses_and_duplicates_nothing(tmp_path:
     assert again.returncode == (0 if b_finished_before else 1), again.stderr
     ids = accounted(tmp_path)
     assert sorted(ids) == sorted(expected)  # each id exactly once: an output line or a failure record
-    assert not list((tmp_path / "batch_inputs" / ".work").iterdir())
+    assert claimed(tmp_path) == []
     visible_tmp = [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
     assert visible_tmp == []
-    assert sorted(p.name for p in (tmp_path / "batch_processed").iterdir() if p.is_file()) == [
+    assert visible(tmp_path / "batch_processed") == [
         "a.txt",
         "b.jsonl",
         "c.txt",
     ]
 
 
-def test_sigterm_finishes_or_requeues_the_batch_in_flight_and_exits_0(tmp_path: Path) -> None:
+def test_sigterm_finishes_the_batch_in_flight_keeps_the_file_claimed_and_exits_0(tmp_path: Path) -> None:
     config = make_queue(tmp_path, batch_size=2, shutdown_grace_s=20)
     drop(tmp_path, "slow.txt", "".join(f"q{i}\n" for i in range(6)))
     p = spawn(config, "--delay", "0.5")
-    wait_for(lambda: (tmp_path / "batch_inputs" / ".work" / "slow.txt").exists())
+    wait_for(lambda: bool(claimed(tmp_path)))
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=30)
     assert p.returncode == 0, err
-    assert not list((tmp_path / "batch_inputs" / ".work").iterdir())
     done = (tmp_path / "batch_processed" / "slow.txt").exists()
-    requeued = (tmp_path / "batch_inputs" / "slow.txt").exists()
-    assert done != requeued
-    if requeued:  # a later run serves it completely
+    kept = bool(claimed(tmp_path))  # unfinished: it stays claimed, with its journal, for the next start
+    assert done != kept and not (tmp_path / "batch_inputs" / "slow.txt").exists()
+    if kept:  # a later run serves it completely
         assert run(config, "--once").returncode == 0
     assert len(outputs(tmp_path)["slow.txt.results.jsonl"]) == 6
 
@@ -138,7 +137,7 @@ def test_second_signal_exits_at_once_and_restart_recovers(tmp_path: Path) -> Non
     config = make_queue(tmp_path, batch_size=1, shutdown_grace_s=60)
     drop(tmp_path, "slow.txt", "".join(f"q{i}\n" for i in range(5)))
     p = spawn(config, "--delay", "2")
-    wait_for(lambda: (tmp_path / "batch_inputs" / ".work" / "slow.txt").exists())
+    wait_for(lambda: bool(claimed(tmp_path)))
     p.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     p.send_signal(signal.SIGTERM)

@@ -53,6 +53,10 @@ class BatchConfig:
     max_line_bytes: int = 1_000_000
     max_file_requests: int = 100_000
     log_prompts: bool = False
+    request_timeout_s: float | None = None  # a batch run past this fails (bisected down to one request)
+    max_claims: int = 3  # a request in flight this many times when the daemon died or stopped is poison
+    publish_retry_s: float = 1.0  # first back-off after the filesystem refused a publish (doubles, max 60)
+    metrics_textfile: Path | None = None  # Prometheus text file, rewritten as the queue works
     source: Path | None = None
 
     @property
@@ -77,8 +81,21 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "max_line_bytes": (int,),
     "max_file_requests": (int,),
     "log_prompts": (bool,),
+    "request_timeout_s": (int, float, type(None)),
+    "max_claims": (int,),
+    "publish_retry_s": (int, float),
+    "metrics_textfile": (str, type(None)),
 }
-_POSITIVE = ("batch_size", "token_budget", "max_attempts", "max_line_bytes", "max_file_requests", "rescan_s")
+_POSITIVE = (
+    "batch_size",
+    "token_budget",
+    "max_attempts",
+    "max_line_bytes",
+    "max_file_requests",
+    "rescan_s",
+    "max_claims",
+    "publish_retry_s",
+)
 _NON_NEGATIVE = ("batch_window_s", "settle_s", "shutdown_grace_s")
 
 
@@ -115,6 +132,8 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
     for key in _POSITIVE:
         if key in values and values[key] <= 0:
             raise ConfigError(f"{key}: must be positive, got {values[key]!r}")
+    if values.get("request_timeout_s") is not None and values["request_timeout_s"] <= 0:
+        raise ConfigError(f"request_timeout_s: must be positive or null, got {values['request_timeout_s']!r}")
     for key in _NON_NEGATIVE:
         if key in values and values[key] < 0:
             raise ConfigError(f"{key}: must be >= 0, got {values[key]!r}")
@@ -160,4 +179,9 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
         values["model"] = (
             str((base / values["model"]).resolve()) if not Path(values["model"]).is_absolute() else values["model"]
         )
+    if values.get("metrics_textfile") is not None:
+        metrics = (root / values["metrics_textfile"]).resolve()
+        if not metrics.parent.is_dir():
+            raise ConfigError(f"metrics_textfile: folder does not exist: {metrics.parent}")
+        values["metrics_textfile"] = metrics
     return BatchConfig(folders=Folders(**folder_paths), source=path, **values)

@@ -158,6 +158,13 @@ def _parse_jsonl(number: int, text: str) -> Request | LineError:
         return LineError(number, "invalid_json", f"not valid JSON: {e.msg} at column {e.colno}", text[:500])
     if not isinstance(obj, dict):
         return LineError(number, "invalid_json", "each line must be a JSON object", text[:500])
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        # a JSON escape such as \ud800 decodes to a lone surrogate: no tokenizer or writer can take it
+        return LineError(
+            number, "invalid_utf8", "a \\u escape makes a lone UTF-16 surrogate, which is not valid text", text[:500]
+        )
     raw_id = obj.get("custom_id", obj.get("id", f"line-{number}"))
     if not isinstance(raw_id, (str, int)) or isinstance(raw_id, bool):
         return LineError(number, "invalid_id", f"id must be a string, got {raw_id!r}", obj)

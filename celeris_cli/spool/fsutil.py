@@ -6,9 +6,12 @@ crash tests kill the process at named places (`CELERIS_CRASH_AT=name`); in norma
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import os
 from pathlib import Path
+from typing import Any
 
 CRASH_ENV = "CELERIS_CRASH_AT"
 CRASH_EXIT = 86
@@ -28,17 +31,103 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes, crash_name: str | None = None) -> None:
-    """Replace `path` with `data` so that readers see the old file or the new one, never a part."""
+def atomic_write(
+    path: Path, data: bytes, crash_name: str | None = None, sync_dir: bool = True, durable: bool = True
+) -> None:
+    """Replace `path` with `data` so that readers see the old file or the new one, never a part. On an
+    I/O error (a full disk, a read-only folder) the temp file is removed and the error raised.
+    `sync_dir=False`: the caller fsyncs the folder once for many files; `durable=False`: no fsync at all
+    (a heartbeat, which only has to be whole)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    if crash_name:
-        crashpoint(crash_name)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        if crash_name:
+            crashpoint(crash_name)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    if sync_dir and durable:
+        fsync_dir(path.parent)
+
+
+def stage(path: Path, data: bytes) -> Path:
+    """The first half of a group publish: write `.name.tmp` beside `path`, not yet fsynced. Then
+    `sync_folder` once for the group, then `os.replace` each temp file and `fsync_dir` once."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def sync_folder(folder: Path, files: list[Path]) -> None:
+    """Make `files` durable: one syncfs of their filesystem (Linux), else an fsync per file."""
+    if _syncfs_fn is not None:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if _syncfs_fn(fd) == 0:
+                return
+        finally:
+            os.close(fd)
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def _renameat2() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.renameat2
+    except (OSError, AttributeError):
+        return None
+
+
+_renameat2_fn = _renameat2()
+
+
+def _syncfs() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+
+
+_syncfs_fn = _syncfs()
+
+
+def rename_noreplace(src: Path, dst: Path) -> bool:
+    """Rename unless `dst` exists (atomically: renameat2 RENAME_NOREPLACE, else link + unlink). Returns
+    False when `dst` exists, so recovery can never overwrite a file that arrived meanwhile."""
+    if _renameat2_fn is not None:
+        rc = _renameat2_fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
+        if rc == 0:
+            return True
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            return False
+        if err not in (errno.EINVAL, errno.ENOSYS):  # a filesystem without the flag: fall back below
+            raise OSError(err, os.strerror(err), str(src))
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        return False
+    os.unlink(src)
+    return True
 
 
 def move(src: Path, dst: Path) -> None:
@@ -49,8 +138,9 @@ def move(src: Path, dst: Path) -> None:
         fsync_dir(src.parent)
 
 
-def append_line(path: Path, line: str, crash_name: str | None = None) -> None:
-    """Append one line durably. A crash mid-write leaves at most a torn last line, which readers skip."""
+def append_line(path: Path, line: str, crash_name: str | None = None, durable: bool = True) -> None:
+    """Append one line (fsynced unless not `durable`). A crash mid-write leaves at most a torn last line,
+    which readers skip."""
     data = (line.rstrip("\n") + "\n").encode("utf-8")
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -64,7 +154,8 @@ def append_line(path: Path, line: str, crash_name: str | None = None) -> None:
             os.write(fd, data[: len(data) // 2])
             os._exit(CRASH_EXIT)
         os.write(fd, data)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -76,7 +167,7 @@ class LockHeld(Exception):
 
 
 class QueueLock:
-    """flock on a file in the queue root: one daemon per queue. The file records the holder's pid."""
+    """flock on one lock file; the file records the holder's pid."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -113,3 +204,34 @@ class QueueLock:
             return None
         finally:
             os.close(fd)
+
+
+class FolderLocks:
+    """A queue owns every folder it writes: one flock in each (inbox, outputs, processed, logs). Two
+    configs that share any folder cannot both run; queues that share none never block each other."""
+
+    def __init__(self, folders: list[Path], name: str) -> None:
+        unique = sorted({f.resolve() for f in folders})
+        self.locks = [QueueLock(f / name) for f in unique]
+
+    def acquire(self) -> None:
+        taken: list[QueueLock] = []
+        try:
+            for lock in self.locks:
+                lock.acquire()
+                taken.append(lock)
+        except LockHeld as e:
+            for lock in taken:
+                lock.release()
+            raise LockHeld(f"{e.holder}, on {lock.path.parent}") from None
+
+    def release(self) -> None:
+        for lock in self.locks:
+            lock.release()
+
+    def holder(self) -> str | None:
+        for lock in self.locks:
+            who = lock.holder()
+            if who is not None:
+                return who
+        return None

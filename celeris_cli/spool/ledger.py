@@ -32,22 +32,40 @@ def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
                 yield rec
 
 
+def dumps(record: Any) -> str:
+    """One JSON line, readable UTF-8; text that is not valid Unicode (a lone surrogate from a JSON escape)
+    is written as an escape instead, so a log line can always be encoded."""
+    text = json.dumps(record, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(record, ensure_ascii=True)
+    return text
+
+
 def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 class FailureLog:
-    """`logs/failed.jsonl`. Each record has a stable `key` (claimed file, line, attempt), so a file that
-    is processed again after a crash does not record the same failure twice."""
+    """`logs/failed.jsonl`. Each record has a stable `key` (claim, file, line, attempt), so a file that is
+    processed again after a crash does not record the same failure twice, and a later arrival of the same
+    name (a new claim) can never collide with an earlier one."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.keys = {rec.get("key") for rec in read_jsonl(path)}
+        self.keys: set[Any] = set()
+        self.max_claim = 0  # claim numbers continue past every one on record
+        for rec in read_jsonl(path):
+            self.keys.add(rec.get("key"))
+            claim = rec.get("claim")
+            if isinstance(claim, int) and claim > self.max_claim:
+                self.max_claim = claim
 
     def append(self, record: dict[str, Any]) -> bool:
         if record["key"] in self.keys:
             return False
-        append_line(self.path, json.dumps(record, ensure_ascii=False), crash_name="mid_failure_append")
+        append_line(self.path, dumps(record), crash_name="mid_failure_append")
         self.keys.add(record["key"])
         return True
 
@@ -62,10 +80,13 @@ def failure_record(
     attempt: int,
     request: Any,
     custom_id: str | None,
+    claim: int,
     origin: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
-        "key": f"{source}:{line}:{attempt}",
+        "key": f"{claim}/{source}:{line}:{attempt}",
+        "claim": claim,
+        "output": f"{source}.results.jsonl",
         "time": now_iso(),
         "custom_id": custom_id,
         "source": {"file": source, "line": line},
@@ -79,13 +100,14 @@ def failure_record(
 
 
 class EventLog:
-    """`logs/events.jsonl`: what the daemon did, one JSON object per event. Prompts never appear here."""
+    """`logs/events.jsonl`: what the daemon did, one JSON object per event. Prompts never appear here.
+    Diagnostics, not state: appended without fsync (the queue's truth is in its folders and journals)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def __call__(self, event: str, **fields: Any) -> None:
         try:
-            append_line(self.path, json.dumps({"time": now_iso(), "event": event, **fields}, ensure_ascii=False))
+            append_line(self.path, dumps({"time": now_iso(), "event": event, **fields}), durable=False)
         except OSError as e:  # the event log is diagnostics; it must never stop the queue
             log.warning("cannot write %s: %s", self.path, e)

@@ -16,15 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from .config import BatchConfig
-from .daemon import HEARTBEAT, LOCK_NAME, is_candidate
-from .fsutil import QueueLock, append_line, atomic_write
+from .daemon import HEARTBEAT, queue_lock
+from .fsutil import append_line, atomic_write
+from .intake import is_candidate
 from .ledger import now_iso, read_jsonl
+from .status import read_heartbeat
 
 
 @dataclass
 class RetryReport:
     resubmitted: int = 0
     already_retried: int = 0
+    already_done: int = 0
     not_retryable: int = 0
     out_of_attempts: int = 0
     no_request: int = 0
@@ -42,6 +45,17 @@ def plan_retry(cfg: BatchConfig, log_path: Path, include_all: bool) -> RetryRepo
     report = RetryReport()
     chosen: list[dict[str, Any]] = []
     seen: set[str] = set()
+    results: dict[str, set[Any]] = {}
+
+    def has_result(rec: dict[str, Any]) -> bool:
+        """A later result for the same id, in the same results file, supersedes the failure record."""
+        name = rec.get("output") or f"{(rec.get('source') or {}).get('file')}.results.jsonl"
+        if not isinstance(name, str) or "/" in name:
+            return False
+        if name not in results:
+            results[name] = {r.get("custom_id") for r in read_jsonl(cfg.folders.outputs / name)}
+        return rec.get("custom_id") in results[name]
+
     for rec in read_jsonl(log_path):
         key = rec.get("key")
         if not isinstance(key, str) or key in seen:
@@ -50,6 +64,8 @@ def plan_retry(cfg: BatchConfig, log_path: Path, include_all: bool) -> RetryRepo
         request = rec.get("request")
         if key in done:
             report.already_retried += 1
+        elif rec.get("custom_id") is not None and has_result(rec):
+            report.already_done += 1
         elif not rec.get("retryable") and not include_all:
             report.not_retryable += 1
         elif not isinstance(request, dict) or not (request.get("prompt") or request.get("messages")):
@@ -86,26 +102,20 @@ def status(cfg: BatchConfig) -> dict[str, Any]:
 
     pending = entries(f.inputs)
     oldest = min((e.stat(follow_symlinks=False).st_mtime for e in pending), default=None)
-    heartbeat = None
-    hb = f.logs / HEARTBEAT
-    if hb.is_file():
-        try:
-            heartbeat = json.loads(hb.read_text(encoding="utf-8"))
-            heartbeat["age_s"] = round(now - heartbeat.get("unix", now), 1)
-        except (json.JSONDecodeError, OSError):
-            heartbeat = None
+    holder = queue_lock(cfg).holder()
+    heartbeat = read_heartbeat(f.logs / HEARTBEAT, holder)
     failures = sum(1 for _ in read_jsonl(f.logs / "failed.jsonl"))
     return {
         "root": str(cfg.root),
         "counts": {
             "pending": len(pending),
-            "in_progress": len(entries(f.work)),
+            "in_progress": len(entries(f.work)) if f.work.is_dir() else 0,
             "outputs": sum(1 for e in entries(f.outputs) if e.name.endswith(".results.jsonl")),
             "processed": len(entries(f.processed)),
             "quarantined": len(entries(f.quarantine)),
             "failure_records": failures,
         },
         "oldest_pending_age_s": round(now - oldest, 1) if oldest is not None else None,
-        "lock_holder": QueueLock(cfg.root / LOCK_NAME).holder(),
+        "lock_holder": holder,
         "heartbeat": heartbeat,
     }
