@@ -79,6 +79,7 @@ def read_requests(path: Path, max_line_bytes: int = 1_000_000) -> tuple[list[Req
             attempt=err.attempt,
             request=err.request,
             custom_id=err.custom_id,
+            claim=0,  # one run, one arrival
         )
         for err in errors
     ]
@@ -114,6 +115,7 @@ def run_file(
                     attempt=req.attempt,
                     request=req.body(),
                     custom_id=req.custom_id,
+                    claim=0,
                     origin=req.origin,
                 )
             )

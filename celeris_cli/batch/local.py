@@ -1,5 +1,6 @@
 """Running requests on an in-process engine: prepare each (a bad one becomes its failure), pack the rest
-into batches by settings and length, decode. Also what each Ray actor runs on its share."""
+into batches by settings and length, decode; a failing batch is bisected so one poison request fails
+alone. The queue's own packing and bisection (`spool.batching`). Also what each Ray actor runs."""
 
 from __future__ import annotations
 
@@ -9,11 +10,19 @@ from typing import Any
 
 from ..errors import CelerisError
 from ..spool.backend import Backend, Prepared
+from ..spool.batching import pack_by_group, run_bisecting
 from ..spool.formats import Request
-from ..spool.packing import pack
 from . import Outcome
 
 log = logging.getLogger(__name__)
+
+
+def _same(p: Prepared) -> Prepared:
+    return p
+
+
+def _log(event: str, **fields: Any) -> None:
+    log.info("%s %s", event, fields)
 
 
 class LocalExecutor:
@@ -31,27 +40,7 @@ class LocalExecutor:
                 yield Outcome(req, code=e.code, message=str(e), retryable=e.retryable)
             except Exception as e:  # a request the engine cannot even prepare must not sink the others
                 log.exception("preparing %s", req.custom_id)
-                yield Outcome(req, code="engine_error", message=f"{type(e).__name__}: {e}", retryable=False)
-        for batch in pack(prepared, lambda p: p, self.batch_size, self.token_budget):
-            yield from self.run_batch(batch)
-
-    def run_batch(self, batch: list[Prepared]) -> Iterator[Outcome]:
-        """Decode a batch; if it fails, halve it until the failing requests are alone, so one poison
-        request fails by itself and its batch mates are served (their answers do not depend on it)."""
-        try:
-            bodies = self.backend.run(batch)
-        except Exception as e:
-            if len(batch) == 1:
-                log.exception("request %s failed", batch[0].request.custom_id)
-                yield Outcome(batch[0].request, code="engine_error", message=_describe(e), retryable=True)
-                return
-            half = len(batch) // 2
-            yield from self.run_batch(batch[:half])
-            yield from self.run_batch(batch[half:])
-            return
-        for p, body in zip(batch, bodies):
-            yield Outcome(p.request, body=body)
-
-
-def _describe(e: Exception) -> Any:
-    return f"{type(e).__name__}: {e}"
+                yield Outcome(req, code="engine_error", message=f"{type(e).__name__}: {e}")
+        for batch in pack_by_group(prepared, _same, self.batch_size, self.token_budget):
+            for d in run_bisecting(self.backend, batch, _same, None, lambda: False, _log):
+                yield Outcome(d.item.request, d.body, d.code or None, d.message or None, d.retryable)

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ..errors import CelerisError
 from .backend import Backend, Prepared
 from .intake import Job
 
 Item = tuple[Job, Prepared]
+T = TypeVar("T")
 
 
 class RequestTimeout(CelerisError):
@@ -27,9 +28,10 @@ class RequestTimeout(CelerisError):
 
 
 @dataclass(frozen=True)
-class Outcome:
-    job: Job
-    prepared: Prepared
+class Decided(Generic[T]):
+    """What became of one item of a batch: a response body, or a failure (code, message, retryable)."""
+
+    item: T
     body: dict[str, Any] | None
     code: str = ""
     message: str = ""
@@ -37,23 +39,28 @@ class Outcome:
 
 
 def pack(items: list[Item], batch_size: int, token_budget: int) -> list[list[Item]]:
-    """Group compatible requests; cap each batch by size and by padded canvas tokens. Within a group
-    requests are sorted by length, so rows of a batch are of similar length (little padding). Suspect
-    requests (in flight when an earlier claim died) go alone."""
-    groups: dict[Any, list[Item]] = {}
-    out: list[list[Item]] = []
+    """The queue's batches: suspect requests (in flight when an earlier claim died) go alone; the rest are
+    packed by settings and length."""
+    alone = [[item] for item in items if item[0].suspects is None or item[1].request.line in item[0].suspects]
+    rest = [item for item in items if not (item[0].suspects is None or item[1].request.line in item[0].suspects)]
+    return alone + pack_by_group(rest, lambda item: item[1], batch_size, token_budget)
+
+
+def pack_by_group(
+    items: Sequence[T], prepared: Callable[[T], Prepared], batch_size: int, token_budget: int
+) -> list[list[T]]:
+    """Group items whose prepared requests may share a batch (equal `group`), sort each group by cost so
+    the rows of a batch are of similar length, and cap each batch by rows and by padded canvas tokens."""
+    groups: dict[Hashable, list[T]] = {}
     for item in items:
-        job, p = item
-        if job.suspects is None or p.request.line in job.suspects:
-            out.append([item])
-        else:
-            groups.setdefault(p.group, []).append(item)
+        groups.setdefault(prepared(item).group, []).append(item)
+    out: list[list[T]] = []
     for members in groups.values():
-        members.sort(key=lambda item: item[1].cost)
-        batch: list[Item] = []
+        members.sort(key=lambda item: prepared(item).cost)
+        batch: list[T] = []
         for item in members:
-            # sorted by cost, so this row is the longest: the padded batch is cost * rows
-            if batch and (len(batch) >= batch_size or item[1].cost * (len(batch) + 1) > token_budget):
+            cost = prepared(item).cost  # sorted by cost: this row is the longest, the padded batch is cost * rows
+            if batch and (len(batch) >= batch_size or cost * (len(batch) + 1) > token_budget):
                 out.append(batch)
                 batch = []
             batch.append(item)
@@ -81,13 +88,18 @@ def deadline(seconds: float | None) -> Iterator[None]:
 
 
 def run_bisecting(
-    backend: Backend, batch: list[Item], timeout_s: float | None, stopping: Callable[[], bool], log: Callable[..., None]
-) -> list[Outcome]:
-    """Outcomes for the requests of `batch` that were decided (fewer when a stop cut a bisection short)."""
+    backend: Backend,
+    batch: list[T],
+    prepared: Callable[[T], Prepared],
+    timeout_s: float | None,
+    stopping: Callable[[], bool],
+    log: Callable[..., None],
+) -> list[Decided[T]]:
+    """What became of the items of `batch` that were decided (fewer when a stop cut a bisection short)."""
     try:
         with deadline(timeout_s):
-            bodies = backend.run([p for _, p in batch])
-        return [Outcome(job, p, body) for (job, p), body in zip(batch, bodies)]
+            bodies = backend.run([prepared(item) for item in batch])
+        return [Decided(item, body) for item, body in zip(batch, bodies)]
     except Exception as e:  # one failing request must not stop the daemon nor sink its batch
         if isinstance(e, CelerisError):
             code, retryable = e.code, e.retryable
@@ -95,11 +107,10 @@ def run_bisecting(
             code, retryable = "engine_error", True
         message = str(e) if isinstance(e, CelerisError) else f"{type(e).__name__}: {e}"
         if len(batch) == 1:
-            job, p = batch[0]
-            return [Outcome(job, p, None, code, message, retryable)]
+            return [Decided(batch[0], None, code, message, retryable)]
         log("bisect", size=len(batch), error=message)
         mid = len(batch) // 2
-        out = run_bisecting(backend, batch[:mid], timeout_s, stopping, log)
+        out = run_bisecting(backend, batch[:mid], prepared, timeout_s, stopping, log)
         if not stopping():
-            out += run_bisecting(backend, batch[mid:], timeout_s, stopping, log)
+            out += run_bisecting(backend, batch[mid:], prepared, timeout_s, stopping, log)
         return out

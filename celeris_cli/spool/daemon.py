@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import CelerisError, ConfigError
 from . import finish, poison, signals
 from .backend import Backend
-from .batching import Item, Outcome, pack, run_bisecting
+from .batching import Decided, Item, pack, run_bisecting
 from .config import BatchConfig
 from .formats import FileRejected, parse_file
 from .fsutil import FolderLocks, crashpoint
@@ -256,11 +256,13 @@ class Spool:
                 job.journal.append({"try": mine})  # so a death here can be blamed on these lines
         self.in_flight = batch
         self.beat.write("decoding", self)
-        outcomes = run_bisecting(self.backend, batch, self.cfg.request_timeout_s, lambda: self.stopping, self.events)
+        outcomes = run_bisecting(
+            self.backend, batch, lambda item: item[1], self.cfg.request_timeout_s, lambda: self.stopping, self.events
+        )
         self.in_flight = []
         wall = time.perf_counter() - t0
         failed = [o for o in outcomes if o.body is None]
-        tokens = sum(o.prepared.cost for o in outcomes)
+        tokens = sum(o.item[1].cost for o in outcomes)
         out_tokens = sum(output_tokens(o.body) for o in outcomes if o.body is not None)
         self.metrics.batch(out_tokens, wall)
         self.events(
@@ -279,17 +281,17 @@ class Spool:
             )
         self.beat.last_batch = time.time()
         for job in jobs.values():
-            self.record(job, [o for o in outcomes if o.job is job])
+            self.record(job, [o for o in outcomes if o.item[0] is job])
         work = self.complete([job for job in jobs.values() if job.pending == 0])
         self.beat.write("busy", self)
         self.metrics.queue(self.inbox.depth, self.inbox.oldest_mtime, len(self.claimed))
         self.metrics.write()
         return work
 
-    def record(self, job: Job, outcomes: list[Outcome]) -> None:
+    def record(self, job: Job, outcomes: list[Decided[Item]]) -> None:
         new: list[dict[str, Any]] = []
         for o in outcomes:
-            req = o.prepared.request
+            req = o.item[1].request
             if o.body is not None:
                 new.append({"line": req.line, "body": o.body})
             else:

@@ -12,7 +12,7 @@ from typing import Any
 
 from . import fsutil
 from .config import Folders
-from .formats import LineError, Request
+from .formats import LineError, Request, result_line
 from .fsutil import crashpoint, fsync_dir, rename_noreplace
 from .intake import Job
 from .ledger import EventLog, FailureLog, dumps, failure_record
@@ -33,14 +33,7 @@ class Publisher:
         for req in job.requests:
             body = job.outcomes.get(req.line, {}).get("body")
             if body is not None:
-                lines.append(
-                    {
-                        "id": f"{job.name}:{req.line}",
-                        "custom_id": req.custom_id,
-                        "response": {"status_code": 200, "body": body},
-                        "error": None,
-                    }
-                )
+                lines.append(result_line(job.name, req, body))
                 text.append(f"[{req.custom_id}]\n{body['text']}\n\n")
         files = {f"{job.name}.results.jsonl": "".join(dumps(x) + "\n" for x in lines).encode()}
         if "txt" in self.output_formats:
