@@ -22,7 +22,7 @@ from .device import resolve_device, resolve_dtype
 from .errors import ModelError, PromptTooLong, UsageError
 from .model import LLaDAModel
 from .params import GenerationParams, model_layer
-from .sampling import RowNoise
+from .sampling import RowNoise, request_seed
 from .strategies import Net, SpecialTokens, get_strategy
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -114,13 +114,14 @@ class Engine:
         self, batch: Sequence[list[int]], params: GenerationParams, seeds: Sequence[int] | None = None
     ) -> tuple[list[list[int]], int]:
         """Decode one batch of token-id prompts; returns each row's generated ids (uncut) and the NFE. Row
-        b draws its randomness from seeds[b] alone (default: params.seed for every row)."""
+        b draws its randomness from seeds[b] and its own prompt alone (default seed: params.seed)."""
         decode = get_strategy(params.strategy)
         P = max(len(ids) for ids in batch)
         pad = self.tokenizer.pad_id
         prompt = torch.tensor([[pad] * (P - len(ids)) + ids for ids in batch], device=self.device)
         prompt_mask = torch.tensor([[False] * (P - len(ids)) + [True] * len(ids) for ids in batch], device=self.device)
-        noise = RowNoise(seeds if seeds is not None else [params.seed] * len(batch), self.device)
+        seeds = seeds if seeds is not None else [params.seed] * len(batch)
+        noise = RowNoise([request_seed(s, ids) for s, ids in zip(seeds, batch)], self.device)
         net = Net(self.model)
         out = decode(net, prompt, prompt_mask, params, self.special, noise)
         return out[:, P:].tolist(), net.nfe

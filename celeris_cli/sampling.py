@@ -2,9 +2,10 @@
 min-p / top-k / top-p, and the order noise that picks which positions commit first.
 
 An answer must depend only on its own request. So every row draws from its own stream, and the stream for
-(row, block, step) is seeded from the row's seed and that (block, step) alone: what other rows do, how
-many rows share the batch and how many draws came before cannot change a row's draws (vLLM seeds per
-request the same way).
+(row, block, step) is seeded from the row's seed, its prompt and that (block, step) alone: what other rows
+do, how many rows share the batch and how many draws came before cannot change a row's draws (vLLM seeds
+per request the same way). The prompt is part of the seed so that a thousand prompts run with one seed
+do not all share one noise sequence, which would make their answers alike.
 """
 
 from __future__ import annotations
@@ -31,9 +32,17 @@ def stream_seed(seed: int, block: int, step: int) -> int:
     return _splitmix64(_splitmix64(_splitmix64(seed) ^ block) ^ step) >> 1
 
 
+def request_seed(seed: int, prompt_ids: Sequence[int]) -> int:
+    """The row's seed: the request's seed mixed with its prompt's token ids."""
+    h = _splitmix64(seed)
+    for t in prompt_ids:
+        h = _splitmix64(h ^ t)
+    return h
+
+
 class RowNoise:
     """Per-row random streams for one batch. `rows` index the batch as it was first given, so rows that
-    leave early (early exit) do not shift anyone's stream."""
+    leave early (early exit) do not shift anyone's stream. `seeds` are the rows' own (`request_seed`)."""
 
     def __init__(self, seeds: Sequence[int], device: torch.device) -> None:
         self.seeds = list(seeds)
