@@ -263,7 +263,7 @@ def bench_batch(
     backend = EngineBackend(o.get("model"), o.get("device", "auto"), o.get("dtype", "auto"), None, {})
     executors: list[tuple[str, Any]] = [("local", LocalExecutor(backend, batch_size))]
     executors += [
-        (f"ray-actors-{n}", RayExecutor(RayOptions(None, n, batch_size=batch_size, engine=o))) for n in actors
+        (f"ray-actors-{n}", RayExecutor(RayOptions(actors=n, batch_size=batch_size, engine=o))) for n in actors
     ]
     for name, executor in executors:
         out = work / f"{name}.jsonl"

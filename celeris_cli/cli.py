@@ -274,7 +274,14 @@ def batch_cmd(
 
             address = None if ray == "local" else ray
             executor = RayExecutor(
-                RayOptions(address, actors, cpus_per_actor, gpus_per_actor, batch_size, engine=engine)
+                RayOptions(
+                    address=address,
+                    actors=actors,
+                    cpus_per_actor=cpus_per_actor,
+                    gpus_per_actor=gpus_per_actor,
+                    batch_size=batch_size,
+                    engine=engine,
+                )
             )
         with Progress() as progress:
             report = run_file(input_file, output, failed, executor, progress.update)

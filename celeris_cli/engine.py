@@ -86,8 +86,8 @@ class Engine:
         self.special = SpecialTokens(tokenizer.mask_id, tokenizer.stop_ids | extra_stops, tokenizer.pad_id)
 
     def with_defaults(self, settings: dict[str, Any]) -> Engine:
-        """This engine with `settings` as its model-folder layer of defaults (for tests and tools)."""
-        self.defaults = GenerationParams.from_mapping(settings)
+        """Replace this engine's model-folder layer of defaults with `settings` (for tests and tools)."""
+        self.defaults = GenerationParams.from_mapping(settings).as_defaults()
         return self
 
     def params(self, overrides: dict[str, Any] | None = None) -> GenerationParams:
@@ -138,8 +138,14 @@ class Engine:
         cuts = [text.find(s) for s in stop if s in text]
         if cuts:
             text, reason = text[: min(cuts)], "stop"
-            n = next(n for n in range(1, len(ids) + 1) if any(s in self.tokenizer.decode(ids[:n]) for s in stop))
-            ids = ids[:n]
+            lo, hi = 1, len(ids)  # the fewest tokens whose text holds a stop string (binary search)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if any(s in self.tokenizer.decode(ids[:mid]) for s in stop):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            ids = ids[:lo]
         return text, len(ids), reason
 
     def decode_batch(
@@ -245,6 +251,6 @@ def read_generation_config(model_dir: Path | None) -> tuple[GenerationParams, fr
         settings, stops, ignored = model_layer(raw)
         if ignored:
             log.debug("%s: ignoring %s", path, ", ".join(ignored))
-        return GenerationParams.from_mapping(settings), stops
+        return GenerationParams.from_mapping(settings).as_defaults(), stops
     except (json.JSONDecodeError, UnicodeDecodeError, UsageError) as e:
         raise ModelError(f"{path}: {e}") from None

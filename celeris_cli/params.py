@@ -61,7 +61,9 @@ KNOBS: dict[str, Knob] = {
     # per request
     "seed": Knob(int, 0, lambda v: 0 <= v <= MAX_SEED, f"an integer in 0..{MAX_SEED}"),
     "strategy": Knob(str, "fast", choices=("fast", "reference")),
-    "stop": Knob(tuple, (), lambda v: len(v) <= 16 and all(isinstance(s, str) and s for s in v), "non-empty strings"),
+    "stop": Knob(
+        tuple, (), lambda v: len(v) <= 16 and all(isinstance(s, str) and s for s in v), "at most 16 non-empty strings"
+    ),
 }
 ALIASES = {"steps": "denoise_steps"}
 _TYPE_NAMES = {
@@ -148,7 +150,7 @@ def honoured(strategy: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class GenerationParams:
-    """Everything that decides an answer. Build it with `from_mapping` (or `resolve`), which validates."""
+    """Everything that decides an answer, validated however it is built; `from_mapping` layers user input."""
 
     gen_length: int = KNOBS["gen_length"].default
     block_length: int = KNOBS["block_length"].default
@@ -167,21 +169,34 @@ class GenerationParams:
     seed: int = KNOBS["seed"].default
     strategy: str = KNOBS["strategy"].default
     stop: tuple[str, ...] = KNOBS["stop"].default
-    explicit: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    explicit: frozenset[str] = field(default=frozenset(), compare=False, repr=False)  # keys users set
+
+    def __post_init__(self) -> None:
+        """Every value is checked however the record is built (constructor, `replace`, `from_mapping`)."""
+        for knob in KNOBS:
+            _, value = _coerce(knob, getattr(self, knob))
+            if value is not getattr(self, knob):
+                object.__setattr__(self, knob, value)  # e.g. a list of stop strings made a tuple
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], base: GenerationParams | None = None) -> GenerationParams:
-        """`values` (user input: flags, a config, a request) on top of `base`, validated. Unknown keys and
-        wrong types are errors that name the key."""
-        out = dict(_coerce(k, v) for k, v in values.items())
-        merged = replace(base or cls(), **out, explicit=frozenset(out))
-        merged._check()
+        """`values` (one layer of user input: a config, a request, flags) on top of `base`, validated.
+        Unknown keys and wrong types are errors that name the key. Keys set by any user layer stay
+        explicit; a model folder's defaults are not (see `as_defaults`)."""
+        layer = dict(_coerce(k, v) for k, v in values.items())
+        explicit = (base.explicit if base is not None else frozenset()) | frozenset(layer)
+        merged = replace(base or cls(), **layer, explicit=explicit)
+        merged._check(frozenset(layer))
         return merged._settle()
 
     def with_(self, **changes: Any) -> GenerationParams:
         return GenerationParams.from_mapping(changes, self)
 
-    def _check(self) -> None:
+    def as_defaults(self) -> GenerationParams:
+        """These settings as a layer of defaults (a model folder's): none of them counts as the user's."""
+        return replace(self, explicit=frozenset())
+
+    def _check(self, layer: frozenset[str]) -> None:
         if self.strategy not in STRATEGY_PARTS:
             return  # _coerce already rejected it
         ignored = [k for k in sorted(self.explicit) if k not in honoured(self.strategy)]
@@ -190,7 +205,7 @@ class GenerationParams:
                 f"{', '.join(ignored)}: not used by the {self.strategy} strategy "
                 f"(it honours {', '.join(k for k in honoured(self.strategy) if k not in PER_REQUEST)})"
             )
-        if self.denoise_steps > self.gen_length and "denoise_steps" in self.explicit:
+        if self.denoise_steps > self.gen_length and "denoise_steps" in layer:
             raise UsageError(
                 f"denoise_steps {self.denoise_steps} exceeds gen_length {self.gen_length}: a step commits at least "
                 "one token, so more steps than tokens cannot run"
@@ -199,12 +214,17 @@ class GenerationParams:
             raise UsageError("order_temperature: random remasking already commits in random order; set it to 0")
 
     def _settle(self) -> GenerationParams:
-        """Resolve what defaults from lower layers left inconsistent, so the settings say what runs."""
+        """Resolve what lower layers left inconsistent, so the settings say what runs: steps capped at the
+        canvas and raised to one per block. (A short last block also caps its own share at its tokens;
+        `schedule.steps_per_block` has the exact count.)"""
         fixes: dict[str, Any] = {}
         if self.denoise_steps > self.gen_length:
             fixes["denoise_steps"] = self.gen_length
         if self.remasking == "random" and self.order_temperature > 0:
             fixes["order_temperature"] = 0.0
+        blocks = len(self.schedule.block_spans)
+        if self.denoise_steps < blocks:
+            fixes["denoise_steps"] = blocks
         return replace(self, **fixes) if fixes else self
 
     # -- parts, as the decoders receive them ---------------------------------------------------------
@@ -257,7 +277,10 @@ def _coerce(key: str, value: Any) -> tuple[str, Any]:
     if knob is None:
         raise UsageError(f"unknown generation parameter {key!r}")
     if knob.kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise UsageError(f"{name} must be {knob.meaning}, got an integer of {len(str(value))} digits") from None
     if knob.kind is tuple and isinstance(value, (str, list)):
         value = (value,) if isinstance(value, str) else tuple(value)
     if not isinstance(value, knob.kind) or (isinstance(value, bool) and knob.kind is not bool):
@@ -270,7 +293,7 @@ def _coerce(key: str, value: Any) -> tuple[str, Any]:
 
 
 # generation_config.json as `transformers` writes it: keys that mean something to Celeris
-HF_KEYS = {"max_new_tokens": "gen_length", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+HF_KEYS = {"max_new_tokens": "gen_length"}  # temperature, top_p and top_k have the same names as ours
 
 
 def model_layer(raw: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[int], list[str]]:
@@ -280,11 +303,13 @@ def model_layer(raw: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[int],
     settings: dict[str, Any] = {}
     ignored: list[str] = []
     for key, value in raw.items():
-        if key in KNOBS or key in ALIASES:
-            settings[key] = value
-        elif key in HF_KEYS and value is not None:
+        if value is None or key in ("eos_token_id", "do_sample"):
+            continue  # null is "not set" in transformers' files
+        if key in HF_KEYS:
             settings[HF_KEYS[key]] = value
-        elif key != "eos_token_id" and key != "do_sample":
+        elif key in KNOBS or key in ALIASES:
+            settings[key] = value
+        else:
             ignored.append(key)
     if raw.get("do_sample") is False:
         settings["temperature"] = 0.0

@@ -3,6 +3,7 @@ atomically; the same on a local Ray actor pool, byte-identical, even when an act
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -108,7 +109,24 @@ def test_ray_run_is_byte_identical_to_local_and_survives_a_killed_actor(tmp_path
     r_ray = check(tmp_path / "ray.jsonl", tmp_path / "ray.jsonl.failed.jsonl", good, bad)
     texts = [(r["custom_id"], r["response"]["body"]["text"]) for r in r_local]
     assert texts == [(r["custom_id"], r["response"]["body"]["text"]) for r in r_ray]
+    assert max(r["response"]["body"]["timing"]["batch_size"] for r in r_ray) <= 8  # --batch-size reached the actors
     assert len({t for _, t in texts}) > 10  # sampled answers (default temperature), not one repeated text
+
+
+def test_a_missing_output_folder_or_model_is_a_usage_error_before_any_decoding(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    (tmp_path / "in.txt").write_text("hello\n")
+    p = celeris("batch", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "nope" / "o.jsonl"), "--model",
+                str(tiny_model))  # fmt: skip
+    assert p.returncode == 2 and "does not exist" in p.stderr and "Traceback" not in p.stderr
+    if importlib.util.find_spec("ray") is not None:  # the Ray path checks the model on the driver, before Ray
+        p = celeris("batch", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "o.jsonl"), "--ray", "--model",
+                    str(tmp_path / "no-model"))  # fmt: skip
+        assert p.returncode == 2 and "model folder not found" in p.stderr and "Traceback" not in p.stderr
+        p = celeris("batch", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "o.jsonl"), "--ray", "--model",
+                    str(tiny_model), "--set", '{"strategy": "reference", "threshold": 0.5}')  # fmt: skip
+        assert p.returncode == 2 and "threshold: not used by the reference strategy" in p.stderr
 
 
 def test_ray_missing_is_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:

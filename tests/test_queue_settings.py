@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from celeris_cli.spool.formats import parse_file
 
 from .spool_helpers import drop, failures, make_queue, outputs
@@ -94,11 +96,10 @@ def test_a_stop_string_in_a_request_cuts_its_answer(tmp_path: Path, tiny_model: 
 
 
 def test_unsupported_openai_values_are_line_errors_and_their_neutral_values_pass() -> None:
-    data = "\n".join([line("a", "x", n=1, logprobs=False, stream=False), line("b", "x", n=3)]) + "\n"
-    requests, errors = parse_file("f.jsonl", data.encode(), 10_000)
+    rows = [line("a", "x", n=1, logprobs=False, stream=False), line("b", "x", n=3), line("c", "x", n=True)]
+    requests, errors = parse_file("f.jsonl", ("\n".join(rows) + "\n").encode(), 10_000)
     assert [r.custom_id for r in requests] == ["a"] and requests[0].params == {}
-    [err] = errors
-    assert (err.custom_id, err.code) == ("b", "bad_param")
+    assert [(e.custom_id, e.code) for e in errors] == [("b", "bad_param"), ("c", "bad_param")]
 
 
 def test_generation_settings_in_batch_yaml_are_checked_when_the_config_loads(tmp_path: Path) -> None:
@@ -106,11 +107,6 @@ def test_generation_settings_in_batch_yaml_are_checked_when_the_config_loads(tmp
     from celeris_cli.spool.config import load_config
 
     for bad, named in (({"temperature": "hot"}, "temperature"), ({"stepz": 3}, "stepz"), ({"seed": -1}, "seed")):
-        config = make_queue(tmp_path, generation=bad)
-        try:
-            load_config(config)
-        except ConfigError as e:
-            assert str(e).startswith("generation: ") and named in str(e)
-        else:
-            raise AssertionError(f"{bad} was accepted")
+        with pytest.raises(ConfigError, match=f"^generation: .*{named}"):
+            load_config(make_queue(tmp_path, generation=bad))
     assert load_config(make_queue(tmp_path, generation={"denoise_steps": 100})).generation == {"denoise_steps": 100}

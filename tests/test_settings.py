@@ -49,9 +49,22 @@ def test_a_knob_the_strategy_does_not_honour_is_an_error_naming_both(knob: str) 
     value = {"threshold": 0.5, "cache": "none", "confidence": "margin", "early_exit": False}[knob]
     with pytest.raises(UsageError, match=rf"{knob}: not used by the reference strategy"):
         GenerationParams.from_mapping({"strategy": "reference", knob: value})
-    fast_base = GenerationParams.from_mapping({knob: value})  # set in a lower layer (a model's defaults) ...
-    assert fast_base.with_(strategy="reference").strategy == "reference"  # ... it does not block a switch
-    assert knob not in fast_base.with_(strategy="reference").report()  # and the report says what ran
+    model_defaults = GenerationParams.from_mapping({knob: value}).as_defaults()  # a model folder's layer ...
+    assert model_defaults.with_(strategy="reference").strategy == "reference"  # ... does not block a switch
+    assert knob not in model_defaults.with_(strategy="reference").report()  # and the report says what ran
+    queue_layer = GenerationParams.from_mapping({knob: value})  # batch.yaml's layer is the user's own ...
+    with pytest.raises(UsageError, match=rf"{knob}: not used by the reference strategy"):
+        queue_layer.with_(strategy="reference")  # ... so a request switching strategy under it is told so
+
+
+def test_building_the_record_directly_is_validated_too() -> None:
+    with pytest.raises(UsageError, match="remasking"):
+        GenerationParams(remasking="bogus")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="temperature"):
+        GenerationParams(temperature=math.inf)
+    assert GenerationParams(stop=["a"]).stop == ("a",)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="temperature must be a finite number"):
+        GenerationParams.from_mapping({"temperature": 10**400})
 
 
 def test_every_strategy_declares_what_it_honours() -> None:
@@ -61,14 +74,16 @@ def test_every_strategy_declares_what_it_honours() -> None:
 
 
 def test_steps_from_a_lower_layer_are_settled_to_the_canvas_and_explicit_ones_are_checked() -> None:
-    model_defaults = GenerationParams.from_mapping({"gen_length": 64, "denoise_steps": 64})
+    model_defaults = GenerationParams.from_mapping({"gen_length": 64, "denoise_steps": 64}).as_defaults()
     assert model_defaults.with_(gen_length=16).denoise_steps == 16  # the user asked only for a shorter canvas
+    queue = model_defaults.with_(denoise_steps=20)  # batch.yaml's steps, then a request that shortens the canvas
+    assert queue.with_(gen_length=16).denoise_steps == 16
     with pytest.raises(UsageError, match="denoise_steps 20 exceeds gen_length 16"):
         model_defaults.with_(gen_length=16, denoise_steps=20)
 
 
 def test_random_remasking_replaces_order_noise_and_rejects_it_when_asked_for() -> None:
-    base = GenerationParams.from_mapping({"order_temperature": 1.0})
+    base = GenerationParams.from_mapping({"order_temperature": 1.0}).as_defaults()  # the model's default
     assert base.with_(remasking="random").order_temperature == 0.0
     with pytest.raises(UsageError, match="order_temperature"):
         base.with_(remasking="random", order_temperature=0.5)
@@ -111,6 +126,7 @@ def test_hf_generation_config_keys_are_mapped_and_bookkeeping_ignored() -> None:
     assert stops == {2, 7}
     assert set(ignored) == {"_from_model_config", "transformers_version", "use_cache", "bos_token_id", "pad_token_id"}
     assert model_layer({"do_sample": False, "temperature": 0.7})[0]["temperature"] == 0.0
+    assert model_layer({"top_k": None, "temperature": None, "eos_token_id": None}) == ({}, frozenset(), [])
 
 
 def test_a_transformers_saved_folder_loads_and_its_settings_apply(tmp_path: Path, tiny_model: Path) -> None:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import UsageError
+from ..errors import CelerisError, UsageError
 from ..spool.formats import FileRejected, Request, parse_file, result_line
 from ..spool.fsutil import atomic_write
 from ..spool.ledger import failure_record
@@ -96,6 +97,11 @@ def run_file(
     """Run every request of `source` and publish `output` (results, input order) and `failed` (failure
     records), each written to a temp name and renamed, so a crash leaves no half-written file."""
     t0 = time.perf_counter()
+    for path in (output, failed):  # before any decoding, not after an hour of it
+        if not path.parent.is_dir():
+            raise UsageError(f"{path}: folder {path.parent} does not exist")
+        if not os.access(path.parent, os.W_OK):
+            raise UsageError(f"{path}: folder {path.parent} is not writable")
     requests, failures = read_requests(source)
     total = len(requests) + len(failures)
     bodies: dict[int, dict[str, Any]] = {}
@@ -125,9 +131,12 @@ def run_file(
     if done != len(requests) or len(bodies) + len(failures) != total:  # an invariant, not a user error
         raise RuntimeError(f"executor returned {done} outcomes for {len(requests)} requests")
     lines = [result_line(source.name, req, bodies[req.line]) for req in requests if req.line in bodies]
-    atomic_write(output, _jsonl(lines))
     failures.sort(key=lambda rec: rec["source"]["line"])
-    atomic_write(failed, _jsonl(failures))
+    try:
+        atomic_write(failed, _jsonl(failures))
+        atomic_write(output, _jsonl(lines))
+    except OSError as e:
+        raise CelerisError(f"cannot write the results: {e}") from None
     wall = time.perf_counter() - t0
     return BatchReport(total, len(lines), len(failures), round(wall, 3), str(output), str(failed))
 

@@ -24,11 +24,12 @@ from . import Outcome
 
 log = logging.getLogger(__name__)
 
-# fault injection for tests: the first worker to reach a batch exits, once (the marker file remembers)
+# fault injection for tests: a worker that has finished a batch dies at its next one, once (the marker file
+# remembers), so finished work of that actor has been handed back before the crash
 CRASH_ENV = "CELERIS_RAY_CRASH_ONCE"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RayOptions:
     address: str | None = None  # None: a local Ray for this run; "auto" or "ray://host:10001": a cluster
     actors: int = 1
@@ -49,10 +50,26 @@ def import_ray() -> Any:
     return ray
 
 
+def check_engine(engine: dict[str, Any]) -> None:
+    """What each actor will load, checked on the driver first: a missing model folder or a settings
+    combination the model's defaults reject is one clear error here, not a retried actor crash there."""
+    from ..checkpoint import read_config, weight_files
+    from ..engine import default_model_dir, read_generation_config
+    from ..params import GenerationParams
+    from ..tokenizer import load_tokenizer
+
+    folder = Path(engine["model"]) if engine.get("model") else default_model_dir()
+    load_tokenizer(folder, read_config(folder))
+    weight_files(folder)
+    defaults, _ = read_generation_config(folder)
+    GenerationParams.from_mapping(engine.get("generation", {}), defaults)
+
+
 class RayExecutor:
     def __init__(self, options: RayOptions) -> None:
         self.options = options
         self.ray = import_ray()
+        check_engine(options.engine)
 
     def run(self, requests: list[Request]) -> Iterator[Outcome]:
         with _stdout_to_stderr():
@@ -62,13 +79,17 @@ class RayExecutor:
         ray, o = self.ray, self.options
         started_here = not ray.is_initialized()
         if started_here:
-            ray.init(
-                address=o.address,
-                log_to_driver=False,  # stdout belongs to the results, stderr to our own progress
-                logging_level=logging.WARNING,
-                include_dashboard=False,
-                runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("CELERIS_")}},
-            )
+            try:
+                ray.init(
+                    address=o.address,
+                    log_to_driver=False,  # stdout belongs to the results, stderr to our own progress
+                    logging_level=logging.WARNING,
+                    include_dashboard=False,
+                    runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("CELERIS_")}},
+                )
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                where = o.address or "a local Ray"
+                raise UsageError(f"cannot start or join Ray ({where}): {str(e).splitlines()[0]}") from None
         try:
             yield from self._run(requests)
         finally:
@@ -135,12 +156,14 @@ class RayWorker:
             engine.get("generation", {}),
         )  # fmt: skip
         self.executor = LocalExecutor(backend, batch_size, token_budget)
+        self.batches_done = 0
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[str]]:
         marker = os.environ.get(CRASH_ENV)
-        if marker and not Path(marker).exists():
+        if marker and self.batches_done >= 1 and not Path(marker).exists():
             Path(marker).touch()
             os._exit(1)  # as if the node lost the process mid-batch
+        self.batches_done += 1
         requests = [Request(**json.loads(s)) for s in batch["request"]]
         outcomes = []
         for oc in self.executor.run(requests):

@@ -189,7 +189,8 @@ def _parse_jsonl(number: int, text: str) -> Request | LineError:
             if key in ("messages", "prompt"):
                 continue
             if key in UNSUPPORTED:
-                if value not in (UNSUPPORTED[key], None):
+                neutral = UNSUPPORTED[key]
+                if value is not None and (type(value) is not type(neutral) or value != neutral):
                     return LineError(
                         number, "bad_param", f"{key}={value!r} is not supported by celeris", obj, custom_id
                     )
