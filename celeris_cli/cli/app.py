@@ -15,7 +15,6 @@ import typer
 from ..errors import CelerisError
 
 app = typer.Typer(
-    add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="Batch generation with masked diffusion language models.",
@@ -57,8 +56,20 @@ class DtypeOpt(str, Enum):
     bfloat16 = "bfloat16"
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        typer.echo(f"celeris {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     """Batch generation with masked diffusion language models."""
 
 

@@ -1,10 +1,9 @@
-"""`celeris generate`: prompts in, answers out."""
+"""`celeris generate`: prompts in, answers out, in input order, each batch written as it finishes."""
 
 from __future__ import annotations
 
-import json
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,11 @@ import typer
 from ..errors import CelerisError, UsageError
 from ..params import MAX_SEED
 from .app import CacheOpt, ConfidenceOpt, DeviceOpt, DtypeOpt, Remasking, StrategyOpt, app, fail
+from .output import Format, Sink
+from .progress import Progress, deferred_interrupt
+from .prompts import BadLine, Prompt, gather
+
+EX_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 STEPS_HELP = (
     "Denoising steps in total. They are spread over the blocks (gen-length / block-length of them): "
@@ -23,8 +27,15 @@ STEPS_HELP = (
 
 @app.command()
 def generate(
+    args: list[str] = typer.Argument(None, metavar="PROMPT", show_default=False, help="Prompts to answer."),
     prompt: list[str] = typer.Option(None, "--prompt", "-p", help="A prompt; repeat for several."),
-    file: Path = typer.Option(None, "--file", "-f", help="A text file with one prompt per line."),
+    file: Path = typer.Option(
+        None,
+        "--file",
+        "-f",
+        help="A text file with one prompt per line; - reads stdin (as does a pipe when no prompt is given). "
+        "A bad or too long line is reported with its line number and skipped, and the run exits 1.",
+    ),
     model: Path = typer.Option(None, "--model", "-m", help="Model folder (default: the embedded model)."),
     denoise_steps: int = typer.Option(None, "--denoise-steps", "--steps", min=1, help=STEPS_HELP),
     gen_length: int = typer.Option(None, "--gen-length", min=1, help="Tokens to generate (the canvas)."),
@@ -68,22 +79,28 @@ def generate(
     device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device", help="auto picks CUDA when present."),
     dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype", help="auto picks bfloat16 where it is fast."),
     chat: bool = typer.Option(False, "--chat", help="Render prompts with the model's chat template."),
-    as_json: bool = typer.Option(False, "--json", help="Print a JSON record (an array for several prompts)."),
-    as_jsonl: bool = typer.Option(False, "--jsonl", help="Print one JSON record per line."),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="Print one JSON document (an array for several prompts), at the end.",
+    ),
+    as_jsonl: bool = typer.Option(False, "--jsonl", help="Print one JSON record per line, each batch as it finishes."),
+    output: Path = typer.Option(None, "--output", "-o", help="Write answers to this file (atomically), not stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress and no summary line on stderr."),
+    strict: bool = typer.Option(
+        False,
+        "--strict",
+        help="Any bad --file line fails the whole run (exit 2) before it starts.",
+    ),
 ) -> None:
-    """Generate answers for one or a few prompts."""
+    """Generate answers for prompts given as arguments, with --prompt, in a --file, or piped on stdin.
+
+    Answers are written in input order, each batch as soon as it finishes (--json: at the end).
+    Ctrl-C writes what is finished and exits 130."""
     try:
-        prompts = list(prompt or [])
-        if file is not None:
-            try:
-                text = file.read_text(encoding="utf-8-sig")
-            except (OSError, UnicodeDecodeError) as e:
-                raise CelerisError(f"cannot read --file {file}: {e}") from None
-            prompts += [line.strip() for line in text.splitlines() if line.strip()]
-        if not prompts:
-            raise CelerisError("no prompt given: use --prompt TEXT or --file FILE")
         if as_json and as_jsonl:
-            raise CelerisError("choose one of --json and --jsonl")
+            raise UsageError("choose one of --json and --jsonl")
+        prompts, bad = gather(list(args or []), list(prompt or []), file)
         overrides: dict[str, Any] = {
             k: v
             for k, v in dict(
@@ -111,51 +128,86 @@ def generate(
 
         engine = load_engine(model, device.value, dtype.value)
         params = engine.params(overrides)
-        seeds = [params.seed + k for _ in prompts for k in range(samples)]
-        if seeds and max(seeds) > MAX_SEED:
-            raise UsageError(f"seed {params.seed} plus {samples} samples passes the largest seed {MAX_SEED}")
-        prompts = [p for p in prompts for _ in range(samples)]
-        t0 = time.perf_counter()
-        results = _run_with_progress(engine, prompts, params, batch_size, chat, seeds)
-        seconds = time.perf_counter() - t0
+        jobs, skipped = _prepare(engine, params, prompts, bad, chat, strict, samples)
+        fmt: Format = "json" if as_json else "jsonl" if as_jsonl else "text"
+        sink = Sink(fmt, output, single=len(jobs) == 1 and not skipped)
     except CelerisError as e:
         fail(e)
-    records = [r.to_dict() for r in results]
-    if as_jsonl:
-        for rec in records:
-            typer.echo(json.dumps(rec, ensure_ascii=False))
-    elif as_json:
-        typer.echo(json.dumps(records[0] if len(records) == 1 else records, ensure_ascii=False, indent=2))
-    else:
-        for r in results:
-            typer.echo(r.text)
-        total = sum(r.output_tokens for r in results)
+    except KeyboardInterrupt:
+        typer.echo("Interrupted before any answer", err=True)
+        raise typer.Exit(EX_INTERRUPTED) from None
+    _run(engine, params, jobs, batch_size, sink, quiet)
+    if skipped:
+        typer.echo(f"Error: {skipped} line(s) skipped (see above)", err=True)
+    raise typer.Exit(1 if skipped else 0)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One answer to produce: a prompt, its token ids (checked to fit) and its seed."""
+
+    text: str
+    ids: list[int]
+    seed: int
+
+
+def _prepare(
+    engine: Any, params: Any, prompts: list[Prompt], bad: list[BadLine], chat: bool, strict: bool, samples: int
+) -> tuple[list[Job], int]:
+    """Encode and check every prompt before any decoding. A bad argument fails the run; a bad file line is
+    reported and skipped (with --strict it fails the run too, naming the line)."""
+    problems = [(f"{b.source}:{b.line}", b.error) for b in bad]
+    ok: list[tuple[Prompt, list[int]]] = []
+    for p in prompts:
+        try:
+            ids = engine.encode_prompt(p.text, chat)
+            engine.check_fits(len(ids), params)
+        except UsageError as e:
+            if p.line is None:
+                raise
+            problems.append((p.where, e))
+            continue
+        ok.append((p, ids))
+    if problems and strict:
+        where, err = problems[0]
+        raise type(err)(f"{where}: {err}" + (f" (and {len(problems) - 1} more bad lines)" if len(problems) > 1 else ""))
+    for where, err in problems:
+        typer.echo(f"Error: {where}: {err} (skipped)", err=True)
+    if params.seed + samples - 1 > MAX_SEED:
+        raise UsageError(f"seed {params.seed} plus {samples} samples passes the largest seed {MAX_SEED}")
+    jobs = [Job(p.text, ids, params.seed + k) for p, ids in ok for k in range(samples)]
+    return jobs, len(problems)
+
+
+def _run(engine: Any, params: Any, jobs: list[Job], batch_size: int, sink: Sink, quiet: bool) -> None:
+    """Decode in input order, batch by batch, writing each batch as it finishes. An answer depends only
+    on its prompt, settings and seed, so input-order batches give the same answers as any other packing."""
+    tokens = 0
+    last: Any = None
+    t0 = time.perf_counter()
+    try:
+        with Progress(len(jobs), quiet) as progress:
+            for start in range(0, len(jobs), batch_size):
+                batch = jobs[start : start + batch_size]
+                results = engine.decode_batch(
+                    [j.text for j in batch], [j.ids for j in batch], params, [j.seed for j in batch]
+                )
+                with deferred_interrupt():  # a record is written whole or not at all
+                    sink.write([r.to_dict() for r in results])
+                tokens += sum(r.output_tokens for r in results)
+                last = results[-1]
+                progress.advance(len(batch), tokens)
+    except KeyboardInterrupt:
+        with deferred_interrupt():
+            sink.close()
+        typer.echo(f"Interrupted: {sink.written} of {len(jobs)} answers written", err=True)
+        raise typer.Exit(EX_INTERRUPTED) from None
+    sink.close()
+    seconds = time.perf_counter() - t0
+    if not quiet and last is not None:
         typer.echo(
-            f"[{len(results)} prompt(s), {total} tokens in {seconds:.2f}s, "
-            f"{total / max(seconds, 1e-9):.1f} tokens/s, {results[0].device} {results[0].dtype}]",
+            f"[{sink.written} prompt(s), {tokens} tokens in {seconds:.2f}s, "
+            f"{tokens / max(seconds, 1e-9):.1f} tokens/s, {last.device} {last.dtype}]"
+            + (f" -> {sink.path}" if sink.path else ""),
             err=True,
-        )
-
-
-def _run_with_progress(
-    engine: Any, prompts: list[str], params: Any, batch_size: int, chat: bool, seeds: list[int]
-) -> list[Any]:
-    if not sys.stderr.isatty() or len(prompts) <= batch_size:
-        return list(engine.generate(prompts, params, batch_size, chat, seeds=seeds))
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    with Progress(
-        "generating",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    ) as progress:
-        task = progress.add_task("generate", total=len(prompts))
-        return list(
-            engine.generate(
-                prompts, params, batch_size, chat, on_batch=lambda n: progress.advance(task, n), seeds=seeds
-            )
         )
