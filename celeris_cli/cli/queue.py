@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from ..errors import CelerisError
+from ..errors import CelerisError, UsageError
 from .app import app, fail
 
 EX_TEMPFAIL = 75  # sysexits: another instance holds the queue
@@ -76,7 +76,12 @@ def watch(
 def retry(
     log: Path = typer.Argument(..., help="The failure log, e.g. logs/failed.jsonl."),
     config: Path = typer.Option(Path("configs/batch.yaml"), "--config", "-c", help="The queue's config."),
-    include_all: bool = typer.Option(False, "--all", help="Also retry records marked not retryable."),
+    include_all: bool = typer.Option(
+        False, "--all", help="Also retry records marked not retryable, except line-level user errors."
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Retry every record, even line-level user errors (a bad line fails again)."
+    ),
     no_run: bool = typer.Option(False, "--no-run", help="Only queue the retries; do not drain the queue."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
@@ -86,9 +91,11 @@ def retry(
 
     try:
         if not log.is_file():
-            raise CelerisError(f"failure log not found: {log}")
+            raise UsageError(f"failure log not found: {log}")
         cfg = _load_batch_config(config)
-        report = plan_retry(cfg, log, include_all)
+        report = plan_retry(cfg, log, include_all, force)
+        for warning in report.details:
+            typer.echo(f"Warning: {warning}", err=True)
         ran = "not run"
         code = 0
         if report.resubmitted and not no_run:
@@ -106,8 +113,9 @@ def retry(
         typer.echo(
             f"resubmitted {report.resubmitted} ({ran}); skipped: {report.already_retried} already retried, "
             f"{report.already_done} already have a result, "
-            f"{report.not_retryable} not retryable, {report.out_of_attempts} out of attempts, "
-            f"{report.no_request} without a request" + (f"; file {report.file}" if report.file else "")
+            f"{report.not_retryable} not retryable, {report.user_errors} line-level user errors, "
+            f"{report.out_of_attempts} out of attempts, {report.no_request} without a request, "
+            f"{report.malformed} malformed" + (f"; file {report.file}" if report.file else "")
         )
     raise typer.Exit(code)
 
