@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import typer
 
-from ..errors import CelerisError
+from ..errors import CelerisError, UsageError
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -84,7 +84,7 @@ def _json_setting(text: str | None) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise CelerisError(f"--set must be a JSON object: {e}") from None
+        raise UsageError(f"--set must be a JSON object: {e}") from None
     if not isinstance(value, dict):
-        raise CelerisError("--set must be a JSON object")
+        raise UsageError("--set must be a JSON object")
     return value

@@ -9,14 +9,12 @@ from typing import Any
 
 import typer
 
-from ..errors import CelerisError, UsageError
+from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CelerisError, UsageError
 from ..params import MAX_SEED
 from .app import CacheOpt, ConfidenceOpt, DeviceOpt, DtypeOpt, Remasking, StrategyOpt, app, fail
 from .output import Format, Sink
 from .progress import Progress, deferred_interrupt
 from .prompts import BadLine, Prompt, gather
-
-EX_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 STEPS_HELP = (
     "Denoising steps in total. They are spread over the blocks (gen-length / block-length of them): "
@@ -135,11 +133,11 @@ def generate(
         fail(e)
     except KeyboardInterrupt:
         typer.echo("Interrupted before any answer", err=True)
-        raise typer.Exit(EX_INTERRUPTED) from None
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     _run(engine, params, jobs, batch_size, sink, quiet)
     if skipped:
         typer.echo(f"Error: {skipped} line(s) skipped (see above)", err=True)
-    raise typer.Exit(1 if skipped else 0)
+    raise typer.Exit(EXIT_FAILED if skipped else EXIT_OK)
 
 
 @dataclass(frozen=True)
@@ -201,7 +199,7 @@ def _run(engine: Any, params: Any, jobs: list[Job], batch_size: int, sink: Sink,
         with deferred_interrupt():
             sink.close()
         typer.echo(f"Interrupted: {sink.written} of {len(jobs)} answers written", err=True)
-        raise typer.Exit(EX_INTERRUPTED) from None
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     sink.close()
     seconds = time.perf_counter() - t0
     if not quiet and last is not None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from ..errors import CelerisError
+from ..errors import CelerisError, UsageError
 from .app import DeviceOpt, DtypeOpt, _json_setting, app, fail
 
 
@@ -110,11 +110,11 @@ def bench_cmd(
         chosen = [m.strip() for m in modes.split(",")] if modes else None
         for m in chosen or []:
             if m not in MODES:
-                raise CelerisError(f"unknown mode {m!r} (choose {', '.join(MODES)})")
+                raise UsageError(f"unknown mode {m!r} (choose {', '.join(MODES)})")
         try:
             sweep_steps = [int(x) for x in sweep.split(",")] if sweep else None
         except ValueError:
-            raise CelerisError(f"--sweep must be comma-separated integers, got {sweep!r}") from None
+            raise UsageError(f"--sweep must be comma-separated integers, got {sweep!r}") from None
         engine = load_engine(model, device.value, dtype.value, threads)
         settings = _json_setting(set_name)
         block_length = block_length or engine.params(settings).block_length

@@ -8,10 +8,8 @@ from typing import Any
 
 import typer
 
-from ..errors import CelerisError, UsageError
+from ..errors import EXIT_LOCKED, CelerisError, UsageError
 from .app import app, fail
-
-EX_TEMPFAIL = 75  # sysexits: another instance holds the queue
 
 
 def _load_batch_config(config: Path) -> Any:
@@ -41,9 +39,9 @@ def _serve(cfg: Any, once: bool, quiet: bool = True, summary: bool = False) -> i
         code = int(spool.run(once=once))
     except LockHeld as e:
         typer.echo(f"Error: another celeris instance holds the queue lock ({e.holder}); exiting", err=True)
-        raise typer.Exit(EX_TEMPFAIL) from None
+        raise typer.Exit(EXIT_LOCKED) from None
     if summary:  # one line for cron logs, even with --quiet
-        blocked = ", publishing blocked: files kept claimed for the next run" if code == EX_TEMPFAIL else ""
+        blocked = ", publishing blocked: files kept claimed for the next run" if code == EXIT_LOCKED else ""
         typer.echo(
             f"celeris watch --once: {spool.files_this_run} files, {spool.done_this_run} results, "
             f"{spool.failed_this_run} failures in {time.monotonic() - t0:.1f} s{blocked}",
