@@ -17,6 +17,11 @@ from ..errors import CelerisError, UsageError
 app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # Click's plain help: no Rich import, and paragraphs rewrapped to the terminal
+    # Typer coerces every option value that is not already a bool through pydantic, whose import alone
+    # costs ~70 ms; the root's flags default to None, so `celeris CMD --help` would pay it. As bools they
+    # skip it, and help stays instant.
+    context_settings={"default_map": {"help": False, "install_completion": False, "show_completion": False}},
     help="Batch generation with masked diffusion language models.",
 )
 

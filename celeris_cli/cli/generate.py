@@ -12,6 +12,7 @@ import typer
 from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CelerisError, UsageError
 from ..params import MAX_SEED
 from .app import CacheOpt, ConfidenceOpt, DeviceOpt, DtypeOpt, Remasking, StrategyOpt, app, fail
+from .defaults import knob_help
 from .output import Format, Sink
 from .progress import Progress, deferred_interrupt
 from .prompts import BadLine, Prompt, gather
@@ -25,55 +26,112 @@ STEPS_HELP = (
 
 @app.command()
 def generate(
-    args: list[str] = typer.Argument(None, metavar="PROMPT", show_default=False, help="Prompts to answer."),
-    prompt: list[str] = typer.Option(None, "--prompt", "-p", help="A prompt; repeat for several."),
+    args: list[str] = typer.Argument(None, metavar="PROMPT", show_default=False, hidden=True),
+    prompt: list[str] = typer.Option(None, "--prompt", "-p", metavar="TEXT", help="A prompt; repeat for several."),
     file: Path = typer.Option(
         None,
         "--file",
         "-f",
+        metavar="FILE",
         help="A text file with one prompt per line; - reads stdin (as does a pipe when no prompt is given). "
         "A bad or too long line is reported with its line number and skipped, and the run exits 1.",
     ),
-    model: Path = typer.Option(None, "--model", "-m", help="Model folder (default: the embedded model)."),
-    denoise_steps: int = typer.Option(None, "--denoise-steps", "--steps", min=1, help=STEPS_HELP),
-    gen_length: int = typer.Option(None, "--gen-length", min=1, help="Tokens to generate (the canvas)."),
+    model: Path = typer.Option(
+        None, "--model", "-m", metavar="FOLDER", help="Model folder (default: the embedded model)."
+    ),
+    denoise_steps: int = typer.Option(
+        None, "--denoise-steps", "--steps", min=1, metavar="N", help=knob_help("denoise_steps", STEPS_HELP)
+    ),
+    gen_length: int = typer.Option(
+        None, "--gen-length", min=1, metavar="N", help=knob_help("gen_length", "Tokens to generate (the canvas).")
+    ),
     block_length: int = typer.Option(
-        None, "--block-length", min=1, help="Semi-autoregressive block size, decoded left to right."
+        None,
+        "--block-length",
+        min=1,
+        metavar="N",
+        help=knob_help("block_length", "Semi-autoregressive block size, decoded left to right."),
     ),
     temperature: float = typer.Option(
-        None, "--temperature", "-t", min=0.0, help="0 is greedy; > 0 samples with float64 Gumbel noise."
+        None,
+        "--temperature",
+        "-t",
+        min=0.0,
+        metavar="X",
+        help=knob_help("temperature", "0 is greedy; > 0 samples with float64 Gumbel noise."),
     ),
     min_p: float = typer.Option(
-        None, "--min-p", help="When sampling, drop tokens less likely than min-p times the top one (0 = off)."
+        None,
+        "--min-p",
+        metavar="X",
+        help=knob_help("min_p", "When sampling, drop tokens less likely than min-p times the top one (0 = off)."),
     ),
-    remasking: Remasking = typer.Option(None, "--remasking", help="Which predictions to commit first."),
+    remasking: Remasking = typer.Option(
+        None, "--remasking", help=knob_help("remasking", "Which predictions to commit first.")
+    ),
     order_temperature: float = typer.Option(
         None,
         "--order-temperature",
-        help="Gumbel noise on which positions commit first, fading over each block (MaskGIT; 0 = off).",
+        metavar="X",
+        help=knob_help(
+            "order_temperature",
+            "Gumbel noise on which positions commit first, fading over each block (MaskGIT; 0 = off).",
+        ),
     ),
-    top_p: float = typer.Option(None, "--top-p", help="When sampling, keep the likeliest tokens holding this mass."),
-    top_k: int = typer.Option(None, "--top-k", help="When sampling, keep the k likeliest tokens (0 = off)."),
-    stop: list[str] = typer.Option(None, "--stop", help="Cut the answer before this string; repeat for several."),
-    cfg_scale: float = typer.Option(None, "--cfg-scale", min=0.0, help="Classifier-free guidance (0 = off)."),
+    top_p: float = typer.Option(
+        None,
+        "--top-p",
+        metavar="X",
+        help=knob_help("top_p", "When sampling, keep the likeliest tokens holding this mass."),
+    ),
+    top_k: int = typer.Option(
+        None, "--top-k", metavar="K", help=knob_help("top_k", "When sampling, keep the k likeliest tokens (0 = off).")
+    ),
+    stop: list[str] = typer.Option(
+        None, "--stop", metavar="TEXT", help="Cut the answer before this string; repeat for several."
+    ),
+    cfg_scale: float = typer.Option(
+        None, "--cfg-scale", min=0.0, metavar="X", help=knob_help("cfg_scale", "Classifier-free guidance (0 = off).")
+    ),
     seed: int = typer.Option(
-        None, "--seed", help="Random seed (0..2^63-1). Each prompt's answer depends on it alone, not on batch mates."
+        None,
+        "--seed",
+        metavar="N",
+        help=knob_help(
+            "seed", "Random seed (0..2^63-1). Each prompt's answer depends on it alone, not on batch mates."
+        ),
     ),
-    samples: int = typer.Option(1, "--samples", min=1, help="Answers per prompt, with seeds seed, seed+1, ..."),
+    samples: int = typer.Option(
+        1, "--samples", min=1, metavar="N", help="Answers per prompt, with seeds seed, seed+1, ..."
+    ),
     strategy: StrategyOpt = typer.Option(
         None,
         "--strategy",
-        help="fast (default: cache, threshold, early exit) or reference (LLaDA's decoder, one fixed schedule).",
+        help=knob_help(
+            "strategy",
+            "fast (cache, threshold, early exit) or reference (LLaDA's decoder, one fixed schedule).",
+        ),
     ),
     threshold: float = typer.Option(
-        None, "--threshold", min=0.0, max=1.0, help="fast: also commit every position at least this confident."
+        None,
+        "--threshold",
+        min=0.0,
+        max=1.0,
+        metavar="X",
+        help=knob_help("threshold", "fast: also commit every position at least this confident."),
     ),
-    cache: CacheOpt = typer.Option(None, "--cache", help="fast: KV cache refreshed once per block."),
-    confidence: ConfidenceOpt = typer.Option(None, "--confidence", help="fast: how confidence is measured."),
+    cache: CacheOpt = typer.Option(
+        None, "--cache", help=knob_help("cache", "fast: KV cache refreshed once per block.")
+    ),
+    confidence: ConfidenceOpt = typer.Option(
+        None, "--confidence", help=knob_help("confidence", "fast: how confidence is measured.")
+    ),
     early_exit: bool = typer.Option(
-        None, "--early-exit/--no-early-exit", help="fast: stop a row once its end-of-text is decoded."
+        None,
+        "--early-exit/--no-early-exit",
+        help=knob_help("early_exit", "fast: stop a row once its end-of-text is decoded."),
     ),
-    batch_size: int = typer.Option(16, "--batch-size", min=1, help="Prompts decoded together."),
+    batch_size: int = typer.Option(16, "--batch-size", min=1, metavar="N", help="Prompts decoded together."),
     device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device", help="auto picks CUDA when present."),
     dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype", help="auto picks bfloat16 where it is fast."),
     chat: bool = typer.Option(False, "--chat", help="Render prompts with the model's chat template."),
@@ -83,7 +141,9 @@ def generate(
         help="Print one JSON document (an array for several prompts), at the end.",
     ),
     as_jsonl: bool = typer.Option(False, "--jsonl", help="Print one JSON record per line, each batch as it finishes."),
-    output: Path = typer.Option(None, "--output", "-o", help="Write answers to this file (atomically), not stdout."),
+    output: Path = typer.Option(
+        None, "--output", "-o", metavar="FILE", help="Write answers to this file (atomically), not stdout."
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress and no summary line on stderr."),
     strict: bool = typer.Option(
         False,
@@ -91,10 +151,11 @@ def generate(
         help="Any bad --file line fails the whole run (exit 2) before it starts.",
     ),
 ) -> None:
-    """Generate answers for prompts given as arguments, with --prompt, in a --file, or piped on stdin.
+    """Answer prompts given as arguments, with --prompt, in a --file, or piped on stdin.
 
     Answers are written in input order, each batch as soon as it finishes (--json: at the end).
-    Ctrl-C writes what is finished and exits 130."""
+    Ctrl-C writes what is finished and exits 130. The defaults shown are the embedded model's; another
+    --model brings its own generation_config.json."""
     try:
         if as_json and as_jsonl:
             raise UsageError("choose one of --json and --jsonl")

@@ -52,7 +52,7 @@ def _serve(cfg: Any, once: bool, quiet: bool = True, summary: bool = False) -> i
 
 @app.command()
 def watch(
-    config: Path = typer.Argument(..., help="The queue's YAML config, e.g. configs/batch.yaml."),
+    config: Path = typer.Argument(..., metavar="CONFIG", help="The queue's YAML config, e.g. configs/batch.yaml."),
     once: bool = typer.Option(False, "--once", help="Drain the queue and exit (for cron)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No line per batch on stderr."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also log details to stderr."),
@@ -72,7 +72,7 @@ def watch(
 
 @app.command()
 def retry(
-    log: Path = typer.Argument(..., help="The failure log, e.g. logs/failed.jsonl."),
+    log: Path = typer.Argument(..., metavar="LOG", help="The failure log, e.g. logs/failed.jsonl."),
     config: Path = typer.Option(Path("configs/batch.yaml"), "--config", "-c", help="The queue's config."),
     include_all: bool = typer.Option(
         False, "--all", help="Also retry records marked not retryable, except line-level user errors."
@@ -120,7 +120,7 @@ def retry(
 
 @app.command()
 def status(
-    config: Path = typer.Argument(Path("configs/batch.yaml"), help="The queue's config."),
+    config: Path = typer.Argument(Path("configs/batch.yaml"), metavar="CONFIG", help="The queue's config."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Counts per folder, the oldest pending file, the lock holder and the last heartbeat."""
