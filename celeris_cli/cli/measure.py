@@ -21,7 +21,7 @@ def eval_cmd(
     no_nll: bool = typer.Option(False, "--no-nll", help="Skip the held-out NLL estimate."),
     device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
     dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
 ) -> None:
     """Quality on a fixed held-out set: structure rate, distinct-2, NLL bound, English word validity."""
     from ..engine import load_engine
@@ -60,8 +60,7 @@ def eval_cmd(
             table.add_row(key, f"{v:.4f}" if isinstance(v, float) else str(v))
     console = Console()
     console.print(table)
-    console.print("settings: " + json.dumps(report["settings"]))
-    typer.echo(json.dumps({k: v for k, v in report.items() if k != "samples"}, ensure_ascii=False))
+    console.print("settings: " + json.dumps(report["settings"]), soft_wrap=True)
 
 
 @app.command(name="bench")

@@ -141,10 +141,11 @@ def status(
     table.add_column("value", justify="right")
     for k, v in info["counts"].items():
         table.add_row(k, str(v))
-    table.add_row("oldest pending (s)", str(info["oldest_pending_age_s"]))
-    table.add_row("lock holder", str(info["lock_holder"] or "none"))
+    oldest = info["oldest_pending_age_s"]
+    table.add_row("oldest pending (s)", "-" if oldest is None else str(oldest))  # "-": nothing to report
+    table.add_row("lock holder", str(info["lock_holder"] or "-"))
     hb = info["heartbeat"]
-    table.add_row("last heartbeat", f"{hb['state']} {hb['age_s']}s ago (pid {hb['pid']})" if hb else "none")
+    table.add_row("last heartbeat", f"{hb['state']} {hb['age_s']}s ago (pid {hb['pid']})" if hb else "-")
     last = hb.get("last_batch_age_s") if hb else None
-    table.add_row("last batch", f"{last}s ago" if last is not None else "none")
+    table.add_row("last batch", f"{last}s ago" if last is not None else "-")
     Console().print(table)
