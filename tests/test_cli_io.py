@@ -114,8 +114,7 @@ def test_strict_fails_the_whole_run_naming_the_first_bad_line(tiny_model: Path, 
     r = gen(tiny_model, "--file", str(f), "--jsonl", "--strict")
     assert r.exit_code == 2 and r.stdout == ""
     [line] = r.stderr.strip().splitlines()
-    assert line.startswith(f"Error: {f}:3: not valid UTF-8") or line.startswith(f"Error: {f}:2: prompt of")
-    assert "1 more bad lines" in line
+    assert line.startswith(f"Error: {f}:2: prompt of") and line.endswith("(and 1 more bad lines)")
 
 
 def test_each_batch_is_written_before_the_next_is_decoded(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,6 +132,25 @@ def test_each_batch_is_written_before_the_next_is_decoded(tiny_model: Path, monk
     assert r.exit_code == 0, r.output
     assert seen == [0, 2, 4]  # lines already on stdout when each batch starts
     assert [x["prompt"] for x in records(r.stdout)] == ["a", "b", "c", "d", "e"]  # input order
+
+
+def test_an_error_mid_run_keeps_the_finished_batches(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from celeris_cli.engine import Engine
+    from celeris_cli.errors import CelerisError
+
+    decode = Engine.decode_batch
+    calls: list[int] = []
+
+    def second_fails(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:
+            raise CelerisError("the device went away")
+        return decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "decode_batch", second_fails)
+    r = gen(tiny_model, "a", "b", "c", "--jsonl", "--batch-size", "1")
+    assert r.exit_code == 1 and r.stderr.strip().endswith("Error: the device went away")
+    assert [x["prompt"] for x in records(r.stdout)] == ["a"]
 
 
 def test_text_output_is_in_input_order_whatever_the_prompt_lengths(tiny_model: Path) -> None:
