@@ -8,6 +8,7 @@ forward throughput. Its header records hardware, torch, threads, dtype and every
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
@@ -237,6 +238,44 @@ def batch_invariance(
         "wall_s": round(time.perf_counter() - t0, 1),
         **agreement(alone, batched),
     }
+
+
+def bench_batch(
+    n_prompts: int, batch_size: int, work: Path, engine_options: dict[str, Any], actors: tuple[int, ...] = (1, 2)
+) -> dict[str, Any]:
+    """`celeris batch` over one file of held-out prompts (mixed lengths, one seed each): local, then on a local
+    Ray with each actor count, in one process. Wall times include Ray's start and the actors' model loads, as
+    a user sees them; the texts of every run must equal the local run's."""
+    from .batch import run_file
+    from .batch.local import LocalExecutor
+    from .batch.ray_pool import RayExecutor, RayOptions
+    from .spool.backend import EngineBackend
+
+    evalset = EvalSet.load()
+    pool = [r["prompt"] for pair in zip(evalset.poems, evalset.english) for r in pair]
+    source = work / "requests.jsonl"
+    source.write_text(
+        "".join(json.dumps({"id": f"p{i}", "prompt": pool[i % len(pool)], "seed": i}) + "\n" for i in range(n_prompts)),
+        encoding="utf-8",
+    )
+    o = engine_options
+    runs: dict[str, Any] = {}
+    texts: dict[str, list[str]] = {}
+    backend = EngineBackend(o.get("model"), o.get("device", "auto"), o.get("dtype", "auto"), None, {})
+    executors: list[tuple[str, Any]] = [("local", LocalExecutor(backend, batch_size))]
+    executors += [
+        (f"ray-actors-{n}", RayExecutor(RayOptions(None, n, batch_size=batch_size, engine=o))) for n in actors
+    ]
+    for name, executor in executors:
+        out = work / f"{name}.jsonl"
+        report = run_file(source, out, work / f"{name}.failed.jsonl", executor)
+        texts[name] = [json.loads(x)["response"]["body"]["text"] for x in out.read_text(encoding="utf-8").splitlines()]
+        runs[name] = {"wall_s": report.wall_s, "prompts_per_s": report.prompts_per_s, "results": report.results}
+    local = runs["local"]["prompts_per_s"]
+    for name, r in runs.items():
+        r["identical_to_local"] = texts[name] == texts["local"]
+        r["overhead_vs_local"] = round(local / r["prompts_per_s"] - 1, 4) if r["prompts_per_s"] else None
+    return {"hardware": hardware(), "prompts": n_prompts, "batch_size": batch_size, "engine": o, "runs": runs}
 
 
 def render(report: dict[str, Any]) -> None:

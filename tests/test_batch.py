@@ -118,3 +118,14 @@ def test_ray_missing_is_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(UsageError, match=r"pip install 'celeris\[ray\]'"):
         import_ray()
+
+
+def test_ray_comparison_bench_reports_identical_texts_and_prompts_per_s(tmp_path: Path, tiny_model: Path) -> None:
+    pytest.importorskip("ray")
+    from celeris_cli.bench import bench_batch
+
+    report = bench_batch(6, 4, tmp_path, {"model": str(tiny_model), "device": "cpu", "dtype": "float32"}, actors=(1,))
+    assert set(report["runs"]) == {"local", "ray-actors-1"}
+    for run in report["runs"].values():
+        assert run["results"] == 6 and run["prompts_per_s"] > 0 and run["identical_to_local"] is True
+    assert report["runs"]["local"]["overhead_vs_local"] == 0.0

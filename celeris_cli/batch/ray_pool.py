@@ -34,6 +34,7 @@ class RayOptions:
     actors: int = 1
     cpus_per_actor: float | None = None  # None: what leaves room for Ray Data's own read task
     gpus_per_actor: float = 0.0
+    threads_per_actor: int | None = None  # torch threads; None: the cluster's CPUs shared among the actors
     batch_size: int = 16
     token_budget: int = 16384
     engine: dict[str, Any] = field(default_factory=dict)  # model, device, dtype, generation
@@ -80,7 +81,10 @@ class RayExecutor:
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
         total_cpus = float(ray.cluster_resources().get("CPU", 1))
+        # the reservation leaves room for Ray Data's read task (a full CPU per actor on a 2-CPU machine
+        # starves it and the job hangs); the threads use what the actors share
         cpus = o.cpus_per_actor if o.cpus_per_actor is not None else min(1.0, total_cpus / (o.actors + 1))
+        threads = o.threads_per_actor or max(1, int(total_cpus // o.actors))
         by_line = {r.line: r for r in requests}
         # settings first, then length: consecutive rows share settings and have similar lengths, so Ray's
         # batches pack well inside each actor
@@ -90,17 +94,15 @@ class RayExecutor:
             RayWorker,
             fn_constructor_kwargs={
                 "engine": o.engine,
-                "threads": max(1, int(cpus)),
+                "threads": threads,
                 "token_budget": o.token_budget,
                 "batch_size": o.batch_size,
-            },  # fmt: skip
+            },
             batch_size=o.batch_size,
             compute=ray.data.ActorPoolStrategy(size=o.actors),
             num_cpus=cpus,
             num_gpus=o.gpus_per_actor,
-            max_restarts=-1,  # a killed actor comes back, and its batch is redone
-            max_task_retries=-1,
-        )
+        )  # Ray Data restarts a dead pool actor and retries its task by default (max_restarts=-1); tested
         for row in out.iter_rows():
             rec = json.loads(row["outcome"])
             yield Outcome(by_line[rec.pop("line")], **rec)

@@ -83,6 +83,9 @@ def bench_cmd(
     invariance: int = typer.Option(
         0, "--invariance", min=0, help="Only measure: N prompts alone versus batched, share of identical answers."
     ),
+    ray_compare: int = typer.Option(
+        0, "--ray-compare", min=0, help="Only measure: celeris batch over N prompts, local and on Ray (1, 2 actors)."
+    ),
     device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
     dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
     threads: int = typer.Option(None, "--threads", min=1),
@@ -95,6 +98,21 @@ def bench_cmd(
     from ..bench import MODES, batch_invariance, bench, bench_queue, render
     from ..engine import load_engine
 
+    if ray_compare:
+        import tempfile
+
+        from ..bench import bench_batch
+
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                engine_options = {"model": str(model) if model else None, "device": device.value, "dtype": dtype.value}
+                result = bench_batch(ray_compare, batch_size, Path(tmp), engine_options)
+        except CelerisError as e:
+            fail(e)
+        if out is not None:
+            out.write_text(json.dumps(result, indent=1), encoding="utf-8")
+        typer.echo(json.dumps(result))
+        return
     if invariance:
         try:
             engine = load_engine(model, device.value, dtype.value, threads)
