@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import threading
 import time
 from pathlib import Path
@@ -281,7 +282,8 @@ def render(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # piped, Rich would squeeze the table into 80 columns and cut names to `refe…`; give it room instead
+    console = Console(width=None if sys.stdout.isatty() else 10_000)
     hw = report["hardware"]
     console.print(
         f"[bold]celeris bench[/] {hw['cpu']} ({hw['cores']} cores, {hw['threads']} threads), torch "

@@ -7,11 +7,18 @@ can help (`retryable`), so nothing ever classifies an error by reading its messa
 
 from __future__ import annotations
 
+# Exit codes, the same for every command (the README's "Exit codes" table).
+EXIT_OK = 0
+EXIT_FAILED = 1  # some requests failed, or the work itself did (a download, a checksum)
+EXIT_USAGE = 2  # a usage, config, model or device error: nothing was run
+EXIT_LOCKED = 75  # sysexits EX_TEMPFAIL: another instance holds the queue; try again later
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
+
 
 class CelerisError(Exception):
     """Base class: the message is displayed to the user, without a traceback."""
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
     code = "error"  # the failure code a queue records for a request that raised this
     retryable = False  # a user's mistake is never retryable: the same request fails the same way
 
@@ -19,7 +26,7 @@ class CelerisError(Exception):
 class UsageError(CelerisError):
     """A bad option value, a bad request parameter, a prompt that does not fit."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
     code = "bad_param"
 
 
@@ -38,19 +45,19 @@ class InvalidText(UsageError):
 class ModelError(CelerisError):
     """A model folder that is missing, incomplete or inconsistent."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
     code = "model_error"
 
 
 class ConfigError(CelerisError):
     """An invalid YAML config; the message names the key."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
     code = "config_error"
 
 
 class DeviceError(CelerisError):
     """A device or dtype the machine cannot provide."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
     code = "device_error"

@@ -290,7 +290,7 @@ def test_status_command_prints_a_table_and_rejects_a_bad_config(tmp_path: Path) 
         for line in shown.stdout.splitlines()
         if line.count("│") == 3
     }
-    assert rows["pending"] == "1" and rows["processed"] == "1" and rows["lock holder"] == "none"
+    assert rows["pending"] == "1" and rows["processed"] == "1" and rows["lock holder"] == "-"
     assert rows["last heartbeat"].startswith("stopped")
     bad = runner.invoke(app, ["status", str(tmp_path / "missing.yaml")])
     assert bad.exit_code != 0 and "missing.yaml" in bad.output and "Traceback" not in bad.output

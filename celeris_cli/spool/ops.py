@@ -15,12 +15,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import UsageError
 from .config import BatchConfig
 from .daemon import HEARTBEAT, queue_lock
 from .fsutil import append_line, atomic_write
 from .intake import is_candidate
 from .ledger import now_iso, read_jsonl
 from .status import read_heartbeat
+
+# A request rejected for what its line says (parse, id, settings, length) fails the same way every time:
+# retrying it needs the line fixed, so even --all leaves it alone unless forced.
+USER_ERROR_CODES = frozenset(
+    {"line_too_long", "invalid_utf8", "invalid_json", "invalid_id", "duplicate_id", "missing_prompt"}
+    | {"bad_param", "prompt_too_long"}  # UsageError's codes (errors.py)
+)
 
 
 @dataclass
@@ -29,17 +37,65 @@ class RetryReport:
     already_retried: int = 0
     already_done: int = 0
     not_retryable: int = 0
+    user_errors: int = 0
     out_of_attempts: int = 0
     no_request: int = 0
+    malformed: int = 0
     file: str | None = None
-    details: list[str] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)  # warnings, one per malformed line
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "details"}
 
 
-def plan_retry(cfg: BatchConfig, log_path: Path, include_all: bool) -> RetryReport:
-    """Choose failure records to run again and publish them as an inbox file."""
+def attempts(rec: dict[str, Any]) -> int | None:
+    """How many times a record's request has run: the record's count, or the one its request carried in
+    `_celeris` (a line-level error is recorded with attempt 1 whatever the line said). None if malformed."""
+    counts = [rec.get("attempt", 1)]
+    request = rec.get("request")
+    if isinstance(request, dict) and isinstance(request.get("_celeris"), dict):
+        counts.append(request["_celeris"].get("attempt", 1))
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts):
+        return None
+    return max(counts)
+
+
+def read_failure_log(log_path: Path, report: RetryReport) -> list[dict[str, Any]]:
+    """The failure records of a log, with a line-numbered warning in `report.details` for each line that is
+    not one. A file with lines but no failure record at all is not a failure log: UsageError."""
+    records: list[dict[str, Any]] = []
+    lines = 0
+    with open(log_path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            lines += 1
+            try:
+                rec = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                rec = None
+            if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
+                problem = "not a failure record (no key)"
+            elif not isinstance(rec.get("retryable"), bool):
+                problem = "not a failure record (no retryable flag)"
+            elif attempts(rec) is None:
+                problem = f"attempt must be a positive integer, got {rec.get('attempt')!r}"
+            else:
+                records.append(rec)
+                continue
+            report.malformed += 1
+            report.details.append(f"{log_path}:{number}: skipped: {problem}")
+    if lines and not records:
+        raise UsageError(
+            f"{log_path} is not a failure log: none of its {lines} lines is a failure record "
+            "(the queue writes them to logs/failed.jsonl)"
+        )
+    return records
+
+
+def plan_retry(cfg: BatchConfig, log_path: Path, include_all: bool, force: bool = False) -> RetryReport:
+    """Choose failure records to run again and publish them as an inbox file. `include_all` adds records
+    marked not retryable, except line-level user errors, which only `force` adds."""
     ledger = cfg.folders.logs / "retried.jsonl"
     done = {rec.get("key") for rec in read_jsonl(ledger)}
     report = RetryReport()
@@ -56,9 +112,9 @@ def plan_retry(cfg: BatchConfig, log_path: Path, include_all: bool) -> RetryRepo
             results[name] = {r.get("custom_id") for r in read_jsonl(cfg.folders.outputs / name)}
         return rec.get("custom_id") in results[name]
 
-    for rec in read_jsonl(log_path):
-        key = rec.get("key")
-        if not isinstance(key, str) or key in seen:
+    for rec in read_failure_log(log_path, report):
+        key = rec["key"]
+        if key in seen:
             continue
         seen.add(key)
         request = rec.get("request")
@@ -66,11 +122,13 @@ def plan_retry(cfg: BatchConfig, log_path: Path, include_all: bool) -> RetryRepo
             report.already_retried += 1
         elif rec.get("custom_id") is not None and has_result(rec):
             report.already_done += 1
-        elif not rec.get("retryable") and not include_all:
+        elif rec.get("code") in USER_ERROR_CODES and not force:
+            report.user_errors += 1
+        elif not rec["retryable"] and not (include_all or force):
             report.not_retryable += 1
         elif not isinstance(request, dict) or not (request.get("prompt") or request.get("messages")):
             report.no_request += 1
-        elif int(rec.get("attempt", 1)) >= cfg.max_attempts:
+        elif (attempts(rec) or 1) >= cfg.max_attempts:
             report.out_of_attempts += 1
         else:
             chosen.append(rec)
@@ -81,7 +139,7 @@ def plan_retry(cfg: BatchConfig, log_path: Path, include_all: bool) -> RetryRepo
     lines = []
     for rec in chosen:
         body = dict(rec["request"])
-        body["_celeris"] = {"attempt": int(rec.get("attempt", 1)) + 1, "origin": rec.get("origin") or rec.get("source")}
+        body["_celeris"] = {"attempt": (attempts(rec) or 1) + 1, "origin": rec.get("origin") or rec.get("source")}
         lines.append(json.dumps(body, ensure_ascii=False))
     atomic_write(cfg.folders.inputs / name, ("\n".join(lines) + "\n").encode())
     for rec in chosen:

@@ -1,0 +1,92 @@
+"""Answering prepared prompts: each checked up front (a bad file line is named and skipped), then decoded
+in input order, batch by batch, each batch written as soon as it finishes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import typer
+
+from ..errors import EXIT_INTERRUPTED, CelerisError, UsageError
+from ..params import MAX_SEED
+from .app import fail
+from .output import Sink
+from .progress import Progress, deferred_interrupt
+from .prompts import BadLine, Prompt
+
+
+@dataclass(frozen=True)
+class Job:
+    """One answer to produce: a prompt, its token ids (checked to fit) and its seed."""
+
+    text: str
+    ids: list[int]
+    seed: int
+
+
+def prepare(
+    engine: Any, params: Any, prompts: list[Prompt], bad: list[BadLine], chat: bool, strict: bool, samples: int
+) -> tuple[list[Job], int]:
+    """Encode and check every prompt before any decoding. A bad argument fails the run; a bad file line is
+    reported and skipped (with --strict it fails the run too, naming the line)."""
+    problems = [(b.line, f"{b.source}:{b.line}", b.error) for b in bad]
+    ok: list[tuple[Prompt, list[int]]] = []
+    for p in prompts:
+        try:
+            ids = engine.encode_prompt(p.text, chat)
+            engine.check_fits(len(ids), params)
+        except UsageError as e:
+            if p.line is None:
+                raise
+            problems.append((p.line, p.where, e))
+            continue
+        ok.append((p, ids))
+    problems.sort(key=lambda problem: problem[0])
+    if problems and strict:
+        _, where, err = problems[0]
+        raise type(err)(f"{where}: {err}" + (f" (and {len(problems) - 1} more bad lines)" if len(problems) > 1 else ""))
+    for _, where, err in problems:
+        typer.echo(f"Error: {where}: {err} (skipped)", err=True)
+    if params.seed + samples - 1 > MAX_SEED:
+        raise UsageError(f"seed {params.seed} plus {samples} samples passes the largest seed {MAX_SEED}")
+    jobs = [Job(p.text, ids, params.seed + k) for p, ids in ok for k in range(samples)]
+    return jobs, len(problems)
+
+
+def run(engine: Any, params: Any, jobs: list[Job], batch_size: int, sink: Sink, quiet: bool) -> None:
+    """Decode in input order, batch by batch, writing each batch as it finishes. An answer depends only
+    on its prompt, settings and seed, so input-order batches give the same answers as any other packing."""
+    tokens = 0
+    last: Any = None
+    t0 = time.perf_counter()
+    try:
+        with Progress(len(jobs), quiet) as progress:
+            for start in range(0, len(jobs), batch_size):
+                batch = jobs[start : start + batch_size]
+                results = engine.decode_batch(
+                    [j.text for j in batch], [j.ids for j in batch], params, [j.seed for j in batch]
+                )
+                with deferred_interrupt():  # a record is written whole or not at all
+                    sink.write([r.to_dict() for r in results])
+                tokens += sum(r.output_tokens for r in results)
+                last = results[-1]
+                progress.advance(len(batch), tokens)
+    except KeyboardInterrupt:
+        with deferred_interrupt():
+            sink.close()
+        typer.echo(f"Interrupted: {sink.written} of {len(jobs)} answers written", err=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except CelerisError as e:  # finished answers are kept, as on an interrupt
+        sink.close()
+        fail(e)
+    sink.close()
+    seconds = time.perf_counter() - t0
+    if not quiet and last is not None:
+        typer.echo(
+            f"[{sink.written} prompt(s), {tokens} tokens in {seconds:.2f}s, "
+            f"{tokens / max(seconds, 1e-9):.1f} tokens/s, {last.device} {last.dtype}]"
+            + (f" -> {sink.path}" if sink.path else ""),
+            err=True,
+        )

@@ -1,0 +1,95 @@
+"""The Typer app every command registers on, the option choices they share, and the error exit.
+
+Torch is imported lazily inside the commands, so `celeris --help` answers at once. User errors
+(CelerisError) become one `Error: ...` line on stderr and an exit code; nothing else is caught here.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import Any, NoReturn
+
+import typer
+
+from ..errors import CelerisError, UsageError
+
+app = typer.Typer(
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # Click's plain help: no Rich import, and paragraphs rewrapped to the terminal
+    # Typer coerces every option value that is not already a bool through pydantic, whose import alone
+    # costs ~70 ms; the root's flags default to None, so `celeris CMD --help` would pay it. As bools they
+    # skip it, and help stays instant.
+    context_settings={"default_map": {"help": False, "install_completion": False, "show_completion": False}},
+    help="Batch generation with masked diffusion language models.",
+)
+
+
+class Remasking(str, Enum):
+    low_confidence = "low_confidence"
+    random = "random"
+
+
+class CacheOpt(str, Enum):
+    dual = "dual"
+    prefix = "prefix"
+    none = "none"
+
+
+class ConfidenceOpt(str, Enum):
+    prob = "prob"
+    margin = "margin"
+    lead = "lead"
+    entropy = "entropy"
+
+
+class StrategyOpt(str, Enum):
+    fast = "fast"
+    reference = "reference"
+
+
+class DeviceOpt(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DtypeOpt(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        typer.echo(f"celeris {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Batch generation with masked diffusion language models."""
+
+
+def fail(err: CelerisError) -> NoReturn:
+    typer.echo(f"Error: {err}", err=True)
+    raise typer.Exit(err.exit_code)
+
+
+def _json_setting(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--set must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise UsageError("--set must be a JSON object")
+    return value

@@ -1,0 +1,78 @@
+"""`celeris batch`: one file of requests to results, locally or on Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from ..errors import CelerisError
+from .app import DeviceOpt, DtypeOpt, _json_setting, app, fail
+
+
+def _optional_ray_address(argv: list[str]) -> list[str]:
+    """`--ray` may stand alone (a local Ray for the run); Click options cannot take an optional value, so a
+    bare `--ray` is given the value `local` here."""
+    out = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        if arg == "--ray" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            out.append("local")
+    return out
+
+
+@app.command(name="batch")
+def batch_cmd(
+    input_file: Path = typer.Option(..., "--input", "-i", help="Requests, one per line: .jsonl or .txt."),
+    output: Path = typer.Option(..., "--output", "-o", help="Results, one line per request, in input order."),
+    failed: Path = typer.Option(None, "--failed", help="Failure records (default: OUTPUT.failed.jsonl)."),
+    model: Path = typer.Option(None, "--model", "-m", help="Model folder (default: the embedded model)."),
+    set_name: str = typer.Option(None, "--set", help="Settings for every request, as JSON; requests override."),
+    batch_size: int = typer.Option(16, "--batch-size", min=1, help="Prompts decoded together."),
+    ray: str = typer.Option(
+        None, "--ray", help="Run on Ray: alone for a local Ray, or an address (auto, ray://host:10001)."
+    ),
+    actors: int = typer.Option(1, "--actors", min=1, help="Ray: actors, each with the model loaded once."),
+    cpus_per_actor: float = typer.Option(None, "--cpus-per-actor", min=0.0, help="Ray: CPUs per actor."),
+    gpus_per_actor: float = typer.Option(0.0, "--gpus-per-actor", min=0.0, help="Ray: GPUs per actor."),
+    device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
+    dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
+) -> None:
+    """Run one file of requests (like `vllm run-batch`): results in input order, failures as records.
+    Exit codes: 0 all done, 1 some requests failed (see --failed), 2 usage error."""
+    from ..batch import run_file
+    from ..batch.progress import Progress
+
+    failed = failed or output.with_name(output.name + ".failed.jsonl")
+    try:
+        settings = _json_setting(set_name)
+        from ..params import check_values
+
+        check_values(settings)
+        engine = {"model": str(model) if model else None, "device": device.value, "dtype": dtype.value,
+                  "generation": settings}  # fmt: skip
+        if ray is None:
+            from ..batch.local import LocalExecutor
+            from ..spool.backend import EngineBackend
+
+            backend = EngineBackend(engine["model"], device.value, dtype.value, None, settings)
+            executor: Any = LocalExecutor(backend, batch_size)
+        else:
+            from ..batch.ray_pool import RayExecutor, RayOptions
+
+            address = None if ray == "local" else ray
+            executor = RayExecutor(
+                RayOptions(address, actors, cpus_per_actor, gpus_per_actor, batch_size, engine=engine)
+            )
+        with Progress() as progress:
+            report = run_file(input_file, output, failed, executor, progress.update)
+    except CelerisError as e:
+        fail(e)
+    typer.echo(
+        f"{report.results} results, {report.failures} failures of {report.requests} requests in "
+        f"{report.wall_s:.1f}s ({report.prompts_per_s} prompts/s) -> {report.output}"
+        + (f", failures in {report.failed}" if report.failures else ""),
+        err=True,
+    )
+    raise typer.Exit(1 if report.failures else 0)

@@ -1,0 +1,163 @@
+"""Measuring a model: `eval` for quality on held-out prompts, `bench` for speed across decoding modes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from ..errors import CelerisError, UsageError
+from .app import DeviceOpt, DtypeOpt, _json_setting, app, fail
+
+
+@app.command(name="eval")
+def eval_cmd(
+    model: Path = typer.Option(None, "--model", "-m", help="Model folder (default: the embedded model)."),
+    poems: int = typer.Option(200, "--poems", min=1, help="Held-out poem openings to complete."),
+    english: int = typer.Option(100, "--english", min=0, help="Held-out English openings to complete."),
+    set_name: str = typer.Option(None, "--set", help="The generation setting, as JSON: '{\"temperature\": 0.8}'."),
+    batch_size: int = typer.Option(32, "--batch-size", min=1),
+    no_nll: bool = typer.Option(False, "--no-nll", help="Skip the held-out NLL estimate."),
+    device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
+    dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
+) -> None:
+    """Quality on a fixed held-out set: structure rate, distinct-2, NLL bound, English word validity."""
+    from ..engine import load_engine
+    from ..evaluate import EvalSet, evaluate
+
+    try:
+        overrides = _json_setting(set_name)
+        engine = load_engine(model, device.value, dtype.value)
+        report = evaluate(engine, engine.params(overrides), EvalSet.load(), poems, english, batch_size, nll=not no_nll)
+    except CelerisError as e:
+        fail(e)
+    if as_json:
+        typer.echo(json.dumps(report, ensure_ascii=False))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="celeris eval (held-out)")
+    for col in ("figure", "value"):
+        table.add_column(col)
+    for key in (
+        "structure_rate",
+        "distinct_2",
+        "english_word_validity",
+        "heldout_nll_per_token",
+        "poems",
+        "english_prompts",
+        "output_tokens",
+        "wall_s",
+        "tokens_per_s",
+        "device",
+        "dtype",
+    ):
+        if key in report:
+            v = report[key]
+            table.add_row(key, f"{v:.4f}" if isinstance(v, float) else str(v))
+    console = Console()
+    console.print(table)
+    console.print("settings: " + json.dumps(report["settings"]), soft_wrap=True)
+
+
+@app.command(name="bench")
+def bench_cmd(
+    model: Path = typer.Option(None, "--model", "-m", help="Model folder (default: the embedded model)."),
+    prompts: int = typer.Option(32, "--prompts", min=1, help="Held-out poem openings to decode."),
+    batch_size: int = typer.Option(16, "--batch-size", min=1),
+    gen_length: int = typer.Option(256, "--gen-length", min=1),
+    block_length: int = typer.Option(None, "--block-length", min=1, help="Default: the model's."),
+    steps: int = typer.Option(None, "--denoise-steps", "--steps", min=1, help="Default: gen-length."),
+    modes: str = typer.Option(
+        None,
+        "--modes",
+        help="Comma-separated subset of: reference, threshold, threshold+exit, prefix-cache, dual-cache.",
+    ),
+    set_name: str = typer.Option(None, "--set", help="Settings for every mode, as JSON."),
+    sweep: str = typer.Option(None, "--sweep", help="Also sweep these step counts, e.g. 5,10,20,40,64."),
+    no_agreement: bool = typer.Option(False, "--no-agreement", help="Skip the cache-vs-no-cache comparison."),
+    queue: int = typer.Option(0, "--queue", min=0, help="Also measure queue overhead with this many files."),
+    invariance: int = typer.Option(
+        0, "--invariance", min=0, help="Only measure: N prompts alone versus batched, share of identical answers."
+    ),
+    ray_compare: int = typer.Option(
+        0, "--ray-compare", min=0, help="Only measure: celeris batch over N prompts, local and on Ray (1, 2 actors)."
+    ),
+    device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
+    dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
+    threads: int = typer.Option(None, "--threads", min=1),
+    out: Path = typer.Option(None, "--out", help="Also write the JSON report here."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
+) -> None:
+    """Reference decoding and every fast mode side by side: speed and quality on the same outputs."""
+    import tempfile
+
+    from ..bench import MODES, batch_invariance, bench, bench_queue, render
+    from ..engine import load_engine
+
+    if ray_compare:
+        import tempfile
+
+        from ..bench import bench_batch
+
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                engine_options = {"model": str(model) if model else None, "device": device.value, "dtype": dtype.value}
+                result = bench_batch(ray_compare, batch_size, Path(tmp), engine_options)
+        except CelerisError as e:
+            fail(e)
+        if out is not None:
+            out.write_text(json.dumps(result, indent=1), encoding="utf-8")
+        typer.echo(json.dumps(result))
+        return
+    if invariance:
+        try:
+            engine = load_engine(model, device.value, dtype.value, threads)
+            result = batch_invariance(engine, invariance, batch_size, _json_setting(set_name))
+        except CelerisError as e:
+            fail(e)
+        if out is not None:
+            out.write_text(json.dumps(result, indent=1, ensure_ascii=False), encoding="utf-8")
+        typer.echo(json.dumps(result, ensure_ascii=False))
+        return
+    try:
+        chosen = [m.strip() for m in modes.split(",")] if modes else None
+        for m in chosen or []:
+            if m not in MODES:
+                raise UsageError(f"unknown mode {m!r} (choose {', '.join(MODES)})")
+        try:
+            sweep_steps = [int(x) for x in sweep.split(",")] if sweep else None
+        except ValueError:
+            raise UsageError(f"--sweep must be comma-separated integers, got {sweep!r}") from None
+        engine = load_engine(model, device.value, dtype.value, threads)
+        settings = _json_setting(set_name)
+        block_length = block_length or engine.params(settings).block_length
+        report = bench(
+            engine,
+            prompts,
+            batch_size,
+            gen_length,
+            block_length,
+            steps,
+            chosen,
+            settings,
+            cache_agreement=not no_agreement,
+            sweep=sweep_steps,
+        )
+        if queue:
+            params = engine.params({**settings, "gen_length": gen_length, "block_length": block_length})
+            with tempfile.TemporaryDirectory() as tmp:
+                report["queue"] = bench_queue(engine, queue, batch_size, params, Path(tmp))
+    except CelerisError as e:
+        fail(e)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
+    if as_json:
+        typer.echo(json.dumps(report, ensure_ascii=False))
+        return
+    render(report)
+    if "queue" in report:
+        typer.echo("queue: " + json.dumps(report["queue"]))

@@ -1,0 +1,88 @@
+"""Progress on stderr while answers are decoded: a Rich bar on a terminal (answers done, tokens/s, ETA),
+plain lines every few seconds otherwise (logs, CI), nothing with --quiet. Also the guard that lets Ctrl-C
+land only between two records, never inside one."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any, TextIO
+
+
+class Progress:
+    def __init__(self, total: int, quiet: bool, every_s: float = 5.0, stream: TextIO | None = None) -> None:
+        self.total = total
+        self.quiet = quiet
+        self.every_s = every_s
+        self.stream = stream or sys.stderr
+        self.done = 0
+        self.t0 = time.monotonic()
+        self._last_line = self.t0
+        self._bar: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> Progress:
+        if not self.quiet and self.stream.isatty():
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._bar = Progress(
+                TextColumn("generating"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]}"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                console=Console(file=self.stream),
+                transient=True,
+            )
+            self._bar.__enter__()
+            self._task = self._bar.add_task("generate", total=self.total, rate="")
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(kind, exc, tb)
+
+    def advance(self, n: int, tokens: int) -> None:
+        """`n` more answers are done; `tokens` generated so far."""
+        self.done += n
+        now = time.monotonic()
+        elapsed = max(now - self.t0, 1e-9)
+        rate = f"{tokens / elapsed:.1f} tok/s"
+        if self._bar is not None:
+            self._bar.update(self._task, advance=n, rate=rate)
+        elif not self.quiet and self.done < self.total and now - self._last_line >= self.every_s:
+            eta = elapsed / self.done * (self.total - self.done)
+            self.stream.write(f"generate: {self.done}/{self.total} answers, {rate}, {elapsed:.0f}s, eta {eta:.0f}s\n")
+            self.stream.flush()
+            self._last_line = now
+
+
+@contextmanager
+def deferred_interrupt() -> Iterator[None]:
+    """Hold a SIGINT that arrives inside the block until the block is done, then raise it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            raise KeyboardInterrupt

@@ -1,0 +1,151 @@
+"""The queue's commands: `watch` serves a spool folder, `retry` runs failures again, `status` reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from ..errors import EXIT_LOCKED, CelerisError, UsageError
+from .app import app, fail
+
+
+def _load_batch_config(config: Path) -> Any:
+    from ..spool.config import load_config
+
+    return load_config(config)
+
+
+def _spool(cfg: Any, progress: Any = None) -> Any:
+    from ..spool.backend import EngineBackend
+    from ..spool.daemon import Spool
+
+    def backend() -> EngineBackend:
+        return EngineBackend(cfg.model, cfg.device, cfg.dtype, cfg.threads, cfg.generation)
+
+    return Spool(cfg, backend, progress=progress)
+
+
+def _serve(cfg: Any, once: bool, quiet: bool = True, summary: bool = False) -> int:
+    import time
+
+    from ..spool.fsutil import LockHeld
+
+    spool = _spool(cfg, None if quiet else lambda line: typer.echo(line, err=True))
+    t0 = time.monotonic()
+    try:
+        code = int(spool.run(once=once))
+    except LockHeld as e:
+        typer.echo(f"Error: another celeris instance holds the queue lock ({e.holder}); exiting", err=True)
+        raise typer.Exit(EXIT_LOCKED) from None
+    if summary:  # one line for cron logs, even with --quiet
+        blocked = ", publishing blocked: files kept claimed for the next run" if code == EXIT_LOCKED else ""
+        typer.echo(
+            f"celeris watch --once: {spool.files_this_run} files, {spool.done_this_run} results, "
+            f"{spool.failed_this_run} failures in {time.monotonic() - t0:.1f} s{blocked}",
+            err=True,
+        )
+    return code
+
+
+@app.command()
+def watch(
+    config: Path = typer.Argument(..., metavar="CONFIG", help="The queue's YAML config, e.g. configs/batch.yaml."),
+    once: bool = typer.Option(False, "--once", help="Drain the queue and exit (for cron)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No line per batch on stderr."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also log details to stderr."),
+) -> None:
+    """Serve a spool folder: prompt files in, results out. Prints a line per batch to stderr, and with
+    --once a summary line. Exit codes: 0 done, 1 failures recorded (--once), 2 usage, config or model
+    error, 75 another instance holds the lock (or, with --once, a publish is refused by the filesystem)."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(message)s")
+    try:
+        code = _serve(_load_batch_config(config), once, quiet=quiet, summary=once)
+    except CelerisError as e:
+        fail(e)
+    raise typer.Exit(code)
+
+
+@app.command()
+def retry(
+    log: Path = typer.Argument(..., metavar="LOG", help="The failure log, e.g. logs/failed.jsonl."),
+    config: Path = typer.Option(Path("configs/batch.yaml"), "--config", "-c", help="The queue's config."),
+    include_all: bool = typer.Option(
+        False, "--all", help="Also retry records marked not retryable, except line-level user errors."
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Retry every record, even line-level user errors (a bad line fails again)."
+    ),
+    no_run: bool = typer.Option(False, "--no-run", help="Only queue the retries; do not drain the queue."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Run failed requests again: queue them as a new input file, then drain the queue once."""
+    from ..spool.daemon import queue_lock
+    from ..spool.ops import plan_retry
+
+    try:
+        if not log.is_file():
+            raise UsageError(f"failure log not found: {log}")
+        cfg = _load_batch_config(config)
+        report = plan_retry(cfg, log, include_all, force)
+        for warning in report.details:
+            typer.echo(f"Warning: {warning}", err=True)
+        ran = "not run"
+        code = 0
+        if report.resubmitted and not no_run:
+            if queue_lock(cfg).holder() is None:
+                code = _serve(cfg, once=True)
+                ran = "ran now"
+            else:
+                ran = "queued for the running daemon"
+    except CelerisError as e:
+        fail(e)
+    summary = {**report.to_dict(), "run": ran}
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        typer.echo(
+            f"resubmitted {report.resubmitted} ({ran}); skipped: {report.already_retried} already retried, "
+            f"{report.already_done} already have a result, "
+            f"{report.not_retryable} not retryable, {report.user_errors} line-level user errors, "
+            f"{report.out_of_attempts} out of attempts, {report.no_request} without a request, "
+            f"{report.malformed} malformed" + (f"; file {report.file}" if report.file else "")
+        )
+    raise typer.Exit(code)
+
+
+@app.command()
+def status(
+    config: Path = typer.Argument(Path("configs/batch.yaml"), metavar="CONFIG", help="The queue's config."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Counts per folder, the oldest pending file, the lock holder and the last heartbeat."""
+    from ..spool.ops import status as queue_status
+
+    try:
+        info = queue_status(_load_batch_config(config))
+    except CelerisError as e:
+        fail(e)
+    if as_json:
+        typer.echo(json.dumps(info))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"queue {info['root']}")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for k, v in info["counts"].items():
+        table.add_row(k, str(v))
+    oldest = info["oldest_pending_age_s"]
+    table.add_row("oldest pending (s)", "-" if oldest is None else str(oldest))  # "-": nothing to report
+    table.add_row("lock holder", str(info["lock_holder"] or "-"))
+    hb = info["heartbeat"]
+    table.add_row("last heartbeat", f"{hb['state']} {hb['age_s']}s ago (pid {hb['pid']})" if hb else "-")
+    last = hb.get("last_batch_age_s") if hb else None
+    table.add_row("last batch", f"{last}s ago" if last is not None else "-")
+    Console().print(table)

@@ -1,0 +1,72 @@
+"""`celeris retry` checks what it is given: a failure log, well-formed records, attempts counted for
+every kind of record, and line-level user errors left alone unless forced."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from typer.testing import CliRunner
+
+from celeris_cli.cli import app
+
+from .spool_helpers import make_queue
+
+runner = CliRunner()
+
+
+def record(key: str, **fields: Any) -> dict[str, Any]:
+    base = {"key": key, "code": "engine_error", "retryable": True, "attempt": 1,
+            "request": {"custom_id": key, "prompt": "p"}}  # fmt: skip
+    return {**base, **fields}
+
+
+def retry(tmp_path: Path, lines: list[str], *extra: str):  # type: ignore[no-untyped-def]
+    config = make_queue(tmp_path, max_attempts=3)
+    log = tmp_path / "logs" / "failed.jsonl"
+    log.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return runner.invoke(app, ["retry", str(log), "--config", str(config), "--no-run", "--json", *extra])
+
+
+def test_a_results_file_is_not_a_failure_log(tmp_path: Path) -> None:
+    result_line = {"id": "a.txt:1", "custom_id": "a", "response": {"status_code": 200, "body": {}}, "error": None}
+    r = retry(tmp_path, [json.dumps(result_line)])
+    assert r.exit_code == 2 and "is not a failure log" in r.stderr and "Traceback" not in r.output
+
+
+def test_a_garbage_file_is_not_a_failure_log(tmp_path: Path) -> None:
+    r = retry(tmp_path, ["hello", "world"])
+    assert r.exit_code == 2 and "is not a failure log" in r.stderr
+
+
+def test_malformed_records_are_skipped_with_line_numbered_warnings(tmp_path: Path) -> None:
+    lines = [json.dumps(record("a")), json.dumps(record("b", attempt="first")),
+             json.dumps(record("c", attempt=None)), '{"key": "torn']  # fmt: skip
+    r = retry(tmp_path, lines)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["resubmitted"] == 1 and json.loads(r.stdout)["malformed"] == 3
+    assert "failed.jsonl:2: skipped: attempt must be a positive integer, got 'first'" in r.stderr
+    assert "failed.jsonl:3: skipped: attempt must be a positive integer, got None" in r.stderr
+    assert "failed.jsonl:4: skipped" in r.stderr and "Traceback" not in r.output
+
+
+def test_line_level_user_errors_are_retried_only_with_force(tmp_path: Path) -> None:
+    bad = json.dumps(record("u", code="bad_param", retryable=False))
+    assert json.loads(retry(tmp_path, [bad], "--all").stdout)["user_errors"] == 1
+    forced = json.loads(retry(tmp_path, [bad], "--force").stdout)
+    assert forced["resubmitted"] == 1 and forced["user_errors"] == 0
+
+
+def test_attempts_count_from_the_request_when_the_record_says_1(tmp_path: Path) -> None:
+    # a line-level error is recorded with attempt 1, but its request carries the attempt it was sent as
+    request = {"custom_id": "x", "prompt": "p", "_celeris": {"attempt": 3}}
+    rec = record("x", code="model_error", retryable=False, request=request)
+    r = json.loads(retry(tmp_path, [json.dumps(rec)], "--all").stdout)
+    assert r["resubmitted"] == 0 and r["out_of_attempts"] == 1
+
+
+def test_resubmitted_request_carries_its_attempt_counted_up(tmp_path: Path) -> None:
+    r = json.loads(retry(tmp_path, [json.dumps(record("a", attempt=2))]).stdout)
+    [line] = (tmp_path / "batch_inputs" / r["file"]).read_text(encoding="utf-8").splitlines()
+    assert json.loads(line)["_celeris"]["attempt"] == 3
