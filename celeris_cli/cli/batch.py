@@ -42,7 +42,7 @@ def batch_cmd(
     """Run one file of requests (like `vllm run-batch`): results in input order, failures as records.
     Exit codes: 0 all done, 1 some requests failed (see --failed), 2 usage error."""
     from ..batch import run_file
-    from ..batch.progress import Progress
+    from .progress import Progress
 
     failed = failed or output.with_name(output.name + ".failed.jsonl")
     try:
@@ -63,10 +63,27 @@ def batch_cmd(
 
             address = None if ray == "local" else ray
             executor = RayExecutor(
-                RayOptions(address, actors, cpus_per_actor, gpus_per_actor, batch_size, engine=engine)
+                RayOptions(
+                    address=address,
+                    actors=actors,
+                    cpus_per_actor=cpus_per_actor,
+                    gpus_per_actor=gpus_per_actor,
+                    batch_size=batch_size,
+                    engine=engine,
+                )
             )
-        with Progress() as progress:
-            report = run_file(input_file, output, failed, executor, progress.update)
+        shown: list[Progress] = []  # made at the first request, when the total is known
+
+        def on_progress(done: int, total: int) -> None:
+            if not shown:
+                shown.append(Progress(total, quiet=False, label="batch").__enter__())
+            shown[0].advance(1)
+
+        try:
+            report = run_file(input_file, output, failed, executor, on_progress)
+        finally:
+            if shown:
+                shown[0].__exit__(None, None, None)
     except CelerisError as e:
         fail(e)
     typer.echo(

@@ -15,9 +15,12 @@ from typing import Any, TextIO
 
 
 class Progress:
-    def __init__(self, total: int, quiet: bool, every_s: float = 5.0, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, total: int, quiet: bool, every_s: float = 5.0, stream: TextIO | None = None, label: str = "generate"
+    ) -> None:
         self.total = total
         self.quiet = quiet
+        self.label = label
         self.every_s = every_s
         self.stream = stream or sys.stderr
         self.done = 0
@@ -39,7 +42,7 @@ class Progress:
             )
 
             self._bar = Progress(
-                TextColumn("generating"),
+                TextColumn(self.label),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[rate]}"),
@@ -57,17 +60,19 @@ class Progress:
         if self._bar is not None:
             self._bar.__exit__(kind, exc, tb)
 
-    def advance(self, n: int, tokens: int) -> None:
-        """`n` more answers are done; `tokens` generated so far."""
+    def advance(self, n: int, tokens: int | None = None) -> None:
+        """`n` more answers are done; `tokens` generated so far (None: show answers per second)."""
         self.done += n
         now = time.monotonic()
         elapsed = max(now - self.t0, 1e-9)
-        rate = f"{tokens / elapsed:.1f} tok/s"
+        rate = f"{tokens / elapsed:.1f} tok/s" if tokens is not None else f"{self.done / elapsed:.1f} prompts/s"
         if self._bar is not None:
             self._bar.update(self._task, advance=n, rate=rate)
         elif not self.quiet and self.done < self.total and now - self._last_line >= self.every_s:
             eta = elapsed / self.done * (self.total - self.done)
-            self.stream.write(f"generate: {self.done}/{self.total} answers, {rate}, {elapsed:.0f}s, eta {eta:.0f}s\n")
+            self.stream.write(
+                f"{self.label}: {self.done}/{self.total} answers, {rate}, {elapsed:.0f}s, eta {eta:.0f}s\n"
+            )
             self.stream.flush()
             self._last_line = now
 
