@@ -274,6 +274,7 @@ def bench_batch(
     local = runs["local"]["prompts_per_s"]
     for name, r in runs.items():
         r["identical_to_local"] = texts[name] == texts["local"]
+        r["agreement_with_local"] = agreement(texts["local"], texts[name])
         r["overhead_vs_local"] = round(local / r["prompts_per_s"] - 1, 4) if r["prompts_per_s"] else None
     return {"hardware": hardware(), "prompts": n_prompts, "batch_size": batch_size, "engine": o, "runs": runs}
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from ..errors import CelerisError, UsageError
 from ..spool.formats import FileRejected, Request, parse_file, result_line
 from ..spool.fsutil import atomic_write
-from ..spool.ledger import failure_record
+from ..spool.ledger import failure_of_line, failure_of_request
 
 log = logging.getLogger(__name__)
 
@@ -70,21 +70,7 @@ def read_requests(path: Path, max_line_bytes: int = 1_000_000) -> tuple[list[Req
         requests, errors = parse_file(path.name, data, max_line_bytes)
     except FileRejected as e:
         raise UsageError(f"{path}: {e.message}") from None
-    failures = [
-        failure_record(
-            source=path.name,
-            line=err.line,
-            code=err.code,
-            message=err.message,
-            retryable=err.retryable,
-            attempt=err.attempt,
-            request=err.request,
-            custom_id=err.custom_id,
-            claim=0,  # one run, one arrival
-        )
-        for err in errors
-    ]
-    return requests, failures
+    return requests, [failure_of_line(path.name, 0, err) for err in errors]  # one run, one arrival: claim 0
 
 
 def run_file(
@@ -111,20 +97,8 @@ def run_file(
         if outcome.body is not None:
             bodies[req.line] = outcome.body
         else:
-            failures.append(
-                failure_record(
-                    source=source.name,
-                    line=req.line,
-                    code=outcome.code or "engine_error",
-                    message=outcome.message or "",
-                    retryable=outcome.retryable,
-                    attempt=req.attempt,
-                    request=req.body(),
-                    custom_id=req.custom_id,
-                    claim=0,
-                    origin=req.origin,
-                )
-            )
+            code = outcome.code or "engine_error"
+            failures.append(failure_of_request(source.name, 0, req, code, outcome.message or "", outcome.retryable))
         done += 1
         if on_progress is not None:
             on_progress(done, len(requests))

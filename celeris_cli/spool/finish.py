@@ -16,7 +16,7 @@ from .batching import Item
 from .formats import FileRejected, parse_file
 from .fsutil import crashpoint, fsync_dir, sync_folder
 from .intake import Job
-from .ledger import failure_record
+from .ledger import failure_of_file
 from .publish import line_failure
 
 if TYPE_CHECKING:
@@ -80,19 +80,7 @@ def _appended(spool: Spool, job: Job, data: bytes) -> list[Item]:
 
 
 def _changed(spool: Spool, job: Job, message: str) -> None:
-    job.failures.append(
-        failure_record(
-            source=job.name,
-            line=0,
-            code="changed_after_claim",
-            message=message,
-            retryable=False,
-            attempt=1,
-            request=None,
-            custom_id=None,
-            claim=job.seq,
-        )
-    )
+    job.failures.append(failure_of_file(job.name, job.seq, "changed_after_claim", message))
 
 
 def publish(spool: Spool, jobs: list[Job]) -> None:

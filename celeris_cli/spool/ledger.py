@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .formats import LineError, Request
 from .fsutil import append_line
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,54 @@ def failure_record(
         "attempt": attempt,
         "request": request,
     }
+
+
+def failure_of_file(source: str, claim: int, code: str, message: str) -> dict[str, Any]:
+    """The record of a whole file (quarantined, or changed after its claim): line 0, no request."""
+    return failure_record(
+        source=source,
+        line=0,
+        code=code,
+        message=message,
+        retryable=False,
+        attempt=1,
+        request=None,
+        custom_id=None,
+        claim=claim,
+    )
+
+
+def failure_of_line(source: str, claim: int, err: LineError) -> dict[str, Any]:
+    """The record of a line that is not a request."""
+    return failure_record(
+        source=source,
+        line=err.line,
+        code=err.code,
+        message=err.message,
+        retryable=err.retryable,
+        attempt=err.attempt,
+        request=err.request,
+        custom_id=err.custom_id,
+        claim=claim,
+    )
+
+
+def failure_of_request(
+    source: str, claim: int, req: Request, code: str, message: str, retryable: bool
+) -> dict[str, Any]:
+    """The record of a request that did not produce a result: self-contained, so retry needs nothing else."""
+    return failure_record(
+        source=source,
+        line=req.line,
+        code=code,
+        message=message,
+        retryable=retryable,
+        attempt=req.attempt,
+        request=req.body(),
+        custom_id=req.custom_id,
+        origin=req.origin,
+        claim=claim,
+    )
 
 
 class EventLog:

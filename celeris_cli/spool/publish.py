@@ -15,7 +15,7 @@ from .config import Folders
 from .formats import LineError, Request, result_line
 from .fsutil import crashpoint, fsync_dir, rename_noreplace
 from .intake import Job
-from .ledger import EventLog, FailureLog, dumps, failure_record
+from .ledger import EventLog, FailureLog, dumps, failure_of_file, failure_of_line, failure_of_request
 
 
 class Publisher:
@@ -60,17 +60,7 @@ class Publisher:
         return _place(job, self.f.processed, sync=False)
 
     def quarantine(self, job: Job, code: str, message: str) -> dict[str, Any]:
-        rec = failure_record(
-            source=job.name,
-            line=0,
-            code=code,
-            message=message,
-            retryable=False,
-            attempt=1,
-            request=None,
-            custom_id=None,
-            claim=job.seq,
-        )
+        rec = failure_of_file(job.name, job.seq, code, message)
         self.failures.append(rec)
         _place(job, self.f.quarantine)
         fsync_dir(job.path.parent)
@@ -91,29 +81,8 @@ def _place(job: Job, folder: Path, sync: bool = True) -> Path:
 
 
 def line_failure(job: Job, err: LineError) -> dict[str, Any]:
-    return failure_record(
-        source=job.name,
-        line=err.line,
-        code=err.code,
-        message=err.message,
-        retryable=err.retryable,
-        attempt=err.attempt,
-        request=err.request,
-        custom_id=err.custom_id,
-        claim=job.seq,
-    )
+    return failure_of_line(job.name, job.seq, err)
 
 
 def request_failure(job: Job, req: Request, code: str, message: str, retryable: bool) -> dict[str, Any]:
-    return failure_record(
-        source=job.name,
-        line=req.line,
-        code=code,
-        message=message,
-        retryable=retryable,
-        attempt=req.attempt,
-        request=req.body(),
-        custom_id=req.custom_id,
-        origin=req.origin,
-        claim=job.seq,
-    )
+    return failure_of_request(job.name, job.seq, req, code, message, retryable)
