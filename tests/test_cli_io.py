@@ -182,3 +182,17 @@ def test_ctrl_c_keeps_every_finished_record_as_a_complete_line_and_exits_130(tin
     assert 2 <= len(lines) < 64
     assert [json.loads(line)["prompt"] for line in lines] == [f"第{i}首" for i in range(len(lines))]
     assert f"Interrupted: {len(lines)} of 64 answers written" in err.decode()
+
+
+def test_a_reader_that_goes_away_ends_the_run_quietly(tiny_model: Path) -> None:
+    """`celeris generate ... | head`: more output than a pipe holds, and a reader that leaves at once. Click
+    turns the broken pipe into exit 1 with nothing on stderr: the answers were not delivered."""
+    cmd = [sys.executable, "-m", "celeris_cli", "generate", "x", "--model", str(tiny_model), "--samples", "300",
+           "--jsonl", "--gen-length", "8", "--block-length", "8", "--denoise-steps", "2"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert p.stdout is not None and p.stdout.read(1)
+    p.stdout.close()  # the reader leaves while answers are still coming
+    _, err = p.communicate(timeout=300)
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err
+    assert p.returncode == 1
