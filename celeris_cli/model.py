@@ -169,8 +169,6 @@ KV = tuple[torch.Tensor, torch.Tensor]  # (B, kv_heads, L, head_dim) each
 
 
 class Block(nn.Module):
-    upcast = True  # see LLaDAModel.upcast
-
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d, hd = cfg.d_model, cfg.head_dim
@@ -192,6 +190,7 @@ class Block(nn.Module):
         attn_mask: torch.Tensor | None,
         cache: KV | None,
         start: int,
+        upcast: bool = True,
     ) -> tuple[torch.Tensor, KV]:
         B, T, _ = x.shape
         cfg = self.cfg
@@ -211,7 +210,7 @@ class Block(nn.Module):
         if cfg.kv_heads != cfg.n_heads:
             rep = cfg.n_heads // cfg.kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if q.dtype != torch.float32 and self.upcast:  # see LLaDAModel.upcast
+        if q.dtype != torch.float32 and upcast:  # see LLaDAModel.upcast
             y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask).to(q.dtype)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # no causal mask
@@ -252,8 +251,6 @@ class LLaDAModel(nn.Module):
 
     def set_upcast(self, on: bool) -> None:
         self.upcast = on
-        for block in self.transformer.blocks:
-            block.upcast = on  # type: ignore[assignment]
 
     @property
     def transformer(self) -> Transformer:
@@ -297,7 +294,7 @@ class LLaDAModel(nn.Module):
         x = self.transformer.wte(ids)
         fresh: list[KV] = []
         for i, block in enumerate(self.transformer.blocks):
-            x, kv = block(x, rope, attn_mask, None if cache is None else cache[i], start)
+            x, kv = block(x, rope, attn_mask, None if cache is None else cache[i], start, self.upcast)
             fresh.append(kv)
         return self.transformer.ln_f(x), fresh
 
