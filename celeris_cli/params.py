@@ -233,24 +233,8 @@ class GenerationParams:
         return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
 
     @property
-    def schedule(self) -> Schedule:
+    def schedule(self) -> Schedule:  # the engine reports it; decoders get their parts from strategies._plan
         return self.part("schedule")
-
-    @property
-    def sampling(self) -> Sampling:
-        return self.part("sampling")
-
-    @property
-    def ordering(self) -> Ordering:
-        return self.part("ordering")
-
-    @property
-    def guidance(self) -> Guidance:
-        return self.part("guidance")
-
-    @property
-    def parallel(self) -> Parallel:
-        return self.part("parallel")
 
     def batch_key(self) -> GenerationParams:
         """Requests whose keys are equal can share a batch: everything but the per-row seed."""
