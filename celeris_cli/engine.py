@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from .checkpoint import load_model
+from .arch.checkpoint import load_model
+from .arch.llada import LLaDAModel
+from .arch.tokenizer import Tokenizer, load_tokenizer
+from .decode.sampling import RowNoise, request_seed
+from .decode.strategies import Net, SpecialTokens, get_strategy
 from .device import resolve_device, resolve_dtype
 from .errors import ModelError, PromptTooLong, UsageError
-from .model import LLaDAModel
 from .params import GenerationParams, model_layer
-from .sampling import RowNoise, request_seed
-from .strategies import Net, SpecialTokens, get_strategy
-from .tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 

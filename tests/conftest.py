@@ -27,7 +27,7 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from celeris_cli.vocab import train_tokenizer
+    from celeris_cli.recipe.vocab import train_tokenizer
 
     root = tmp_path_factory.mktemp("tok")
     corpus = root / "corpus.txt"
@@ -47,9 +47,9 @@ def make_model(
 
     import torch
 
-    from celeris_cli.checkpoint import save_model
-    from celeris_cli.model import LLaDAModel, ModelConfig
-    from celeris_cli.vocab import special_ids
+    from celeris_cli.arch.checkpoint import save_model
+    from celeris_cli.arch.llada import LLaDAModel, ModelConfig
+    from celeris_cli.recipe.vocab import special_ids
 
     sp = special_ids(tokenizer_model)
     cfg = dict(
@@ -107,8 +107,8 @@ def write_json(path: Path, data: object) -> None:
 
 def plan(strategy: str = "reference", **settings: object):  # type: ignore[no-untyped-def]
     """A decoder's plan (exactly the parts its strategy honours) from settings, validated as users' are."""
+    from celeris_cli.decode.strategies import PLANS, _plan
     from celeris_cli.params import GenerationParams
-    from celeris_cli.strategies import PLANS, _plan
 
     return _plan(PLANS[strategy], GenerationParams.from_mapping({"strategy": strategy, **settings}))
 
@@ -116,6 +116,6 @@ def plan(strategy: str = "reference", **settings: object):  # type: ignore[no-un
 def noise(rows: int, seed: int = 0):  # type: ignore[no-untyped-def]
     import torch
 
-    from celeris_cli.sampling import RowNoise
+    from celeris_cli.decode.sampling import RowNoise
 
     return RowNoise([seed] * rows, torch.device("cpu"))

@@ -140,7 +140,7 @@ def test_ray_missing_is_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_ray_comparison_bench_reports_identical_texts_and_prompts_per_s(tmp_path: Path, tiny_model: Path) -> None:
     pytest.importorskip("ray")
-    from celeris_cli.bench import bench_batch
+    from celeris_cli.measure.bench import bench_batch
 
     report = bench_batch(6, 4, tmp_path, {"model": str(tiny_model), "device": "cpu", "dtype": "float32"}, actors=(1,))
     assert set(report["runs"]) == {"local", "ray-actors-1"}

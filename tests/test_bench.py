@@ -7,9 +7,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from celeris_cli.bench import MODES, agreement, batch_invariance, bench, bench_queue
 from celeris_cli.cli import app
 from celeris_cli.engine import Engine
+from celeris_cli.measure.bench import MODES, agreement, batch_invariance, bench, bench_queue
 
 
 def test_bench_reports_every_mode_with_speed_and_quality_figures(eos_prone: Engine) -> None:

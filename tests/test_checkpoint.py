@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from celeris_cli.checkpoint import load_model, save_model
+from celeris_cli.arch.checkpoint import load_model, save_model
+from celeris_cli.arch.llada import LLaDAModel, ModelConfig
+from celeris_cli.arch.tokenizer import load_tokenizer
 from celeris_cli.errors import ModelError
-from celeris_cli.model import LLaDAModel, ModelConfig
-from celeris_cli.tokenizer import load_tokenizer
 
 from .conftest import make_model
 

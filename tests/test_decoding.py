@@ -3,11 +3,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from celeris_cli.decoding import generate_reference, num_transfer_tokens
+from celeris_cli.decode.fast import confidence_of
+from celeris_cli.decode.reference import generate_reference, num_transfer_tokens
+from celeris_cli.decode.sampling import order_scores, sample_tokens
 from celeris_cli.errors import UsageError
-from celeris_cli.fast import confidence_of
 from celeris_cli.params import GenerationParams, Sampling, split_steps
-from celeris_cli.sampling import order_scores, sample_tokens
 
 from .conftest import noise, plan
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from celeris_cli import load_engine
+from celeris_cli.decode.fast import FastPlan, finished_rows, generate_fast
+from celeris_cli.decode.strategies import Net
 from celeris_cli.engine import Engine
-from celeris_cli.fast import FastPlan, finished_rows, generate_fast
-from celeris_cli.strategies import Net
 
 from .conftest import make_model, noise, plan
 

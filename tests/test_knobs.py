@@ -185,7 +185,7 @@ def test_bfloat16_batched_answers_equal_alone_with_float32_attention_and_logits(
     attention and logits in float32 (the default, `upcast`), batched answers still equal their alone ones
     here, and without it they measurably drift: the upcast is what holds them together."""
     from celeris_cli import load_engine
-    from celeris_cli.bench import agreement
+    from celeris_cli.measure.bench import agreement
 
     e = load_engine(tiny_model, device="cpu", dtype="bfloat16")
     params = e.params({"gen_length": 24, "block_length": 8, "denoise_steps": 24, "temperature": 1.0})

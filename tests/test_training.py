@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from celeris_cli.corpus import build_from, regular_poem
-from celeris_cli.evaluate import distinct_2, poem_structure_ok, word_validity
-from celeris_cli.train import TrainConfig, prepare_data, train
-from celeris_cli.vocab import special_ids
+from celeris_cli.measure.evaluate import distinct_2, poem_structure_ok, word_validity
+from celeris_cli.recipe.corpus import build_from, regular_poem
+from celeris_cli.recipe.train import TrainConfig, prepare_data, train
+from celeris_cli.recipe.vocab import special_ids
 
 from .conftest import LINES
 
@@ -159,8 +159,8 @@ def test_fetch_verifies_downloads_and_never_caches_a_bad_one(tmp_path: Path, mon
     import hashlib
     import sys
 
-    from celeris_cli import corpus
     from celeris_cli.errors import CelerisError
+    from celeris_cli.recipe import corpus
 
     payload = b"package bytes"
     runs = tmp_path / "runs.txt"

@@ -53,10 +53,10 @@ def import_ray() -> Any:
 def check_engine(engine: dict[str, Any]) -> None:
     """What each actor will load, checked on the driver first: a missing model folder or a settings
     combination the model's defaults reject is one clear error here, not a retried actor crash there."""
-    from ..checkpoint import read_config, weight_files
+    from ..arch.checkpoint import read_config, weight_files
+    from ..arch.tokenizer import load_tokenizer
     from ..engine import default_model_dir, read_generation_config
     from ..params import GenerationParams
-    from ..tokenizer import load_tokenizer
 
     folder = Path(engine["model"]) if engine.get("model") else default_model_dir()
     load_tokenizer(folder, read_config(folder))

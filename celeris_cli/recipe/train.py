@@ -24,10 +24,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import save_model
-from .device import cpu_has_bf16
-from .errors import UsageError
-from .model import LLaDAModel, ModelConfig
+from ..arch.checkpoint import save_model
+from ..arch.llada import LLaDAModel, ModelConfig
+from ..device import cpu_has_bf16
+from ..errors import UsageError
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from .decoding import commit_order, guide, num_transfer_tokens, select_top_k, unconditional
-from .model import KV
-from .params import Confidence, Guidance, Ordering, Parallel, Sampling, Schedule
+from ..arch.llada import KV
+from ..params import Confidence, Guidance, Ordering, Parallel, Sampling, Schedule
+from .reference import commit_order, guide, num_transfer_tokens, select_top_k, unconditional
 from .sampling import RowNoise, sample_tokens
 
 

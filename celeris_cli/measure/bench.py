@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .engine import Engine, GenerationParams
+from ..engine import Engine, GenerationParams
 from .evaluate import EvalSet, poem_quality
 
 # name -> overrides on top of the model's defaults. The baseline is LLaDA's reference decoding.
@@ -246,10 +246,10 @@ def bench_batch(
     """`celeris batch` over one file of held-out prompts (mixed lengths, one seed each): local, then on a local
     Ray with each actor count, in one process. Wall times include Ray's start and the actors' model loads, as
     a user sees them; the texts of every run must equal the local run's."""
-    from .batch import run_file
-    from .batch.local import LocalExecutor
-    from .batch.ray_pool import RayExecutor, RayOptions
-    from .spool.backend import EngineBackend
+    from ..batch import run_file
+    from ..batch.local import LocalExecutor
+    from ..batch.ray_pool import RayExecutor, RayOptions
+    from ..spool.backend import EngineBackend
 
     evalset = EvalSet.load()
     pool = [r["prompt"] for pair in zip(evalset.poems, evalset.english) for r in pair]
@@ -346,9 +346,9 @@ def bench_queue(engine: Engine, n_files: int, batch_size: int, params: Generatio
     """Queue overhead: n one-prompt files through `watch --once` versus the engine alone on the same prompts."""
     import json
 
-    from .spool.backend import EngineBackend
-    from .spool.config import parse_config
-    from .spool.daemon import Spool
+    from ..spool.backend import EngineBackend
+    from ..spool.config import parse_config
+    from ..spool.daemon import Spool
 
     evalset = EvalSet.load()
     prompts = [evalset.poems[i % len(evalset.poems)]["prompt"] for i in range(n_files)]

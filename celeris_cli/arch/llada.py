@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ModelError
+from ..errors import ModelError
 
 # LLaDA config.json keys that change the architecture, and the only values we implement.
 _UNSUPPORTED = {

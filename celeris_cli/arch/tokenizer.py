@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from .errors import ModelError, UsageError
-from .model import ModelConfig
+from ..errors import ModelError, UsageError
+from .llada import ModelConfig
 
 
 class _Backend(Protocol):

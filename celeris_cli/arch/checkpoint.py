@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelError
-from .model import LLaDAModel, ModelConfig
+from ..errors import ModelError
+from .llada import LLaDAModel, ModelConfig
 
 log = logging.getLogger(__name__)
 

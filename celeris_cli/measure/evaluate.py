@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
+from ..errors import UsageError
 
 PUNCT = "，。"
 LINE = re.compile(r"([^，。]*)([，。])")
@@ -120,7 +120,7 @@ def heldout_nll(engine: Any, docs: list[str], seq_len: int = 128, draws: int = 8
     """Diffusion NLL upper bound per token on held-out documents, packed into rows with EOS between."""
     import torch
 
-    from .train import nll_bound
+    from ..recipe.train import nll_bound
 
     flat: list[int] = []
     for d in docs:

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from .decoding import ReferencePlan, generate_reference
-from .errors import UsageError
+from ..arch.llada import KV, LLaDAModel
+from ..errors import UsageError
+from ..params import STRATEGY_PARTS, GenerationParams
 from .fast import FastPlan, generate_fast
-from .model import KV, LLaDAModel
-from .params import STRATEGY_PARTS, GenerationParams
+from .reference import ReferencePlan, generate_reference
 from .sampling import RowNoise
 
 

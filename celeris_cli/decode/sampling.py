@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .params import Sampling
+from ..params import Sampling
 
 _MASK64 = 2**64 - 1
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .params import Guidance, Ordering, Sampling, Schedule
+from ..params import Guidance, Ordering, Sampling, Schedule
 from .sampling import RowNoise, order_scores, sample_tokens, uniform
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids (B,L), key_mask (B,L)) -> (B,L,V)

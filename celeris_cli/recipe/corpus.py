@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CelerisError
+from ..errors import CelerisError
 
 log = logging.getLogger(__name__)
 
