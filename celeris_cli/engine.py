@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from .arch.checkpoint import load_model
-from .arch.llada import LLaDAModel
+from .arch.checkpoint import load_model, read_folder
+from .arch.layers import Model
+from .arch.registry import ARCHITECTURES, Architecture
 from .arch.tokenizer import Tokenizer, load_tokenizer
 from .decode.sampling import RowNoise, request_seed
 from .decode.strategies import Net, SpecialTokens, get_strategy
@@ -67,19 +68,21 @@ class Result:
 class Engine:
     def __init__(
         self,
-        model: LLaDAModel,
+        model: Model,
         tokenizer: Tokenizer,
         device: torch.device,
         dtype: torch.dtype,
         model_dir: Path | None = None,
+        arch: Architecture = ARCHITECTURES[0],
     ) -> None:
         self.model = model
+        self.arch = arch
         self.tokenizer = tokenizer
         self.device = device
         self.dtype = dtype
         self.model_dir = model_dir
         self.max_length = model.cfg.max_sequence_length
-        self.defaults, extra_stops = read_generation_config(model_dir)
+        self.defaults, extra_stops = read_generation_config(model_dir, arch)
         outside = sorted(i for i in extra_stops if i >= model.cfg.rows)
         if outside:
             raise ModelError(f"{GENERATION_CONFIG}: eos_token_id {outside[0]} is outside the embedding table")
@@ -87,13 +90,16 @@ class Engine:
 
     def with_defaults(self, settings: dict[str, Any]) -> Engine:
         """Replace this engine's model-folder layer of defaults with `settings` (for tests and tools)."""
-        self.defaults = GenerationParams.from_mapping(settings).as_defaults()
+        self.defaults = GenerationParams.defaults_from({**self.arch.layer(), **settings})
         return self
 
     def params(self, overrides: dict[str, Any] | None = None) -> GenerationParams:
         """Settings in the documented order: built-in defaults, the model folder's generation_config.json,
-        then `overrides` (a config's, a request's or the command line's), validated."""
-        return GenerationParams.from_mapping(overrides or {}, self.defaults)
+        then `overrides` (a config's, a request's or the command line's), validated, for a strategy this
+        model's architecture supports."""
+        params = GenerationParams.from_mapping(overrides or {}, self.defaults)
+        self.arch.check_strategy(params.strategy)
+        return params
 
     # -- token level -------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
@@ -116,6 +122,7 @@ class Engine:
         """Decode one batch of token-id prompts; returns each row's generated ids (uncut) and the NFE. Row
         b draws its randomness from seeds[b] and its own prompt alone (default seed: params.seed)."""
         decode = get_strategy(params.strategy)
+        self.arch.check_strategy(params.strategy)
         P = max(len(ids) for ids in batch)
         pad = self.tokenizer.pad_id
         prompt = torch.tensor([[pad] * (P - len(ids)) + ids for ids in batch], device=self.device)
@@ -161,7 +168,7 @@ class Engine:
         outs, nfe = self.decode_ids(encoded, params, seeds)
         wall = time.perf_counter() - t0
         settings = params.report()
-        steps = params.schedule.steps_per_block
+        steps = params.steps_per_block
         results = []
         for prompt, ids_in, out, seed in zip(prompts, encoded, outs, seeds):
             text, n_out, reason = self.finish(out, params.stop)
@@ -232,18 +239,22 @@ def load_engine(
     folder = Path(model) if model is not None else default_model_dir()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    m = load_model(folder, dev, dt)
-    tok = load_tokenizer(folder, m.cfg)
-    log.info("loaded %s on %s (%s)", folder, dev, dt)
-    return Engine(m, tok, dev, dt, folder)
+    arch, cfg = read_folder(folder)
+    tok = load_tokenizer(folder, cfg)  # a mismatched tokenizer fails before the weights are read
+    m: Model = load_model(folder, dev, dt)  # type: ignore[assignment]
+    log.info("loaded %s (%s) on %s (%s)", folder, arch.name, dev, dt)
+    return Engine(m, tok, dev, dt, folder, arch)
 
 
-def read_generation_config(model_dir: Path | None) -> tuple[GenerationParams, frozenset[int]]:
-    """The model folder's layer of settings over the built-in defaults, and any extra stop ids. Accepts
-    both Celeris's own keys and the file `transformers` writes; keys neither knows are ignored (logged)."""
+def read_generation_config(
+    model_dir: Path | None, arch: Architecture = ARCHITECTURES[0]
+) -> tuple[GenerationParams, frozenset[int]]:
+    """The model folder's layer of settings over the built-in defaults and the architecture's own (its
+    default strategy first), and any extra stop ids. Accepts both Celeris's own keys and the file
+    `transformers` writes; keys neither knows are ignored (logged)."""
     path = model_dir / GENERATION_CONFIG if model_dir is not None else None
     if path is None or not path.is_file():
-        return GenerationParams(), frozenset()
+        return GenerationParams.defaults_from(arch.layer()), frozenset()
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(raw, dict):
@@ -251,6 +262,6 @@ def read_generation_config(model_dir: Path | None) -> tuple[GenerationParams, fr
         settings, stops, ignored = model_layer(raw)
         if ignored:
             log.debug("%s: ignoring %s", path, ", ".join(ignored))
-        return GenerationParams.from_mapping(settings).as_defaults(), stops
+        return GenerationParams.defaults_from({**arch.layer(), **settings}), stops
     except (json.JSONDecodeError, UnicodeDecodeError, UsageError) as e:
         raise ModelError(f"{path}: {e}") from None

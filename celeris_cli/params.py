@@ -22,6 +22,7 @@ from .errors import UsageError
 Remasking = Literal["low_confidence", "random"]
 CacheMode = Literal["none", "prefix", "dual"]
 Confidence = Literal["prob", "margin", "lead", "entropy"]
+DreamAlg = Literal["maskgit_plus", "topk_margin", "entropy", "origin"]
 MAX_SEED = 2**63 - 1
 
 
@@ -58,9 +59,15 @@ KNOBS: dict[str, Knob] = {
     "cache": Knob(str, "dual", choices=("dual", "prefix", "none")),
     "confidence": Knob(str, "prob", choices=("prob", "margin", "lead", "entropy")),
     "early_exit": Knob(bool, True),
+    # Dream's own decoding: time schedule and unmasking rule
+    "eps": Knob(float, 1e-3, lambda v: math.isfinite(v) and 0 < v < 1, "in (0, 1)"),
+    "alg": Knob(str, "maskgit_plus", choices=("maskgit_plus", "topk_margin", "entropy", "origin")),
+    "alg_temp": Knob(float, 0.0, _finite(0.0), "a finite number >= 0"),
+    # block diffusion (LLaDA2): steps per block
+    "block_steps": Knob(int, 32, lambda v: v >= 1, "a positive integer"),
     # per request
     "seed": Knob(int, 0, lambda v: 0 <= v <= MAX_SEED, f"an integer in 0..{MAX_SEED}"),
-    "strategy": Knob(str, "fast", choices=("fast", "reference")),
+    "strategy": Knob(str, "fast", choices=("fast", "reference", "dream", "block", "block-fast")),
     "stop": Knob(
         tuple, (), lambda v: len(v) <= 16 and all(isinstance(s, str) and s for s in v), "at most 16 non-empty strings"
     ),
@@ -128,16 +135,63 @@ class Parallel:
     early_exit: bool
 
 
+@dataclass(frozen=True)
+class Timeline:
+    """Dream's schedule: one canvas, time falling linearly from 1 to eps over the steps."""
+
+    gen_length: int
+    denoise_steps: int
+    eps: float
+
+
+@dataclass(frozen=True)
+class Unmasking:
+    alg: DreamAlg
+    alg_temp: float
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Block diffusion's schedule: `block_steps` steps for every block, whose tokens commit at
+    block_length // block_steps per step (the remainder to the first steps), as LLaDA2 does."""
+
+    gen_length: int
+    block_length: int
+    block_steps: int
+
+    @property
+    def steps(self) -> int:
+        return min(self.block_steps, self.gen_length)
+
+    def transfers(self) -> list[int]:
+        base, extra = divmod(self.block_length, self.steps)
+        return [base + (1 if i < extra else 0) for i in range(self.steps)]
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Block diffusion's threshold: every masked position above it commits, and at least the schedule's."""
+
+    threshold: float
+
+
 PARTS: dict[str, type] = {
     "schedule": Schedule,
     "sampling": Sampling,
     "ordering": Ordering,
     "guidance": Guidance,
     "parallel": Parallel,
+    "timeline": Timeline,
+    "unmasking": Unmasking,
+    "blocks": Blocks,
+    "commit": Commit,
 }
 STRATEGY_PARTS: dict[str, tuple[str, ...]] = {
     "reference": ("schedule", "sampling", "ordering", "guidance"),
     "fast": ("schedule", "sampling", "ordering", "guidance", "parallel"),
+    "dream": ("timeline", "sampling", "unmasking"),
+    "block": ("blocks", "sampling", "commit"),
+    "block-fast": ("blocks", "sampling", "commit"),
 }
 PER_REQUEST = ("seed", "strategy", "stop")  # honoured by every strategy, outside the decoder
 
@@ -166,6 +220,10 @@ class GenerationParams:
     cache: CacheMode = KNOBS["cache"].default
     confidence: Confidence = KNOBS["confidence"].default
     early_exit: bool = KNOBS["early_exit"].default
+    eps: float = KNOBS["eps"].default
+    alg: DreamAlg = KNOBS["alg"].default
+    alg_temp: float = KNOBS["alg_temp"].default
+    block_steps: int = KNOBS["block_steps"].default
     seed: int = KNOBS["seed"].default
     strategy: str = KNOBS["strategy"].default
     stop: tuple[str, ...] = KNOBS["stop"].default
@@ -191,6 +249,13 @@ class GenerationParams:
 
     def with_(self, **changes: Any) -> GenerationParams:
         return GenerationParams.from_mapping(changes, self)
+
+    @classmethod
+    def defaults_from(cls, values: Mapping[str, Any]) -> GenerationParams:
+        """A model folder's layer of defaults: each value checked, none explicit. Knobs the default strategy
+        does not honour are kept for the strategies that do (Dream's `alg` under the fast default)."""
+        layer = dict(_coerce(k, v) for k, v in values.items())
+        return replace(cls(), **layer)._settle()
 
     def as_defaults(self) -> GenerationParams:
         """These settings as a layer of defaults (a model folder's): none of them counts as the user's."""
@@ -222,7 +287,11 @@ class GenerationParams:
             fixes["denoise_steps"] = self.gen_length
         if self.remasking == "random" and self.order_temperature > 0:
             fixes["order_temperature"] = 0.0
-        blocks = len(self.schedule.block_spans)
+        blocks = (
+            len(self.schedule.block_spans)
+            if "denoise_steps" in honoured(self.strategy) and "block_length" in honoured(self.strategy)
+            else 1
+        )
         if self.denoise_steps < blocks:
             fixes["denoise_steps"] = blocks
         return replace(self, **fixes) if fixes else self
@@ -235,6 +304,16 @@ class GenerationParams:
     @property
     def schedule(self) -> Schedule:  # the engine reports it; decoders get their parts from strategies._plan
         return self.part("schedule")
+
+    @property
+    def steps_per_block(self) -> list[int]:
+        """The steps each block is given; one block (the whole canvas) for strategies without blocks. For
+        block diffusion, the steps of one block (how many blocks run depends on the prompt's length)."""
+        if "block_steps" in honoured(self.strategy):
+            return [self.part("blocks").steps]
+        if "block_length" in honoured(self.strategy):
+            return self.schedule.steps_per_block
+        return [self.denoise_steps]
 
     def batch_key(self) -> GenerationParams:
         """Requests whose keys are equal can share a batch: everything but the per-row seed."""

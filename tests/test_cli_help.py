@@ -13,7 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 from celeris_cli.cli import app
-from celeris_cli.cli.app import CacheOpt, ConfidenceOpt, Remasking, StrategyOpt
+from celeris_cli.cli.app import AlgOpt, CacheOpt, ConfidenceOpt, Remasking, StrategyOpt
 from celeris_cli.params import KNOBS
 
 runner = CliRunner()
@@ -30,10 +30,10 @@ def test_flags_show_no_value_placeholder(command: list[str]) -> None:
 
 def test_closed_sets_list_their_choices_from_the_knobs() -> None:
     out = runner.invoke(app, ["generate", "--help"], terminal_width=200).stdout
-    for name in ("remasking", "strategy", "cache", "confidence"):
+    for name in ("remasking", "strategy", "cache", "confidence", "alg"):
         assert "<" + "|".join(KNOBS[name].choices) + ">" in out, name
     for enum, name in ((Remasking, "remasking"), (StrategyOpt, "strategy"), (CacheOpt, "cache"),
-                       (ConfidenceOpt, "confidence")):  # fmt: skip
+                       (ConfidenceOpt, "confidence"), (AlgOpt, "alg")):  # fmt: skip
         assert {e.value for e in enum} == set(KNOBS[name].choices)
 
 

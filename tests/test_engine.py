@@ -77,6 +77,8 @@ def test_same_seed_reproduces_sampled_output(engine: Engine) -> None:
 class EosAfter:
     """Fake at the model boundary: predicts token 9 everywhere, EOS from position `at` on."""
 
+    logit_shift = 0
+
     def __init__(self, cfg, at: int) -> None:  # type: ignore[no-untyped-def]
         self.cfg, self.at = cfg, at
 

@@ -81,6 +81,8 @@ def test_stop_strings_cut_the_answer_and_strategy_changes_the_decoder(engine: En
 class CountingModel:
     """The real model with every forward pass at the model boundary counted."""
 
+    logit_shift = 0
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model, self.calls = model, 0
 
@@ -203,6 +205,8 @@ def test_bfloat16_batched_answers_equal_alone_with_float32_attention_and_logits(
 
 class FlatModel:
     """A fake at the model boundary whose logits are all equal: what gets sampled is the noise alone."""
+
+    logit_shift = 0
 
     def __init__(self, cfg) -> None:  # type: ignore[no-untyped-def]
         self.cfg = cfg

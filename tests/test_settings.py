@@ -12,7 +12,7 @@ import pytest
 
 from celeris_cli import load_engine
 from celeris_cli.errors import ModelError, UsageError
-from celeris_cli.params import KNOBS, MAX_SEED, PER_REQUEST, GenerationParams, honoured, model_layer
+from celeris_cli.params import KNOBS, MAX_SEED, PER_REQUEST, STRATEGY_PARTS, GenerationParams, honoured, model_layer
 
 from .conftest import make_model
 
@@ -68,9 +68,23 @@ def test_building_the_record_directly_is_validated_too() -> None:
 
 
 def test_every_strategy_declares_what_it_honours() -> None:
-    assert set(honoured("fast")) == set(KNOBS)  # the fast decoder honours every knob
-    assert set(KNOBS) - set(honoured("reference")) == {"threshold", "cache", "confidence", "early_exit"}
-    assert set(PER_REQUEST) <= set(honoured("reference"))
+    dream, block = {"eps", "alg", "alg_temp"}, {"block_steps"}
+    assert set(KNOBS) - set(honoured("fast")) == dream | block  # the fast decoder honours the rest
+    assert set(KNOBS) - set(honoured("reference")) == {"threshold", "cache", "confidence", "early_exit"} | dream | block
+    assert set(honoured("dream")) == {
+        "gen_length",
+        "denoise_steps",
+        "temperature",
+        "min_p",
+        "top_p",
+        "top_k",
+    } | dream | set(PER_REQUEST)
+    for strategy in ("block", "block-fast"):
+        assert set(honoured(strategy)) == {
+            "gen_length", "block_length", "temperature", "min_p", "top_p", "top_k", "threshold"
+        } | block | set(PER_REQUEST)  # fmt: skip
+    for strategy in STRATEGY_PARTS:
+        assert set(PER_REQUEST) <= set(honoured(strategy))
 
 
 def test_steps_from_a_lower_layer_are_settled_to_the_canvas_and_explicit_ones_are_checked() -> None:

@@ -1,7 +1,9 @@
 """Load and save model folders: config.json + safetensors (one file or index-listed shards).
 
-The model is built on the meta device and the weights are attached with `assign=True` (gpt-fast), so a
-checkpoint is never materialised twice. Only safetensors are read; a pickle is never loaded.
+config.json chooses the architecture (`registry`). The model is built on the meta device and each tensor is
+read from the memory-mapped safetensors straight into the target device and dtype, then attached with
+`assign=True` (gpt-fast): a checkpoint is never materialised twice, so peak memory stays near the weights'
+size. Only safetensors are read; a pickle is never loaded.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ import logging
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..errors import ModelError
-from .llada import LLaDAModel, ModelConfig
+from .layers import ArchConfig
+from .llada import LLaDAModel
+from .registry import Architecture, read_arch_config
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +26,13 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-def read_config(folder: Path) -> ModelConfig:
+def read_config(folder: Path) -> ArchConfig:
+    return read_folder(folder)[1]
+
+
+def read_folder(folder: Path) -> tuple[Architecture, ArchConfig]:
+    """The architecture config.json names, and its config."""
+    folder = Path(folder)
     path = folder / "config.json"
     if not folder.is_dir():
         raise ModelError(f"model folder not found: {folder}")
@@ -33,7 +44,7 @@ def read_config(folder: Path) -> ModelConfig:
         raise ModelError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ModelError(f"{path}: expected a JSON object")
-    return ModelConfig.from_dict(raw)
+    return read_arch_config(raw, path)
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -55,35 +66,47 @@ def weight_files(folder: Path) -> list[Path]:
     raise ModelError(f"{folder} is incomplete: no {SINGLE} or {INDEX}")
 
 
-def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LLaDAModel:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The folder's model on `device` in `dtype` (floating tensors), in eval mode."""
+    from safetensors import SafetensorError, safe_open
 
     folder = Path(folder)
-    cfg = read_config(folder)
+    arch, cfg = read_folder(folder)
     files = weight_files(folder)
     with torch.device("meta"):
-        model = LLaDAModel(cfg)
+        model = arch.build(cfg)
+    expected = dict(model.state_dict())
+    optional = arch.optional(cfg)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            state.update(load_file(str(f), device=str(device)))
+            with safe_open(str(f), framework="pt", device="cpu") as shard:
+                for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if name not in expected:
+                        if name in optional or name.endswith("rotary_emb.inv_freq"):
+                            continue
+                        raise ModelError(f"{folder}: weights do not match config.json (unexpected {name!r})")
+                    t = shard.get_slice(name)
+                    if tuple(t.get_shape()) != tuple(expected[name].shape):
+                        raise ModelError(
+                            f"{folder}: {name} has shape {tuple(t.get_shape())}, "
+                            f"config.json implies {tuple(expected[name].shape)}"
+                        )
+                    state[name] = _place(shard.get_tensor(name), device, dtype)
         except (SafetensorError, OSError) as e:
             raise ModelError(f"{f}: cannot read safetensors ({e})") from None
-    expected = dict(model.state_dict())
     missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise ModelError(f"{folder}: weights do not match config.json ({detail})")
-    for name, t in state.items():
-        if t.shape != expected[name].shape:
-            raise ModelError(
-                f"{folder}: {name} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}"
-            )
-        state[name] = t.to(dtype) if t.is_floating_point() else t
+    if missing:
+        raise ModelError(f"{folder}: weights do not match config.json (missing {missing[:3]})")
     model.load_state_dict(state, assign=True)
     return model.eval()
+
+
+def _place(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor from the memory map into the target device and dtype, with one copy at most."""
+    if t.is_floating_point() and t.dtype != dtype:
+        return t.to(device=device, dtype=dtype)
+    return t.to(device)
 
 
 def save_model(model: LLaDAModel, folder: Path, max_shard_bytes: int | None = None) -> None:

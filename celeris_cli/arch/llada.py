@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
+from .layers import KV, apply_rope, attend, check_type, key_mask_4d, rope_tables
 
 # LLaDA config.json keys that change the architecture, and the only values we implement.
 _UNSUPPORTED = {
@@ -96,7 +97,7 @@ class ModelConfig:
             raise ModelError(f"config.json: missing required keys: {', '.join(missing)}")
         for f in fields(cls):
             if f.name in kwargs:
-                _check_type(f.name, kwargs[f.name], str(f.type))
+                check_type(f.name, kwargs[f.name], str(f.type))
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,23 +118,6 @@ class ModelConfig:
         return d
 
 
-_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
-    "int": ((int,), "an integer"),
-    "float": ((int, float), "a number"),
-    "bool": ((bool,), "true or false"),
-}
-
-
-def _check_type(key: str, value: Any, annotation: str) -> None:
-    """config.json values by the dataclass annotation ("int", "float | None", ...), naming the key."""
-    kind, optional = annotation.replace(" | None", ""), annotation.endswith("| None")
-    if kind not in _KINDS or (optional and value is None):
-        return
-    types, name = _KINDS[kind]
-    if not isinstance(value, types) or (isinstance(value, bool) and kind != "bool"):
-        raise ModelError(f"config.json: {key} must be {name}, got {value!r}")
-
-
 class RMSNorm(nn.Module):
     """Computed in float32, as LLaDA does, then cast back."""
 
@@ -147,25 +131,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * x).to(dtype)
-
-
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for the rotate-half convention, in float32. positions: (B, T) -> (B, 1, T, head_dim)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[..., None] * inv_freq  # (B, T, head_dim/2)
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, head_dim)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x * cos + rotated * sin).to(dtype)
-
-
-KV = tuple[torch.Tensor, torch.Tensor]  # (B, kv_heads, L, head_dim) each
 
 
 class Block(nn.Module):
@@ -199,22 +164,7 @@ class Block(nn.Module):
         k = self.k_proj(h).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        new_kv = (k, v)
-        if cache is not None:
-            # Attend to the cached canvas with positions [start, start+T) overwritten, in place, by the
-            # fresh values (no copy of the whole cache per step).
-            ck, cv = cache
-            ck[:, :, start : start + T] = k
-            cv[:, :, start : start + T] = v
-            k, v = ck, cv
-        if cfg.kv_heads != cfg.n_heads:
-            rep = cfg.n_heads // cfg.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if q.dtype != torch.float32 and upcast:  # see LLaDAModel.upcast
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask).to(q.dtype)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # no causal mask
-        y = y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim)
+        y, new_kv = attend(q, k, v, attn_mask, cache, start, upcast)
         x = x + self.attn_out(y)
         h = self.ff_norm(x)
         x = x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
@@ -242,6 +192,8 @@ class LLaDAModel(nn.Module):
     also gives up the fused bfloat16 kernels and the head's weight is cast per call (2 GB for LLaDA-8B)."""
 
     upcast = True
+    logit_shift = 0  # position j's logits predict position j
+    block_causal = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -290,7 +242,7 @@ class LLaDAModel(nn.Module):
         if positions is None:
             positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
         rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        attn_mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, L)
+        attn_mask = key_mask_4d(key_mask)
         x = self.transformer.wte(ids)
         fresh: list[KV] = []
         for i, block in enumerate(self.transformer.blocks):

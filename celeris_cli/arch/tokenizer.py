@@ -1,4 +1,5 @@
-"""Text <-> token ids for a model folder: sentencepiece `tokenizer.model` or HF `tokenizer.json`.
+"""Text <-> token ids for a model folder: sentencepiece `tokenizer.model`, HF `tokenizer.json`, or Qwen2's
+byte-level BPE as `vocab.json` + `merges.txt` (Dream), built with `tokenizers` as `transformers` builds it.
 
 Special ids (mask, eos, end of turn, pad) come from the model's config.json and are checked against the
 tokenizer here, so a mismatched pair fails at load time with a clear message instead of producing
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import ModelError, UsageError
-from .llada import ModelConfig
+from .layers import ArchConfig
 
 
 class _Backend(Protocol):
@@ -55,6 +56,8 @@ class _SentencePiece:
 
 
 class _HFTokenizer:
+    tok: Any
+
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as HF
 
@@ -79,8 +82,56 @@ class _HFTokenizer:
         return self.tok.token_to_id(piece)
 
 
+# Qwen2's pre-tokenizer: contractions, letters with one leading non-letter, single digits, punctuation runs,
+# newlines and spaces (transformers' Qwen2 tokenizer conversion uses the same split)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class _Qwen2BPE(_HFTokenizer):
+    """Byte-level BPE from vocab.json + merges.txt, with the added tokens of tokenizer_config.json at the
+    ids it gives them."""
+
+    def __init__(self, folder: Path, added: dict[str, Any]) -> None:
+        from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
+        from tokenizers import Tokenizer as HF
+        from tokenizers.models import BPE
+
+        try:
+            model = BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt"))
+        except Exception as e:  # the tokenizers library raises a bare Exception on bad files
+            raise ModelError(f"{folder}: vocab.json / merges.txt are not a BPE vocabulary ({e})") from None
+        tok = HF(model)
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        tok.decoder = decoders.ByteLevel()
+        for key in sorted(added, key=lambda k: int(k)):
+            spec = added[key]
+            token = AddedToken(
+                spec["content"],
+                single_word=spec.get("single_word", False),
+                lstrip=spec.get("lstrip", False),
+                rstrip=spec.get("rstrip", False),
+                normalized=spec.get("normalized", not spec.get("special", False)),
+                special=spec.get("special", False),
+            )
+            tok.add_special_tokens([token]) if spec.get("special", False) else tok.add_tokens([token])
+            if tok.token_to_id(spec["content"]) != int(key):
+                raise ModelError(
+                    f"{folder}: tokenizer_config.json gives {spec['content']!r} id {key}, "
+                    f"but the vocabulary puts it at {tok.token_to_id(spec['content'])}"
+                )
+        self.tok = tok
+
+
 class Tokenizer:
-    def __init__(self, backend: _Backend, cfg: ModelConfig, chat_template: str | None, folder: Path) -> None:
+    def __init__(self, backend: _Backend, cfg: ArchConfig, chat_template: str | None, folder: Path) -> None:
         self.backend = backend
         self.chat_template = chat_template
         self.mask_id = cfg.mask_token_id
@@ -136,20 +187,28 @@ class Tokenizer:
             raise UsageError(f"chat template failed to render: {e}") from None
 
 
-def load_tokenizer(folder: Path, cfg: ModelConfig) -> Tokenizer:
+def load_tokenizer(folder: Path, cfg: ArchConfig) -> Tokenizer:
     folder = Path(folder)
-    template = None
+    settings: dict[str, Any] = {}
     tc = folder / "tokenizer_config.json"
     if tc.is_file():
         try:
-            template = json.loads(tc.read_text(encoding="utf-8")).get("chat_template")
-        except (json.JSONDecodeError, AttributeError) as e:
+            settings = json.loads(tc.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
             raise ModelError(f"{tc}: not valid JSON ({e})") from None
+        if not isinstance(settings, dict):
+            raise ModelError(f"{tc}: expected a JSON object")
+    template = settings.get("chat_template")
     backend: _Backend
     if (folder / "tokenizer.model").is_file():
         backend = _SentencePiece(folder / "tokenizer.model")
     elif (folder / "tokenizer.json").is_file():
         backend = _HFTokenizer(folder / "tokenizer.json")
+    elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        added = settings.get("added_tokens_decoder") or {}
+        if not isinstance(added, dict):
+            raise ModelError(f"{tc}: added_tokens_decoder must be an object")
+        backend = _Qwen2BPE(folder, added)
     else:
-        raise ModelError(f"{folder} is incomplete: no tokenizer.model or tokenizer.json")
+        raise ModelError(f"{folder} is incomplete: no tokenizer.model, tokenizer.json or vocab.json + merges.txt")
     return Tokenizer(backend, cfg, template if isinstance(template, str) else None, folder)

@@ -53,16 +53,17 @@ def import_ray() -> Any:
 def check_engine(engine: dict[str, Any]) -> None:
     """What each actor will load, checked on the driver first: a missing model folder or a settings
     combination the model's defaults reject is one clear error here, not a retried actor crash there."""
-    from ..arch.checkpoint import read_config, weight_files
+    from ..arch.checkpoint import read_folder, weight_files
     from ..arch.tokenizer import load_tokenizer
     from ..engine import default_model_dir, read_generation_config
     from ..params import GenerationParams
 
     folder = Path(engine["model"]) if engine.get("model") else default_model_dir()
-    load_tokenizer(folder, read_config(folder))
+    arch, cfg = read_folder(folder)
+    load_tokenizer(folder, cfg)
     weight_files(folder)
-    defaults, _ = read_generation_config(folder)
-    GenerationParams.from_mapping(engine.get("generation", {}), defaults)
+    defaults, _ = read_generation_config(folder, arch)
+    arch.check_strategy(GenerationParams.from_mapping(engine.get("generation", {}), defaults).strategy)
 
 
 class RayExecutor:

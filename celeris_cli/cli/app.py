@@ -47,6 +47,16 @@ class ConfidenceOpt(str, Enum):
 class StrategyOpt(str, Enum):
     fast = "fast"
     reference = "reference"
+    dream = "dream"
+    block = "block"
+    block_fast = "block-fast"
+
+
+class AlgOpt(str, Enum):
+    maskgit_plus = "maskgit_plus"
+    topk_margin = "topk_margin"
+    entropy = "entropy"
+    origin = "origin"
 
 
 class DeviceOpt(str, Enum):

@@ -9,7 +9,7 @@ import typer
 
 from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CelerisError, UsageError
 from .answering import prepare, run
-from .app import CacheOpt, ConfidenceOpt, DeviceOpt, DtypeOpt, Remasking, StrategyOpt, app, fail
+from .app import AlgOpt, CacheOpt, ConfidenceOpt, DeviceOpt, DtypeOpt, Remasking, StrategyOpt, app, fail
 from .defaults import knob_help
 from .output import Format, Sink
 from .prompts import gather
@@ -106,7 +106,9 @@ def generate(
         "--strategy",
         help=knob_help(
             "strategy",
-            "fast (cache, threshold, early exit) or reference (LLaDA's decoder, one fixed schedule).",
+            "fast (cache, threshold, early exit), reference (LLaDA's decoder), dream (Dream's own), block or "
+            "block-fast (block diffusion, LLaDA2; block-fast keeps an exact cache). The model folder's "
+            "architecture says which run on it (celeris inspect).",
         ),
     ),
     threshold: float = typer.Option(
@@ -127,6 +129,20 @@ def generate(
         None,
         "--early-exit/--no-early-exit",
         help=knob_help("early_exit", "fast: stop a row once its end-of-text is decoded."),
+    ),
+    alg: AlgOpt = typer.Option(None, "--alg", help=knob_help("alg", "dream: which positions unmask first.")),
+    alg_temp: float = typer.Option(
+        None,
+        "--alg-temp",
+        min=0.0,
+        metavar="X",
+        help=knob_help("alg_temp", "dream: draw positions from softmax(confidence / X) instead (0 = in order)."),
+    ),
+    eps: float = typer.Option(
+        None, "--eps", metavar="X", help=knob_help("eps", "dream: the time schedule's end, in (0, 1).")
+    ),
+    block_steps: int = typer.Option(
+        None, "--block-steps", min=1, metavar="N", help=knob_help("block_steps", "block: denoising steps per block.")
     ),
     batch_size: int = typer.Option(16, "--batch-size", min=1, metavar="N", help="Prompts decoded together."),
     device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device", help="auto picks CUDA when present."),
@@ -177,6 +193,10 @@ def generate(
                 cache=cache.value if cache else None,
                 confidence=confidence.value if confidence else None,
                 early_exit=early_exit,
+                alg=alg.value if alg else None,
+                alg_temp=alg_temp,
+                eps=eps,
+                block_steps=block_steps,
             ).items()
             if v is not None
         }

@@ -74,7 +74,8 @@ def bench_cmd(
     modes: str = typer.Option(
         None,
         "--modes",
-        help="Comma-separated subset of: reference, threshold, threshold+exit, prefix-cache, dual-cache.",
+        help="Comma-separated subset of: reference, threshold, threshold+exit, prefix-cache, dual-cache "
+        "(block-diffusion models: block, block-fast).",
     ),
     set_name: str = typer.Option(None, "--set", help="Settings for every mode, as JSON."),
     sweep: str = typer.Option(None, "--sweep", help="Also sweep these step counts, e.g. 5,10,20,40,64."),
@@ -86,6 +87,14 @@ def bench_cmd(
     ray_compare: int = typer.Option(
         0, "--ray-compare", min=0, help="Only measure: celeris batch over N prompts, local and on Ray (1, 2 actors)."
     ),
+    loading: float = typer.Option(
+        0,
+        "--loading",
+        min=0,
+        metavar="GB",
+        help="Only measure: peak memory while loading a random checkpoint of this many GB (written to a temp "
+        "folder), in bfloat16 and float32.",
+    ),
     device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
     dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
     threads: int = typer.Option(None, "--threads", min=1),
@@ -93,10 +102,20 @@ def bench_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
 ) -> None:
     """Reference decoding and every fast mode side by side: speed and quality on the same outputs."""
+    if loading:
+        from ..measure.bench import hardware
+        from ..measure.loading import measure_loading
+
+        rows = measure_loading(loading)
+        result = {"hardware": hardware(), "loading": rows}
+        if out is not None:
+            out.write_text(json.dumps(result, indent=1), encoding="utf-8")
+        typer.echo(json.dumps(result))
+        return
     import tempfile
 
     from ..engine import load_engine
-    from ..measure.bench import MODES, batch_invariance, bench, bench_queue, render
+    from ..measure.bench import batch_invariance, bench, bench_queue, modes_for, render
 
     if ray_compare:
         import tempfile
@@ -124,15 +143,16 @@ def bench_cmd(
         typer.echo(json.dumps(result, ensure_ascii=False))
         return
     try:
-        chosen = [m.strip() for m in modes.split(",")] if modes else None
-        for m in chosen or []:
-            if m not in MODES:
-                raise UsageError(f"unknown mode {m!r} (choose {', '.join(MODES)})")
         try:
             sweep_steps = [int(x) for x in sweep.split(",")] if sweep else None
         except ValueError:
             raise UsageError(f"--sweep must be comma-separated integers, got {sweep!r}") from None
         engine = load_engine(model, device.value, dtype.value, threads)
+        table, _ = modes_for(engine)
+        chosen = [m.strip() for m in modes.split(",")] if modes else None
+        for m in chosen or []:
+            if m not in table:
+                raise UsageError(f"unknown mode {m!r} for this model (choose {', '.join(table)})")
         settings = _json_setting(set_name)
         block_length = block_length or engine.params(settings).block_length
         report = bench(

@@ -1,7 +1,7 @@
 """Fast masked-diffusion decoding: KV cache, confidence-threshold parallel commits and early exit.
 
-Pure functions on token ids, like `decoding`, but they need a cache-aware model boundary (`Net`):
-`hidden(ids, positions, key_mask, cache, start) -> (h, kv)` and `head(h) -> logits`.
+Pure functions on token ids, like `reference`, but they need a cache-aware model boundary (`Net`):
+`span_logits(ids, positions, key_mask, s, e, cache, end) -> (logits of [s, e), kv)`.
 
 - Threshold decoding (Fast-dLLM): each step commits every masked position of the active block whose
   confidence is >= `threshold`, and always at least the schedule's share (at least one), so the step
@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ..arch.llada import KV
+from ..arch.layers import KV
 from ..params import Confidence, Guidance, Ordering, Parallel, Sampling, Schedule
 from .reference import commit_order, guide, num_transfer_tokens, select_top_k, unconditional
 from .sampling import RowNoise, sample_tokens
@@ -43,16 +43,16 @@ class FastPlan:
 
 
 class CachedNet(Protocol):
-    def hidden(
+    def span_logits(
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
         key_mask: torch.Tensor,
+        s: int,
+        e: int,
         cache: list[KV] | None = None,
-        start: int = 0,
+        end: int | None = None,
     ) -> tuple[torch.Tensor, list[KV]]: ...
-
-    def head(self, h: torch.Tensor) -> torch.Tensor: ...
 
 
 def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: Confidence) -> torch.Tensor:
@@ -106,13 +106,12 @@ class _View:
         (dual) or the block and suffix (prefix) against the cached rest."""
         P = self.prompt_part.shape[1]
         if mode == "none" or refresh:
-            h, kv = net.hidden(torch.cat([self.prompt_part, x[:, P:]], 1), pos, km)
+            logits, kv = net.span_logits(torch.cat([self.prompt_part, x[:, P:]], 1), pos, km, s, e)
             if mode != "none":
                 self.cache = [(k.contiguous(), v.contiguous()) for k, v in kv]
-            return net.head(h[:, s:e])
+            return logits
         end = x.shape[1] if mode == "prefix" else e
-        h, _ = net.hidden(x[:, s:end], pos[:, s:end], km, self.cache, s)
-        return net.head(h[:, : e - s])
+        return net.span_logits(x, pos, km, s, e, self.cache, end)[0]
 
 
 @torch.no_grad()

@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
-from ..arch.llada import KV, LLaDAModel
+from ..arch.layers import KV, Model
 from ..errors import UsageError
 from ..params import STRATEGY_PARTS, GenerationParams
+from .block import BlockPlan, generate_block, generate_block_cached
+from .dream import DreamPlan, generate_dream
 from .fast import FastPlan, generate_fast
 from .reference import ReferencePlan, generate_reference
 from .sampling import RowNoise
@@ -31,19 +33,25 @@ class SpecialTokens:
 
 class Net:
     """Wraps the model for decoders: per-row RoPE positions from the key mask (so left padding changes
-    nothing), forward counting (NFE), and the cache-aware calls used by the fast decoders."""
+    nothing), forward counting (NFE), the cache-aware calls used by the fast decoders, and the logit shift
+    of families whose position j-1 predicts position j (Dream), so no decoder needs to know of it."""
 
-    def __init__(self, model: LLaDAModel) -> None:
+    def __init__(self, model: Model) -> None:
         self.model = model
         self.nfe = 0
+        self.shift = model.logit_shift
 
     @staticmethod
     def positions(key_mask: torch.Tensor) -> torch.Tensor:
         return (key_mask.long().cumsum(1) - 1).clamp_min(0)
 
     def __call__(self, ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        """Full-canvas logits (B, L, V), position j's row predicting position j."""
         self.nfe += 1
-        return self.model(ids, key_mask, self.positions(key_mask))
+        logits = self.model(ids, key_mask, self.positions(key_mask))
+        if self.shift:  # as Dream's generate: position 0 keeps its own row (it is always prompt)
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        return logits
 
     def hidden(
         self,
@@ -58,6 +66,27 @@ class Net:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.head(h)
+
+    def span_logits(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        key_mask: torch.Tensor,
+        s: int,
+        e: int,
+        cache: list[KV] | None = None,
+        end: int | None = None,
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """Logits predicting positions [s, e) of the canvas `ids` (B, L), s >= 1: a full-canvas forward
+        (no cache; returns every layer's keys/values), or the window [s, end) recomputed against `cache`
+        (end defaults to e). With a logit shift the window starts one position earlier."""
+        lo = s - self.shift
+        if cache is None:
+            h, kv = self.hidden(ids, positions, key_mask)
+            return self.head(h[:, lo : e - self.shift]), kv
+        end = e if end is None else end
+        h, kv = self.hidden(ids[:, lo:end], positions[:, lo:end], key_mask, cache, lo)
+        return self.head(h[:, : e - s]), kv
 
 
 Strategy = Callable[[Net, torch.Tensor, torch.Tensor, GenerationParams, SpecialTokens, RowNoise], torch.Tensor]
@@ -91,8 +120,43 @@ def _fast(
     return generate_fast(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise)
 
 
-STRATEGIES: dict[str, Strategy] = {"reference": _reference, "fast": _fast}
-PLANS: dict[str, type] = {"reference": ReferencePlan, "fast": FastPlan}
+def _dream(
+    net: Net,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: GenerationParams,
+    tokens: SpecialTokens,
+    noise: RowNoise,
+) -> torch.Tensor:
+    return generate_dream(net, prompt, prompt_mask, _plan(DreamPlan, params), tokens.mask_id, noise)
+
+
+def _block(
+    net: Net,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: GenerationParams,
+    tokens: SpecialTokens,
+    noise: RowNoise,
+) -> torch.Tensor:
+    decode = generate_block_cached if params.strategy == "block-fast" else generate_block
+    return decode(net, prompt, prompt_mask, _plan(BlockPlan, params), tokens.mask_id, tokens.stop_ids, noise)
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "reference": _reference,
+    "fast": _fast,
+    "dream": _dream,
+    "block": _block,
+    "block-fast": _block,
+}
+PLANS: dict[str, type] = {
+    "reference": ReferencePlan,
+    "fast": FastPlan,
+    "dream": DreamPlan,
+    "block": BlockPlan,
+    "block-fast": BlockPlan,
+}
 
 
 def get_strategy(name: str) -> Strategy:

@@ -31,6 +31,15 @@ MODES: dict[str, dict[str, Any]] = {
     "dual-cache": {"strategy": "fast", "cache": "dual", "early_exit": True},
 }
 DEFAULT_MODE = "dual-cache"
+# block-diffusion families (LLaDA2): the reference recomputes the prefix at every step; block-fast caches it
+BLOCK_MODES: dict[str, dict[str, Any]] = {"block": {"strategy": "block"}, "block-fast": {"strategy": "block-fast"}}
+
+
+def modes_for(engine: Engine) -> tuple[dict[str, dict[str, Any]], str]:
+    """The modes a model's architecture runs, the first being the baseline, and the default mode."""
+    if "block" in engine.arch.strategies:
+        return BLOCK_MODES, "block-fast"
+    return MODES, DEFAULT_MODE
 
 
 class PeakRSS:
@@ -155,14 +164,12 @@ def bench(
 ) -> dict[str, Any]:
     evalset = EvalSet.load()
     prompts = [r["prompt"] for r in evalset.poems[:n_prompts]]
-    base = engine.params(
-        {
-            **(settings or {}),
-            "gen_length": gen_length,
-            "block_length": block_length,
-            "denoise_steps": steps or gen_length,
-        }
+    table, default_mode = modes_for(engine)
+    baseline = next(iter(table))
+    steps_knob = (
+        {"block_steps": steps or block_length} if table is BLOCK_MODES else {"denoise_steps": steps or gen_length}
     )
+    base = engine.params({**(settings or {}), "gen_length": gen_length, "block_length": block_length, **steps_knob})
     lengths = [len(engine.encode_prompt(p)) for p in prompts]
     report: dict[str, Any] = {
         "hardware": hardware(),
@@ -174,35 +181,44 @@ def bench(
         "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
         "gen_length": gen_length,
         "block_length": block_length,
-        "denoise_steps": base.denoise_steps,
+        "denoise_steps": base.steps_per_block[0] if table is BLOCK_MODES else base.denoise_steps,
+        "architecture": engine.arch.name,
         "settings": {k: v for k, v in base.report().items() if k not in ("strategy", "cache", "early_exit")},
         "modes": {},
     }
     canvas = max(lengths) + gen_length
     report["raw_forward_tokens_per_s"] = round(raw_forward_tokens_per_s(engine, batch_size, canvas), 1)
-    for name in modes or list(MODES):
-        params = base.with_(**MODES[name])
+    for name in modes or list(table):
+        params = base.with_(**table[name])
         report["modes"][name] = run_mode(engine, prompts, params, batch_size)
-    ref = report["modes"].get("reference")
+    ref = report["modes"].get(baseline)
     for m in report["modes"].values():
         if ref:
             m["speedup"] = round(m["tokens_per_s"] / ref["tokens_per_s"], 2) if ref["tokens_per_s"] else None
             m["structure_delta_pts"] = round(100 * (m["structure_rate"] - ref["structure_rate"]), 1)
             m["distinct_2_delta_pts"] = round(100 * (m["distinct_2"] - ref["distinct_2"]), 1)
         m["of_raw_forward"] = round(m["tokens_per_s"] / report["raw_forward_tokens_per_s"], 4)
-    if cache_agreement:
+    if cache_agreement:  # the default mode against the baseline, both greedy, on the same prompts
+        greedy = base.with_(temperature=0.0)
+        texts = {
+            m: run_mode(engine, prompts, greedy.with_(**table[m]), batch_size)["texts"]
+            for m in (baseline, default_mode)
+        }
+        report["greedy_agreement_with_reference"] = {default_mode: agreement(texts[baseline], texts[default_mode])}
+    if cache_agreement and table is MODES:
         greedy = base.with_(temperature=0.0, strategy="fast", early_exit=False)
         texts = {
             c: run_mode(engine, prompts, greedy.with_(cache=c), batch_size)["texts"] for c in ("none", "prefix", "dual")
         }
         report["cache_agreement_temperature_0"] = {c: agreement(texts["none"], texts[c]) for c in ("prefix", "dual")}
     if sweep:
-        fast = base.with_(**MODES[DEFAULT_MODE])
+        fast = base.with_(**table[default_mode])
+        knob = "block_steps" if table is BLOCK_MODES else "denoise_steps"
         rows = {}
         for s in sweep:
             for name, params in (
-                ("reference", base.with_(strategy="reference", denoise_steps=s)),
-                (DEFAULT_MODE, fast.with_(denoise_steps=s)),
+                (baseline, base.with_(**table[baseline], **{knob: s})),
+                (default_mode, fast.with_(**{knob: s})),
             ):
                 r = run_mode(engine, prompts, params, batch_size)
                 r.pop("texts")
@@ -324,6 +340,8 @@ def render(report: dict[str, Any]) -> None:
             f"{m['of_raw_forward']:.3f}",
         )
     console.print(table)
+    if "greedy_agreement_with_reference" in report:
+        console.print("greedy, default mode vs reference: " + str(report["greedy_agreement_with_reference"]))
     if "cache_agreement_temperature_0" in report:
         console.print("cache vs no cache at temperature 0: " + str(report["cache_agreement_temperature_0"]))
     if "sweep" in report:

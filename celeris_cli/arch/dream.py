@@ -1,0 +1,194 @@
+"""Dream (Dream-v0-7B, Dream-Coder): a bidirectional transformer in Qwen2's layout whose logits are shifted.
+
+Layout as Dream's `modeling_dream.py` saves it: `model.embed_tokens`, `model.layers.{i}.self_attn.{q,k,v}_proj`
+(with bias) and `o_proj` (no bias), `mlp.{gate,up,down}_proj`, `input_layernorm`, `post_attention_layernorm`,
+`model.norm`, `lm_head`; GQA and RoPE (rotate-half). Dream was initialised from an autoregressive Qwen2.5 and
+keeps its habit: the logits at position j-1 predict position j (`logit_shift = 1`; the decoders' model
+boundary applies it, as Dream's `diffusion_generate` does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ModelError
+from .layers import KV, apply_rope, attend, key_mask_4d, read_fields, rms_norm, rope_tables
+
+
+@dataclass(frozen=True)
+class DreamConfig:
+    """Dream's config.json keys (Qwen2's names), with its special ids."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    mask_token_id: int
+    eos_token_id: int
+    num_key_value_heads: int | None = None
+    max_position_embeddings: int = 32768
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eot_token_id: int | None = None  # not in Dream's config; the tokenizer's <|im_end|> is found instead
+    model_type: str = "Dream"
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ModelError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.kv_heads:
+            raise ModelError(
+                f"config.json: hidden_size {self.hidden_size}, num_attention_heads {self.num_attention_heads} and "
+                f"num_key_value_heads {self.kv_heads} do not divide evenly"
+            )
+        for name in ("mask_token_id", "eos_token_id"):
+            if not 0 <= getattr(self, name) < self.rows:
+                raise ModelError(f"config.json: {name} {getattr(self, name)} is outside the embedding table")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rows(self) -> int:
+        return self.vocab_size
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> DreamConfig:
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelError(f"config.json: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
+        for key in ("rope_scaling", "use_sliding_window"):
+            if raw.get(key):
+                raise ModelError(f"config.json: {key}={raw[key]!r} is not supported")
+        required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        return cls(**read_fields(cls, raw, required + ("mask_token_id", "eos_token_id")))
+
+
+class DreamLayer(nn.Module):
+    def __init__(self, cfg: DreamConfig) -> None:
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.self_attn = _Attention(d, cfg.num_attention_heads * hd, cfg.kv_heads * hd)
+        self.mlp = _MLP(d, cfg.intermediate_size)
+        self.input_layernorm = _Norm(d)
+        self.post_attention_layernorm = _Norm(d)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn_mask: torch.Tensor | None,
+        cache: KV | None,
+        start: int,
+        upcast: bool,
+    ) -> tuple[torch.Tensor, KV]:
+        B, T, _ = x.shape
+        cfg, a, m = self.cfg, self.self_attn, self.mlp
+        h = rms_norm(x, self.input_layernorm.weight, cfg.rms_norm_eps)
+        q = a.q_proj(h).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+        k = a.k_proj(h).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        v = a.v_proj(h).view(B, T, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        y, kv = attend(q, k, v, attn_mask, cache, start, upcast)
+        x = x + a.o_proj(y)
+        h = rms_norm(x, self.post_attention_layernorm.weight, cfg.rms_norm_eps)
+        return x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h)), kv
+
+
+class _Attention(nn.Module):
+    def __init__(self, d: int, q_dim: int, kv_dim: int) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(d, q_dim, bias=True)
+        self.k_proj = nn.Linear(d, kv_dim, bias=True)
+        self.v_proj = nn.Linear(d, kv_dim, bias=True)
+        self.o_proj = nn.Linear(q_dim, d, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d, hidden, bias=False)
+        self.up_proj = nn.Linear(d, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d, bias=False)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: DreamConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DreamLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = _Norm(cfg.hidden_size)
+
+
+class _Norm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class DreamModel(nn.Module):
+    upcast = True  # as LLaDAModel.upcast: attention and the LM head in float32 under bfloat16
+    logit_shift = 1
+    block_causal = False
+
+    def __init__(self, cfg: DreamConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = _Backbone(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def set_upcast(self, on: bool) -> None:
+        self.upcast = on
+
+    def hidden(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        cache: list[KV] | None = None,
+        start: int = 0,
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """As `LLaDAModel.hidden`: final hidden states of `ids` (B, T) and each layer's fresh keys/values."""
+        B, T = ids.shape
+        if positions is None:
+            positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
+        rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        mask = key_mask_4d(attn_mask)
+        x = self.model.embed_tokens(ids)
+        fresh: list[KV] = []
+        for i, layer in enumerate(self.model.layers):
+            x, kv = layer(x, rope, mask, None if cache is None else cache[i], start, self.upcast)
+            fresh.append(kv)
+        return rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps), fresh
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        if h.dtype != torch.float32 and self.upcast:
+            return F.linear(h.float(), w.float())
+        return F.linear(h, w)
+
+    def forward(
+        self, ids: torch.Tensor, key_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Unshifted logits (B, T, vocab_size), as Dream's own forward returns them."""
+        h, _ = self.hidden(ids, positions, key_mask)
+        return self.head(h)

@@ -1,0 +1,167 @@
+"""Pieces every architecture shares: rotary embeddings, attention over an optional cache, and the model
+boundary (`Model`) that decoders call.
+
+Each architecture's module builds its network from these and exposes the same four things: `cfg`
+(special ids and sizes), `hidden(ids, positions, attn_mask, cache, start)`, `head(h)` and `logit_shift`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ModelError
+
+KV = tuple[torch.Tensor, torch.Tensor]  # (B, kv_heads, L, head_dim) each
+
+
+class ArchConfig(Protocol):
+    """What the engine, the tokenizer and the decoders read from any architecture's config."""
+
+    @property
+    def model_type(self) -> str: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def mask_token_id(self) -> int: ...
+    @property
+    def eos_token_id(self) -> int: ...
+    @property
+    def pad_token_id(self) -> int | None: ...
+    @property
+    def eot_token_id(self) -> int | None: ...
+    @property
+    def bos_token_id(self) -> int | None: ...
+    @property
+    def max_sequence_length(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+
+
+class Model(Protocol):
+    """The model boundary: decoders see hidden states, the LM head and the cache, never a family's layers.
+
+    `logit_shift` is 1 where the prediction for position j comes from position j-1 (Dream), else 0.
+    `block_causal` is True where attention is causal between blocks (LLaDA2): such a model is decoded by
+    the block strategies only."""
+
+    @property
+    def cfg(self) -> ArchConfig: ...
+    @property
+    def logit_shift(self) -> int: ...
+    @property
+    def block_causal(self) -> bool: ...
+
+    def hidden(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        cache: list[KV] | None = None,
+        start: int = 0,
+    ) -> tuple[torch.Tensor, list[KV]]: ...
+
+    def head(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def __call__(
+        self, ids: torch.Tensor, key_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+    def set_upcast(self, on: bool) -> None: ...
+
+
+def rope_tables(positions: torch.Tensor, rot_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for the rotate-half convention over the first `rot_dim` dims of a head, in float32.
+    positions: (B, T) -> (B, 1, T, rot_dim)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, device=positions.device, dtype=torch.float32) / rot_dim))
+    freqs = positions.float()[..., None] * inv_freq  # (B, T, rot_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, rot_dim)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of each head (all of them unless rotary is partial), in float32."""
+    dtype, rot = x.dtype, cos.shape[-1]
+    x = x.float()
+    xr, rest = x[..., :rot], x[..., rot:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    out = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return (torch.cat((out, rest), dim=-1) if rest.shape[-1] else out).to(dtype)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    cache: KV | None,
+    start: int,
+    upcast: bool,
+) -> tuple[torch.Tensor, KV]:
+    """Scaled dot-product attention of q (B, H, T, D) over k, v (B, Hkv, T, D), or over a cached canvas
+    with positions [start, start+T) overwritten in place by the fresh k, v. Returns (B, T, H*D) and the
+    fresh (k, v). attn_mask: bool, broadcastable to (B, H, T, L); True = may attend."""
+    fresh = (k, v)
+    if cache is not None:
+        ck, cv = cache
+        ck[:, :, start : start + k.shape[2]] = k
+        cv[:, :, start : start + v.shape[2]] = v
+        k, v = ck, cv
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if q.dtype != torch.float32 and upcast:  # low-precision rounding would depend on the batch's shape
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask).to(q.dtype)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    B, H, T, D = y.shape
+    return y.transpose(1, 2).reshape(B, T, H * D), fresh
+
+
+def key_mask_4d(key_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, L) keys that may be attended to -> (B, 1, 1, L); a (B, 1, T, L) mask passes unchanged."""
+    if key_mask is None or key_mask.dim() == 4:
+        return key_mask
+    return key_mask[:, None, None, :]
+
+
+_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "bool": ((bool,), "true or false"),
+}
+
+
+def check_type(key: str, value: Any, annotation: str) -> None:
+    """A config.json value checked by its dataclass annotation ("int", "float | None", ...), naming the key."""
+    kind, optional = annotation.replace(" | None", ""), annotation.endswith("| None")
+    if kind not in _KINDS or (optional and value is None):
+        return
+    types, name = _KINDS[kind]
+    if not isinstance(value, types) or (isinstance(value, bool) and kind != "bool"):
+        raise ModelError(f"config.json: {key} must be {name}, got {value!r}")
+
+
+def read_fields(cls: Any, raw: dict[str, Any], required: tuple[str, ...]) -> dict[str, Any]:
+    """The keys of `raw` that are fields of the config dataclass `cls`, type-checked by name; a missing
+    required key is an error listing them."""
+    from dataclasses import fields
+
+    known = {f.name: str(f.type) for f in fields(cls)}
+    kwargs = {k: v for k, v in raw.items() if k in known}
+    missing = [k for k in required if k not in kwargs or kwargs[k] is None]
+    if missing:
+        raise ModelError(f"config.json: missing required keys: {', '.join(missing)}")
+    for k, v in kwargs.items():
+        check_type(k, v, known[k])
+    return kwargs
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm the Llama/Qwen2 way: normalised in float32, cast back, then scaled by the weight."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)

@@ -1,0 +1,251 @@
+"""Block diffusion (LLaDA2, SDAR, Fast-dLLM v2): blocks decoded left to right, attention causal between
+blocks and bidirectional inside one, so a committed block never changes again and nothing to its right
+is computed.
+
+Both decoders share the layout and the step rule; they differ only in what each forward recomputes:
+
+- `generate_block` is LLaDA2's reference (`generate` in its modeling file): every step recomputes the whole
+  prefix up to the end of the current block.
+- `generate_block_cached` keeps the keys and values of committed blocks, which are exact under block-causal
+  attention: the prompt is prefilled once, each step computes the current block only, and a committed
+  block's final keys and values are computed in the same forward as the next block's first step.
+
+Layout (as LLaDA2's): a row's blocks start at its own position 0, so the first generated block may hold the
+prompt's last tokens; the canvas runs to the end of the block holding gen_length (decoded in full, as the
+reference does). In a batch, each row is left-padded by whole blocks so its first generated block lines up
+with everyone's; padding is never attended to. Rows leave as soon as they have committed a stop token with
+nothing masked before it; their later blocks cannot change what came before.
+
+Step rule: the block's `transfers()[step]` most confident masked positions commit, together with every
+masked position whose confidence is above `threshold` (LLaDA2's rule, written as one union).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ..arch.layers import KV
+from ..params import Blocks, Commit, Sampling
+from .reference import select_top_k
+from .sampling import RowNoise, filtered_scores, sample_tokens
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """The parts of the settings the block decoders honour (see `params.STRATEGY_PARTS`)."""
+
+    blocks: Blocks
+    sampling: Sampling
+    commit: Commit
+
+
+class BlockNet(Protocol):
+    def hidden(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        key_mask: torch.Tensor,
+        cache: list[KV] | None = None,
+        start: int = 0,
+    ) -> tuple[torch.Tensor, list[KV]]: ...
+
+    def head(self, h: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class Canvas:
+    """The batch's canvas in block-aligned coordinates. x: (B, C) ids; real: (B, C) positions that exist
+    for the row (prompt and its blocks); pos: (B, C) the row's own positions; gen: (B,) where each row's
+    generation starts; end: (B,) where its last block ends; first: (B,) the row's own index of the
+    canvas's first generated block."""
+
+    x: torch.Tensor
+    real: torch.Tensor
+    pos: torch.Tensor
+    gen: torch.Tensor
+    end: torch.Tensor
+    first: torch.Tensor
+    start_block: int  # the canvas block where generation starts
+    num_blocks: int  # canvas blocks in all
+    width: int  # block_length
+
+
+def lay_out(prompts: list[torch.Tensor], gen_length: int, width: int, mask_id: int, pad_id: int) -> Canvas:
+    device = prompts[0].device
+    own_prefill = [len(p) // width for p in prompts]  # whole blocks of prompt, per row
+    own_blocks = [-(-(len(p) + gen_length) // width) for p in prompts]
+    K = max(own_prefill)
+    total = K + max(n - k for n, k in zip(own_blocks, own_prefill))
+    B, C = len(prompts), total * width
+    x = torch.full((B, C), pad_id, dtype=torch.long, device=device)
+    real = torch.zeros(B, C, dtype=torch.bool, device=device)
+    pos = torch.zeros(B, C, dtype=torch.long, device=device)
+    gen = torch.empty(B, dtype=torch.long, device=device)
+    ends = torch.empty(B, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        off = (K - own_prefill[b]) * width
+        end = off + own_blocks[b] * width
+        x[b, off : off + len(p)] = p
+        x[b, off + len(p) : end] = mask_id
+        real[b, off:end] = True
+        pos[b, off:end] = torch.arange(end - off, device=device)
+        gen[b], ends[b] = off + len(p), end
+    first = torch.tensor(own_prefill, device=device)
+    return Canvas(x, real, pos, gen, ends, first, K, total, width)
+
+
+def block_mask(real: torch.Tensor, q_lo: int, q_hi: int, k_hi: int, width: int) -> torch.Tensor:
+    """(B, 1, q_hi - q_lo, k_hi): query c sees key c' when c' exists and its block is not after c's."""
+    q_block = torch.arange(q_lo, q_hi, device=real.device) // width
+    k_block = torch.arange(k_hi, device=real.device) // width
+    causal = k_block[None, :] <= q_block[:, None]  # (Tq, Tk)
+    return (causal[None] & real[:, None, :k_hi])[:, None]
+
+
+def predict(logits: torch.Tensor, s: Sampling, gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """x0 and its probability under the filtered distribution (LLaDA2: top-k and top-p renormalise the
+    probabilities even at temperature 0)."""
+    x0 = sample_tokens(logits, s, gens)
+    if s.top_k == 0 and s.top_p >= 1.0 and s.min_p == 0:
+        t = s.temperature if s.temperature > 0 else 1.0
+        probs = F.softmax(logits.float() / t, dim=-1)
+    else:
+        probs = filtered_scores(logits, replace(s, temperature=s.temperature or 1.0)).softmax(-1)
+    return x0, probs.gather(-1, x0[..., None]).squeeze(-1).float()
+
+
+def commit_step(
+    block: torch.Tensor, logits: torch.Tensor, plan: BlockPlan, k: int, mask_id: int, gens: list[torch.Generator]
+) -> torch.Tensor:
+    """The block (B, W) after one step: the k most confident masked positions, and every masked one above
+    the threshold, take their predicted tokens."""
+    x0, conf = predict(logits, plan.sampling, gens)
+    masked = block == mask_id
+    rank = torch.where(masked, conf, float("-inf"))
+    chosen = select_top_k(rank, torch.full_like(masked[:, 0], k, dtype=torch.long))
+    chosen |= masked & (conf > plan.commit.threshold)
+    return torch.where(chosen, x0, block)
+
+
+def finished(cv: Canvas, rows: torch.Tensor, upto: int, mask_id: int, stop: torch.Tensor) -> torch.Tensor:
+    """Among `rows`, those whose generated part up to canvas index `upto` holds a stop token with nothing
+    masked before it."""
+    x = cv.x[rows, :upto]
+    idx = torch.arange(upto, device=x.device).expand_as(x)
+    gen = idx >= cv.gen[rows, None]
+    first_stop = torch.where(gen & torch.isin(x, stop), idx, upto).min(1).values
+    first_mask = torch.where(gen & (x == mask_id), idx, upto).min(1).values
+    return (first_stop < upto) & (first_mask > first_stop)
+
+
+def _noise(noise: RowNoise, cv: Canvas, rows: torch.Tensor, j: int, step: int) -> list[torch.Generator]:
+    """Each row draws from its own block number, whatever its place in the batch's canvas."""
+    own = (cv.first[rows] + j - cv.start_block).tolist()
+    return [noise.at([r], blk, step)[0] for r, blk in zip(rows.tolist(), own)]
+
+
+def _result(cv: Canvas, prompt: torch.Tensor, gen_length: int, fill: int) -> torch.Tensor:
+    """(B, P + gen_length): the left-padded prompt as given, then each row's generated part."""
+    out = []
+    for b in range(prompt.shape[0]):
+        g = cv.x[b, cv.gen[b] : cv.gen[b] + gen_length]
+        out.append(torch.cat([g, g.new_full((gen_length - len(g),), fill)]))
+    return torch.cat([prompt, torch.stack(out)], dim=1)
+
+
+@torch.no_grad()
+def generate_block(
+    net: BlockNet,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    plan: BlockPlan,
+    mask_id: int,
+    stop_ids: frozenset[int],
+    noise: RowNoise,
+) -> torch.Tensor:
+    """LLaDA2's reference block decoding. prompt: (B, P) left-padded; returns (B, P + gen_length)."""
+    cv = _canvas(prompt, prompt_mask, plan, mask_id)
+    stop = torch.tensor(sorted(stop_ids), device=prompt.device)
+    rows = torch.arange(prompt.shape[0], device=prompt.device)
+    W, transfers = cv.width, plan.blocks.transfers()
+    for j in range(cv.start_block, cv.num_blocks):
+        s, e = j * W, (j + 1) * W
+        rows = rows[cv.end[rows] > s]  # a row whose blocks are all decoded has nothing left to do
+        for i, k in enumerate(transfers):
+            if rows.numel() == 0 or not (cv.x[rows, s:e] == mask_id).any():
+                break
+            mask = block_mask(cv.real[rows], 0, e, e, W)
+            h, _ = net.hidden(cv.x[rows, :e], cv.pos[rows, :e], mask)
+            logits = net.head(h[:, s:e])
+            cv.x[rows, s:e] = commit_step(cv.x[rows, s:e], logits, plan, k, mask_id, _noise(noise, cv, rows, j, i))
+        rows = rows[~finished(cv, rows, e, mask_id, stop)]
+    return _result(cv, prompt, plan.blocks.gen_length, mask_id)
+
+
+@torch.no_grad()
+def generate_block_cached(
+    net: BlockNet,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    plan: BlockPlan,
+    mask_id: int,
+    stop_ids: frozenset[int],
+    noise: RowNoise,
+) -> torch.Tensor:
+    """Block decoding over an exact cache of committed blocks; rows leave at the step they finish."""
+    cv = _canvas(prompt, prompt_mask, plan, mask_id)
+    stop = torch.tensor(sorted(stop_ids), device=prompt.device)
+    rows = torch.arange(prompt.shape[0], device=prompt.device)
+    W, transfers = cv.width, plan.blocks.transfers()
+    s0 = cv.start_block * W
+    cache: list[KV] | None = None
+    if s0 > 0:  # the prompt's whole blocks, once
+        _, kv = net.hidden(cv.x[:, :s0], cv.pos[:, :s0], block_mask(cv.real, 0, s0, s0, W))
+        cache = [_grow(k, v, cv.num_blocks * W) for k, v in kv]
+    pending = s0  # keys/values are exact before this canvas index
+    for j in range(cv.start_block, cv.num_blocks):
+        s, e = j * W, (j + 1) * W
+        out = cv.end[rows] <= s  # rows whose blocks are all decoded leave
+        if out.any():
+            cache = [(ck[~out], cv_[~out]) for ck, cv_ in cache] if cache is not None else None
+            rows = rows[~out]
+        for i, k in enumerate(transfers):
+            if rows.numel() == 0 or not (cv.x[rows, s:e] == mask_id).any():
+                break
+            # the committed block(s) not yet cached are recomputed with this step's block, once
+            lo = pending if i == 0 else s
+            mask = block_mask(cv.real[rows], lo, e, e, W)
+            view = None if cache is None else [(ck[:, :, :e], cv_[:, :, :e]) for ck, cv_ in cache]
+            h, kv = net.hidden(cv.x[rows, lo:e], cv.pos[rows, lo:e], mask, view, lo)
+            if cache is None:
+                cache = [_grow(k_, v_, cv.num_blocks * W) for k_, v_ in kv]
+            pending = s
+            logits = net.head(h[:, s - lo :])
+            cv.x[rows, s:e] = commit_step(cv.x[rows, s:e], logits, plan, k, mask_id, _noise(noise, cv, rows, j, i))
+            done = finished(cv, rows, e, mask_id, stop)
+            if done.any():  # finished rows leave at once; the batch and its cache shrink
+                keep = ~done
+                cache = [(ck[keep], cv_[keep]) for ck, cv_ in cache] if cache is not None else None
+                rows = rows[keep]
+        if rows.numel() == 0:
+            break
+    return _result(cv, prompt, plan.blocks.gen_length, mask_id)
+
+
+def _grow(k: torch.Tensor, v: torch.Tensor, length: int) -> KV:
+    """A cache over the whole canvas, allocated once, holding `k`, `v` at its start."""
+    ck = k.new_zeros(*k.shape[:2], length, k.shape[3])
+    cv = v.new_zeros(*v.shape[:2], length, v.shape[3])
+    ck[:, :, : k.shape[2]] = k
+    cv[:, :, : v.shape[2]] = v
+    return ck, cv
+
+
+def _canvas(prompt: torch.Tensor, prompt_mask: torch.Tensor, plan: BlockPlan, mask_id: int) -> Canvas:
+    prompts = [row[m] for row, m in zip(prompt, prompt_mask)]
+    pad = int(prompt[~prompt_mask][0]) if (~prompt_mask).any() else mask_id
+    return lay_out(prompts, plan.blocks.gen_length, plan.blocks.block_length, mask_id, pad)

@@ -1,0 +1,126 @@
+"""Dream's own decoding (`diffusion_generate` in Dream's `generation_utils.py`), as a pure function on ids.
+
+The whole generation part is one canvas (no blocks). Over `denoise_steps` steps, time falls linearly from
+1 to `eps`; at step i (t -> s), a row with n masked positions commits int(n * (1 - s/t)) of them (all that
+remain at the last step), the most confident first. The confidence rule is Dream's `alg`:
+
+- `maskgit_plus`: the probability of the predicted token;
+- `topk_margin`: the top probability minus the runner-up's;
+- `entropy`: the negative entropy of the prediction;
+- `origin`: no ranking: each masked position commits with probability 1 - s/t.
+
+With `alg_temp` > 0 the positions are drawn, without replacement, with probabilities softmax(confidence /
+alg_temp) instead of taken in order. Probabilities are those after temperature, top-p and top-k, in
+Dream's order. Dream draws from the global random state; here every row draws from its own stream, so at
+temperature 0 with `alg_temp` 0 the answer equals Dream's token for token, and otherwise it follows the
+same distributions with per-request reproducibility.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..params import Sampling, Timeline, Unmasking
+from .reference import ModelFn, select_top_k
+from .sampling import RowNoise, gumbel, uniform
+
+
+@dataclass(frozen=True)
+class DreamPlan:
+    """The parts of the settings Dream's decoder honours (see `params.STRATEGY_PARTS`)."""
+
+    timeline: Timeline
+    sampling: Sampling
+    unmasking: Unmasking
+
+
+def dream_filter(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """Logits after Dream's temperature, top-p then top-k (excluded tokens at the dtype's minimum, as
+    Dream does), then min-p (ours; Dream has none)."""
+    if s.temperature > 0:
+        logits = logits / s.temperature
+    low = torch.finfo(logits.dtype).min
+    if s.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        mass = sorted_logits.softmax(-1).cumsum(-1)
+        drop = torch.zeros_like(mass, dtype=torch.bool)
+        drop[..., 1:] = mass[..., :-1] > s.top_p  # keep tokens until the mass before them exceeds top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), low)
+    if s.top_k > 0:
+        kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, low)
+    if s.min_p > 0:
+        floor = logits.amax(-1, keepdim=True) + math.log(s.min_p)
+        logits = logits.masked_fill(logits < floor, low)
+    return logits
+
+
+def predict(
+    logits: torch.Tensor, s: Sampling, alg: str, gens: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x0, confidence), each (B, L), from logits (B, L, V) under Dream's rule `alg`."""
+    filtered = dream_filter(logits, s)
+    probs = filtered.softmax(-1)
+    if s.temperature > 0:  # Gumbel-max in float64 samples the same categorical as Dream's draw
+        noise = gumbel(tuple(filtered.shape[1:]), gens, torch.float64, filtered.device)
+        x0 = (filtered.double().log_softmax(-1) + noise).argmax(-1)
+        confidence = probs.gather(-1, x0[..., None]).squeeze(-1)
+    else:
+        confidence, x0 = probs.max(-1)
+    if alg == "topk_margin":
+        top2 = probs.topk(2, dim=-1).values
+        confidence = top2[..., 0] - top2[..., 1]
+    elif alg == "entropy":
+        confidence = (probs * torch.log(probs + 1e-10)).sum(-1)
+    return x0, confidence
+
+
+def pick(confidence: torch.Tensor, k: torch.Tensor, alg_temp: float, gens: list[torch.Generator]) -> torch.Tensor:
+    """Positions to commit per row: the k[b] most confident, or with alg_temp > 0 k[b] positions drawn
+    without replacement from softmax(confidence / alg_temp) (Gumbel top-k). confidence: -inf where not
+    allowed."""
+    if alg_temp > 0:
+        scores = (confidence.double() / alg_temp).log_softmax(-1)
+        noise = gumbel(tuple(scores.shape[1:]), gens, torch.float64, scores.device)
+        confidence = torch.where(torch.isfinite(scores), scores + noise, float("-inf"))
+    return select_top_k(confidence, k)
+
+
+@torch.no_grad()
+def generate_dream(
+    model_fn: ModelFn,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    plan: DreamPlan,
+    mask_id: int,
+    noise: RowNoise,
+) -> torch.Tensor:
+    """prompt: (B, P) left-padded ids; prompt_mask: (B, P). Returns the canvas (B, P + gen_length)."""
+    B, P = prompt.shape
+    tl, alg = plan.timeline, plan.unmasking.alg
+    x = torch.cat([prompt, prompt.new_full((B, tl.gen_length), mask_id)], dim=1)
+    key_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, tl.gen_length)], dim=1)
+    timesteps = torch.linspace(1, tl.eps, tl.denoise_steps + 1, device=x.device)  # float32, as Dream
+    rows = list(range(B))
+    for i in range(tl.denoise_steps):
+        masked = x == mask_id
+        masked[:, :P] = False
+        logits = model_fn(x, key_mask)
+        gens = noise.at(rows, 0, i)
+        t, s = timesteps[i], timesteps[i + 1]
+        last = i == tl.denoise_steps - 1
+        if alg == "origin":
+            p_transfer = 1.0 if last else float(1 - s / t)
+            draw = uniform(tuple(x.shape[1:]), gens, torch.float32, x.device)
+            x0, _ = predict(logits, plan.sampling, "maskgit_plus", gens)
+            x = torch.where(masked & (draw < p_transfer), x0, x)
+            continue
+        x0, confidence = predict(logits, plan.sampling, alg, gens)
+        n = masked.sum(1)
+        k = n if last else (n.float() * (1 - s / t)).long()  # Dream's int(n * (1 - s/t)), in float32
+        chosen = pick(torch.where(masked, confidence, float("-inf")), k, plan.unmasking.alg_temp, gens)
+        x = torch.where(chosen, x0, x)
+    return x

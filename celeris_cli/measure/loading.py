@@ -1,0 +1,86 @@
+"""Peak memory while loading a checkpoint: a random LLaDA-layout checkpoint of a given size is written to a
+temporary folder, then loaded in a fresh process, whose peak resident memory is compared with the weights'
+size. The loader memory-maps the safetensors and places each tensor in the target dtype, so the peak should
+stay near the weights (the goal: at most 1.2x)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+CHILD = """
+import json, resource, sys, time
+import torch
+from celeris_cli.arch.checkpoint import load_model
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+t0 = time.perf_counter()
+model = load_model(sys.argv[1], "cpu", getattr(torch, sys.argv[2]))
+wall = time.perf_counter() - t0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+print(json.dumps({"base": base, "peak": peak, "weights": weights, "load_s": wall}))
+"""
+
+
+def write_random_checkpoint(folder: Path, size_gb: float) -> int:
+    """A LLaDA-layout checkpoint of about `size_gb` GB in bfloat16 (uninitialised values; only the size
+    matters here), as 2 shards with an index, as published checkpoints are. Returns its bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ..arch.llada import LLaDAModel, ModelConfig
+
+    d, mlp, vocab = 2048, 5632, 32000
+    per_layer = 4 * d * d + 3 * d * mlp
+    layers = max(1, round((size_gb * 2**30 / 2 - 2 * vocab * d) / per_layer))
+    cfg = ModelConfig(
+        d_model=d, n_layers=layers, n_heads=16, mlp_hidden_size=mlp, vocab_size=vocab,
+        mask_token_id=vocab - 1, eos_token_id=vocab - 2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LLaDAModel(cfg).state_dict().items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict()), encoding="utf-8")
+    names = list(shapes)
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    weight_map, total = {}, 0
+    for i, part in enumerate(halves):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        state = {n: torch.empty(shapes[n], dtype=torch.bfloat16) for n in part}
+        save_file(state, str(folder / fname), metadata={"format": "pt"})
+        total += sum(t.numel() * 2 for t in state.values())
+        weight_map.update({n: fname for n in part})
+        del state
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index), encoding="utf-8")
+    return total
+
+
+def measure_loading(size_gb: float, dtypes: tuple[str, ...] = ("bfloat16", "float32")) -> list[dict[str, Any]]:
+    """One row per target dtype: weights loaded, process memory before and at peak, and their ratio."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="celeris-load-") as tmp:
+        folder = Path(tmp) / "random"
+        on_disk = write_random_checkpoint(folder, size_gb)
+        for dtype in dtypes:
+            out = subprocess.run(
+                [sys.executable, "-c", CHILD, str(folder), dtype], capture_output=True, text=True, check=True
+            )
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append(
+                {
+                    "on_disk_gb": round(on_disk / 2**30, 2),
+                    "dtype": dtype,
+                    "weights_gb": round(r["weights"] / 2**30, 2),
+                    "base_rss_gb": round(r["base"] / 2**30, 2),
+                    "peak_rss_gb": round(r["peak"] / 2**30, 2),
+                    "peak_over_weights": round(r["peak"] / r["weights"], 3),
+                    "added_over_weights": round((r["peak"] - r["base"]) / r["weights"], 3),
+                    "load_s": round(r["load_s"], 1),
+                }
+            )
+    return rows
