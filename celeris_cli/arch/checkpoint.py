@@ -1,7 +1,7 @@
 """Load and save model folders: config.json + safetensors (one file or index-listed shards).
 
 config.json chooses the architecture (`registry`). The model is built on the meta device and each tensor is
-read from the memory-mapped safetensors straight into the target device and dtype, then attached with
+read from disk into its own memory (`safetensors_io`), cast to the target dtype and attached with
 `assign=True` (gpt-fast): a checkpoint is never materialised twice, so peak memory stays near the weights'
 size. Only safetensors are read; a pickle is never loaded.
 """
@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +22,7 @@ from ..errors import ModelError
 from .layers import ArchConfig
 from .llada import LLaDAModel
 from .registry import Architecture, read_arch_config
+from .safetensors_io import read_header, read_tensors, shape_of
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +71,8 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The folder's model on `device` in `dtype` (floating tensors), in eval mode."""
-    from safetensors import SafetensorError, safe_open
-
+    """The folder's model on `device` in `dtype` (floating tensors), in eval mode. Each tensor is read
+    from disk into its own memory and cast there, so the peak stays near the loaded weights."""
     folder = Path(folder)
     arch, cfg = read_folder(folder)
     files = weight_files(folder)
@@ -79,34 +82,25 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
     optional = arch.optional(cfg)
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as shard:
-                for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    if name not in expected:
-                        if name in optional or name.endswith("rotary_emb.inv_freq"):
-                            continue
-                        raise ModelError(f"{folder}: weights do not match config.json (unexpected {name!r})")
-                    t = shard.get_slice(name)
-                    if tuple(t.get_shape()) != tuple(expected[name].shape):
-                        raise ModelError(
-                            f"{folder}: {name} has shape {tuple(t.get_shape())}, "
-                            f"config.json implies {tuple(expected[name].shape)}"
-                        )
-                    state[name] = _place(shard.get_tensor(name), device, dtype)
-        except (SafetensorError, OSError) as e:
-            raise ModelError(f"{f}: cannot read safetensors ({e})") from None
+        header, _ = read_header(f)
+        wanted = []
+        for name, entry in header.items():
+            if name not in expected:
+                if name in optional or name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise ModelError(f"{folder}: weights do not match config.json (unexpected {name!r})")
+            if shape_of(entry) != tuple(expected[name].shape):
+                raise ModelError(
+                    f"{folder}: {name} has shape {shape_of(entry)}, config.json implies {tuple(expected[name].shape)}"
+                )
+            wanted.append(name)
+        for name, t in read_tensors(f, wanted, device, dtype):
+            state[name] = t
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ModelError(f"{folder}: weights do not match config.json (missing {missing[:3]})")
     model.load_state_dict(state, assign=True)
     return model.eval()
-
-
-def _place(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-    """One tensor from the memory map into the target device and dtype, with one copy at most."""
-    if t.is_floating_point() and t.dtype != dtype:
-        return t.to(device=device, dtype=dtype)
-    return t.to(device)
 
 
 def save_model(model: LLaDAModel, folder: Path, max_shard_bytes: int | None = None) -> None:
@@ -138,3 +132,35 @@ def save_model(model: LLaDAModel, folder: Path, max_shard_bytes: int | None = No
     (folder / INDEX).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2), encoding="utf-8"
     )
+
+
+def describe(folder: Path) -> dict[str, Any]:
+    """A model folder's facts, from config.json, the safetensors headers and the tokenizer; no weight is
+    read, so it answers at once even for a large checkpoint."""
+    from ..engine import read_generation_config
+    from .tokenizer import load_tokenizer
+
+    folder = Path(folder)
+    arch, cfg = read_folder(folder)
+    tok = load_tokenizer(folder, cfg)
+    params, dtypes = 0, Counter[str]()
+    for f in weight_files(folder):
+        for entry in read_header(f)[0].values():
+            n = math.prod(shape_of(entry))
+            params += n
+            dtypes[str(entry.get("dtype"))] += n
+    defaults, extra_stops = read_generation_config(folder, arch)
+    special = {"mask": tok.mask_id, "eos": tok.eos_id, "end_of_turn": tok.eot_id, "pad": tok.pad_id, "bos": tok.bos_id}
+    return {
+        "folder": str(folder),
+        "architecture": f"{arch.name} (model_type {cfg.model_type!r})",
+        "parameters": f"{params:,}",
+        "weights": {k: f"{v:,}" for k, v in dtypes.most_common()},
+        "special_ids": {k: (f"{v} {tok.backend.piece(v)!r}" if v is not None else "none") for k, v in special.items()},
+        "stop_ids": sorted(tok.stop_ids | extra_stops),
+        "vocabulary": f"{tok.backend.size():,} tokens, {cfg.rows:,} embedding rows",
+        "context": cfg.max_sequence_length,
+        "chat_template": "yes" if tok.chat_template else "no",
+        "strategies": ", ".join(arch.strategies) + f" (default {defaults.strategy})",
+        "logit_shift": "yes (position j-1 predicts j)" if arch.name == "dream" else "no",
+    }

@@ -27,6 +27,7 @@ class _Backend(Protocol):
 # End-of-turn tokens of the chat formats in use, for folders whose config.json does not name one
 # (LLaDA-8B-Instruct's config has no eot id; its tokenizer has <|eot_id|>).
 END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|role_end|>", "<|end|>")
+MASKS = ("<|mask|>", "<|mdm_mask|>", "[MASK]")  # for folders whose config.json names no mask id
 
 
 class _SentencePiece:
@@ -134,7 +135,12 @@ class Tokenizer:
     def __init__(self, backend: _Backend, cfg: ArchConfig, chat_template: str | None, folder: Path) -> None:
         self.backend = backend
         self.chat_template = chat_template
-        self.mask_id = cfg.mask_token_id
+        mask_id = cfg.mask_token_id
+        if mask_id is None:
+            mask_id = next((i for i in map(backend.find, MASKS) if i is not None), None)
+            if mask_id is None:
+                raise ModelError(f"{folder}: config.json has no mask_token_id and the tokenizer no mask token")
+        self.mask_id: int = mask_id
         self.eos_id = cfg.eos_token_id
         self.eot_id = cfg.eot_token_id
         if self.eot_id is None:
