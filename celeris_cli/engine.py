@@ -25,7 +25,7 @@ from .decode.sampling import RowNoise, request_seed
 from .decode.strategies import Net, SpecialTokens, get_strategy
 from .device import resolve_device, resolve_dtype
 from .errors import ModelError, PromptTooLong, UsageError
-from .params import GenerationParams, model_layer
+from .params import GenerationParams, model_layer, script_layers, script_of
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +83,25 @@ class Engine:
         self.model_dir = model_dir
         self.max_length = model.cfg.max_sequence_length
         self.defaults, extra_stops = read_generation_config(model_dir, arch)
+        self.by_script = read_script_layers(model_dir)
         outside = sorted(i for i in extra_stops if i >= model.cfg.rows)
         if outside:
             raise ModelError(f"{GENERATION_CONFIG}: eos_token_id {outside[0]} is outside the embedding table")
         self.special = SpecialTokens(tokenizer.mask_id, tokenizer.stop_ids | extra_stops, tokenizer.pad_id)
 
     def with_defaults(self, settings: dict[str, Any]) -> Engine:
-        """Replace this engine's model-folder layer of defaults with `settings` (for tests and tools)."""
-        self.defaults = GenerationParams.defaults_from({**self.arch.layer(), **settings})
+        """Replace this engine's model-folder layer of defaults with `settings`, a generation_config.json's
+        content, script presets included (for tests and tools)."""
+        layer, _, _ = model_layer(settings)
+        self.defaults = GenerationParams.defaults_from({**self.arch.layer(), **layer})
+        self.by_script = script_layers(settings)
         return self
+
+    def params_for(self, prompt: str, params: GenerationParams) -> GenerationParams:
+        """The settings a prompt runs with: `params` with the model's preset for the prompt's script (if
+        any) beneath the user's layers."""
+        preset = self.by_script.get(script_of(prompt) or "")
+        return params.under(preset) if preset else params
 
     def params(self, overrides: dict[str, Any] | None = None) -> GenerationParams:
         """Settings in the documented order: built-in defaults, the model folder's generation_config.json,
@@ -162,8 +172,24 @@ class Engine:
         params: GenerationParams,
         seeds: Sequence[int] | None = None,
     ) -> list[Result]:
-        """Decode prompts (already encoded and checked) as one batch; one Result per prompt."""
+        """Decode prompts (already encoded and checked) as one batch; one Result per prompt. Rows whose
+        script presets give them different settings are decoded as separate sub-batches."""
         seeds = list(seeds) if seeds is not None else [params.seed] * len(encoded)
+        groups: dict[GenerationParams, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            groups.setdefault(self.params_for(prompt, params), []).append(i)
+        results: list[Result | None] = [None] * len(prompts)
+        for group, idx in groups.items():
+            sub = self._decode_group(
+                [prompts[i] for i in idx], [encoded[i] for i in idx], group, [seeds[i] for i in idx]
+            )
+            for i, r in zip(idx, sub):
+                results[i] = r
+        return [r for r in results if r is not None]
+
+    def _decode_group(
+        self, prompts: Sequence[str], encoded: Sequence[list[int]], params: GenerationParams, seeds: list[int]
+    ) -> list[Result]:
         t0 = time.perf_counter()
         outs, nfe = self.decode_ids(encoded, params, seeds)
         wall = time.perf_counter() - t0
@@ -244,6 +270,18 @@ def load_engine(
     m: Model = load_model(folder, dev, dt)  # type: ignore[assignment]
     log.info("loaded %s (%s) on %s (%s)", folder, arch.name, dev, dt)
     return Engine(m, tok, dev, dt, folder, arch)
+
+
+def read_script_layers(model_dir: Path | None) -> dict[str, dict[str, Any]]:
+    """The model folder's settings per script of the prompt (`by_script` in its generation_config.json)."""
+    path = model_dir / GENERATION_CONFIG if model_dir is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        return script_layers(raw) if isinstance(raw, dict) else {}
+    except (json.JSONDecodeError, UnicodeDecodeError, UsageError) as e:
+        raise ModelError(f"{path}: {e}") from None
 
 
 def read_generation_config(

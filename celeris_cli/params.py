@@ -7,7 +7,9 @@ knob. A knob the user sets that the chosen strategy does not honour is an error 
 
 Layers merge in one order: built-in defaults, then the model folder's `generation_config.json`, then the
 queue's `batch.yaml` `generation:`, then the request or the command-line flags. Each layer is checked
-against what it lands on; only the last layer's keys count as the user's explicit choice.
+against what it lands on; only the last layer's keys count as the user's explicit choice. A model folder may
+also hold settings per script of the prompt (`by_script`: Han verse and Latin prose want different
+decoding); the engine applies the prompt's preset under the user's layers (`GenerationParams.under`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ KNOBS: dict[str, Knob] = {
     "cache": Knob(str, "dual", choices=("dual", "prefix", "none")),
     "confidence": Knob(str, "prob", choices=("prob", "margin", "lead", "entropy")),
     "early_exit": Knob(bool, True),
+    # shaping (fast only): rules on the logits that look at the answer as a whole
+    "presence_penalty": Knob(float, 0.0, _finite(0.0), "a finite number >= 0 (0 = off)"),
+    "min_tokens": Knob(int, 0, lambda v: v >= 0, "an integer >= 0 (0 = off)"),
     # Dream's own decoding: time schedule and unmasking rule
     "eps": Knob(float, 1e-3, lambda v: math.isfinite(v) and 0 < v < 1, "in (0, 1)"),
     "alg": Knob(str, "maskgit_plus", choices=("maskgit_plus", "topk_margin", "entropy", "origin")),
@@ -136,6 +141,16 @@ class Parallel:
 
 
 @dataclass(frozen=True)
+class Shaping:
+    """presence_penalty: subtracted from the logit of every token already committed in the answer (OpenAI's
+    presence penalty, over the answer, not the prompt); min_tokens: no stop token among the answer's first
+    min_tokens positions (vLLM's min_tokens), so a prompt that ends a sentence still gets an answer."""
+
+    presence_penalty: float
+    min_tokens: int
+
+
+@dataclass(frozen=True)
 class Timeline:
     """Dream's schedule: one canvas, time falling linearly from 1 to eps over the steps."""
 
@@ -181,6 +196,7 @@ PARTS: dict[str, type] = {
     "ordering": Ordering,
     "guidance": Guidance,
     "parallel": Parallel,
+    "shaping": Shaping,
     "timeline": Timeline,
     "unmasking": Unmasking,
     "blocks": Blocks,
@@ -188,7 +204,7 @@ PARTS: dict[str, type] = {
 }
 STRATEGY_PARTS: dict[str, tuple[str, ...]] = {
     "reference": ("schedule", "sampling", "ordering", "guidance"),
-    "fast": ("schedule", "sampling", "ordering", "guidance", "parallel"),
+    "fast": ("schedule", "sampling", "ordering", "guidance", "parallel", "shaping"),
     "dream": ("timeline", "sampling", "unmasking"),
     "block": ("blocks", "sampling", "commit"),
     "block-fast": ("blocks", "sampling", "commit"),
@@ -220,6 +236,8 @@ class GenerationParams:
     cache: CacheMode = KNOBS["cache"].default
     confidence: Confidence = KNOBS["confidence"].default
     early_exit: bool = KNOBS["early_exit"].default
+    presence_penalty: float = KNOBS["presence_penalty"].default
+    min_tokens: int = KNOBS["min_tokens"].default
     eps: float = KNOBS["eps"].default
     alg: DreamAlg = KNOBS["alg"].default
     alg_temp: float = KNOBS["alg_temp"].default
@@ -315,6 +333,13 @@ class GenerationParams:
             return self.schedule.steps_per_block
         return [self.denoise_steps]
 
+    def under(self, layer: Mapping[str, Any]) -> GenerationParams:
+        """`layer` (a script preset) slipped in beneath the user's layers: a knob a user layer set, or that
+        the strategy does not honour, keeps its value; the rest take the layer's."""
+        keep = self.explicit | frozenset(k for k in layer if k not in honoured(self.strategy))
+        changes = {k: v for k, v in (_coerce(k, v) for k, v in layer.items()) if k not in keep}
+        return replace(self, **changes)._settle() if changes else self
+
     def batch_key(self) -> GenerationParams:
         """Requests whose keys are equal can share a batch: everything but the per-row seed."""
         return replace(self, seed=0)
@@ -355,6 +380,41 @@ def _coerce(key: str, value: Any) -> tuple[str, Any]:
     return name, value
 
 
+# Settings per script of the prompt, in a model folder's generation_config.json under this key. A preset
+# may not change the canvas, the strategy or the request's own knobs: rows of any script can share a batch.
+BY_SCRIPT = "by_script"
+SCRIPTS = ("han", "latin")
+NOT_PER_SCRIPT = ("gen_length", *PER_REQUEST)
+
+
+def script_of(text: str) -> str | None:
+    """The prompt's script: the one of its letters' majority, Han characters against Latin letters."""
+    han = sum(1 for c in text if "\u3400" <= c <= "\u9fff" or "\U00020000" <= c <= "\U0002ffff")
+    latin = sum(1 for c in text if c.isascii() and c.isalpha())
+    return None if han == latin == 0 else "han" if han >= latin else "latin"
+
+
+def script_layers(raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The `by_script` presets of a generation_config.json, each knob checked on its own."""
+    presets = raw.get(BY_SCRIPT)
+    if presets is None:
+        return {}
+    if not isinstance(presets, Mapping):
+        raise UsageError(f"{BY_SCRIPT} must map a script ({', '.join(SCRIPTS)}) to settings")
+    out: dict[str, dict[str, Any]] = {}
+    for script, layer in presets.items():
+        if script not in SCRIPTS:
+            raise UsageError(f"{BY_SCRIPT}: unknown script {script!r} (choose {', '.join(SCRIPTS)})")
+        if not isinstance(layer, Mapping):
+            raise UsageError(f"{BY_SCRIPT}.{script} must be an object of settings")
+        checked = dict(_coerce(k, v) for k, v in layer.items())
+        fixed = [k for k in checked if k in NOT_PER_SCRIPT]
+        if fixed:
+            raise UsageError(f"{BY_SCRIPT}.{script}: {', '.join(fixed)} cannot differ by script")
+        out[script] = checked
+    return out
+
+
 # generation_config.json as `transformers` writes it: keys that mean something to Celeris
 HF_KEYS = {"max_new_tokens": "gen_length"}  # temperature, top_p and top_k have the same names as ours
 
@@ -366,7 +426,7 @@ def model_layer(raw: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[int],
     settings: dict[str, Any] = {}
     ignored: list[str] = []
     for key, value in raw.items():
-        if value is None or key in ("eos_token_id", "do_sample"):
+        if value is None or key in ("eos_token_id", "do_sample", BY_SCRIPT):  # by_script: see script_layers
             continue  # null is "not set" in transformers' files
         if key in HF_KEYS:
             settings[HF_KEYS[key]] = value

@@ -40,9 +40,14 @@ def test_closed_sets_list_their_choices_from_the_knobs() -> None:
 def test_generate_help_shows_the_embedded_models_defaults() -> None:
     config = json.loads((ROOT / "celeris_cli/models/celeris-tiny/generation_config.json").read_text())
     params = {p.name: p for p in typer.main.get_command(app).commands["generate"].params}  # type: ignore[attr-defined]
+    presets = config.pop("by_script", {})
     for name, value in config.items():
         shown = ("on" if value else "off") if isinstance(value, bool) else str(value)
-        assert f"[default: {shown}]" in (params[name].help or ""), name
+        assert f"[default: {shown}" in (params[name].help or ""), name
+    for script, layer in presets.items():  # a script's preset is shown beside the default it replaces
+        for name, value in layer.items():
+            shown = ("on" if value else "off") if isinstance(value, bool) else str(value)
+            assert f"; {script} prompts: {shown}]" in (params[name].help or ""), name
     assert "[default: 1.0]" in (params["top_p"].help or "")  # not in the file: the built-in default
 
 

@@ -39,6 +39,8 @@ CHANGES = {
     "cache": "dual",
     "confidence": "entropy",
     "early_exit": True,
+    "presence_penalty": 2.0,
+    "min_tokens": 8,
     "seed": 1,
 }
 

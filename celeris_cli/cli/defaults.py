@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..params import KNOBS, model_layer
+from ..params import KNOBS, model_layer, script_layers
 
 EMBEDDED_CONFIG = Path(__file__).parents[1] / "models" / "celeris-tiny" / "generation_config.json"
 
@@ -25,8 +25,24 @@ def effective_defaults(path: Path = EMBEDDED_CONFIG) -> dict[str, Any]:
     return values
 
 
+@functools.cache
+def script_defaults(path: Path = EMBEDDED_CONFIG) -> dict[str, dict[str, Any]]:
+    """The embedded model's settings per script of the prompt (`by_script`)."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        return script_layers(raw) if isinstance(raw, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _shown(value: Any) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
 def knob_help(name: str, text: str) -> str:
-    """`text` plus the value the embedded model runs with when the option is not given."""
-    value = effective_defaults()[name]
-    shown = ("on" if value else "off") if isinstance(value, bool) else str(value)
-    return f"{text}  [default: {shown}]"
+    """`text` plus the value the embedded model runs with when the option is not given, and the value for
+    prompts of a script whose preset sets it."""
+    per_script = "".join(
+        f"; {script} prompts: {_shown(layer[name])}" for script, layer in script_defaults().items() if name in layer
+    )
+    return f"{text}  [default: {_shown(effective_defaults()[name])}{per_script}]"

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from ..arch.layers import KV
-from ..params import Confidence, Guidance, Ordering, Parallel, Sampling, Schedule
+from ..params import Confidence, Guidance, Ordering, Parallel, Sampling, Schedule, Shaping
 from .reference import commit_order, guide, num_transfer_tokens, select_top_k, unconditional
-from .sampling import RowNoise, sample_tokens
+from .sampling import RowNoise, sample_tokens, shape_logits
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class FastPlan:
     ordering: Ordering
     guidance: Guidance
     parallel: Parallel
+    shaping: Shaping
 
 
 class CachedNet(Protocol):
@@ -145,6 +146,7 @@ def generate_fast(
         for i in range(steps):
             logits = [v.logits(net, xa, pos, km, s, e, par.cache, refresh=i == 0) for v in views]
             block_logits = guide(logits[0], logits[1], plan.guidance.cfg_scale) if len(logits) > 1 else logits[0]
+            block_logits = shape_logits(block_logits, xa[:, P:], bs, plan.shaping, mask_id, stop)
             gens = noise.at(active, j, i)
             x0 = sample_tokens(block_logits, plan.sampling, gens)
             conf = confidence_of(block_logits, x0, par.confidence)

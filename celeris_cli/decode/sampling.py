@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..params import Sampling
+from ..params import Sampling, Shaping
 
 _MASK64 = 2**64 - 1
 
@@ -112,3 +112,22 @@ def order_scores(
     tau = order_temperature * (1 - step / steps)
     log_conf = torch.log(confidence.float().clamp_min(1e-12))
     return log_conf + tau * gumbel(tuple(log_conf.shape[1:]), gens, log_conf.dtype, log_conf.device)
+
+
+def shape_logits(
+    logits: torch.Tensor, answer: torch.Tensor, start: int, s: Shaping, mask_id: int, stop: torch.Tensor
+) -> torch.Tensor:
+    """logits (B, T, V) of the answer's positions [start, start + T), given the answer so far (B, G):
+    minus presence_penalty on every token the row has committed in its answer, and no stop token before
+    position min_tokens."""
+    if s.presence_penalty > 0:
+        seen = torch.zeros(logits.shape[0], logits.shape[-1] + 1, device=logits.device)
+        committed = torch.where(answer == mask_id, logits.shape[-1], answer)  # masks land in a spare column
+        seen = seen.scatter(1, committed, 1.0)[:, None, :-1]
+        logits = logits.float() - s.presence_penalty * seen
+    if s.min_tokens > start:
+        early = torch.arange(start, start + logits.shape[1], device=logits.device) < s.min_tokens  # (T,)
+        banned = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        banned[stop] = True
+        logits = logits.masked_fill(early[:, None] & banned[None, :], float("-inf"))
+    return logits

@@ -1,0 +1,100 @@
+"""Settings per script of the prompt (a model folder's `by_script`), and the fast decoder's answer-wide
+rules: presence penalty and min_tokens."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from celeris_cli import load_engine
+from celeris_cli.engine import Engine
+from celeris_cli.errors import ModelError, UsageError
+from celeris_cli.params import GenerationParams, script_layers, script_of
+
+
+def test_the_script_of_a_prompt_is_its_letters_majority() -> None:
+    assert script_of("床前明月光，") == "han"
+    assert script_of("Shall I compare thee to a summer's day?") == "latin"
+    assert script_of("李白 wrote this line") == "latin"  # 2 Han characters, 13 Latin letters
+    assert script_of("李白写 the moon") == "latin" and script_of("李白写了 the moon") == "latin"
+    assert script_of("李白写了诗 moon") == "han"
+    assert script_of("…, 123") is None
+
+
+def test_a_script_preset_applies_under_the_users_layers_only() -> None:
+    base = GenerationParams.defaults_from({"block_length": 32, "temperature": 1.2})
+    latin = {"block_length": 8, "temperature": 0.9, "presence_penalty": 0.5}
+    assert base.under(latin).block_length == 8 and base.under(latin).presence_penalty == 0.5
+    user = GenerationParams.from_mapping({"temperature": 1.5}, base)
+    assert user.under(latin).temperature == 1.5 and user.under(latin).block_length == 8  # the user's value wins
+    ref = GenerationParams.from_mapping({"strategy": "reference"}, base)
+    assert ref.under(latin).presence_penalty == 0.0  # not honoured by the reference decoder: left alone
+
+
+@pytest.mark.parametrize(
+    ("presets", "message"),
+    [
+        ({"cyrillic": {}}, "unknown script"),
+        ({"latin": {"gen_length": 8}}, "gen_length cannot differ by script"),
+        ({"latin": {"temperature": -1}}, "temperature must be"),
+        ({"latin": {"bogus": 1}}, "unknown generation parameter"),
+        ([], "must map a script"),
+    ],
+)
+def test_a_bad_script_preset_is_named(presets: object, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        script_layers({"by_script": presets})
+
+
+def test_a_bad_preset_in_a_model_folder_fails_the_load(tmp_path: Path, tiny_model: Path) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"by_script": {"latin": {"min_p": 2}}}))
+    with pytest.raises(ModelError, match="min_p"):
+        load_engine(folder, device="cpu", dtype="float32")
+
+
+def test_each_row_runs_and_reports_its_scripts_preset_whatever_its_batch(tmp_path: Path, tiny_model: Path) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    config = {"gen_length": 16, "block_length": 16, "denoise_steps": 16, "temperature": 1.0}
+    preset = {"latin": {"block_length": 4, "presence_penalty": 1.0, "min_tokens": 3}}
+    (folder / "generation_config.json").write_text(json.dumps({**config, "by_script": preset}))
+    e = load_engine(folder, device="cpu", dtype="float32")
+    prompts = ["床前明月光，", "To be, or not to be", "白日依山尽，", "The quick"]
+    mixed = e.generate(prompts, batch_size=4)
+    assert [r.settings["block_length"] for r in mixed] == [16, 4, 16, 4]
+    assert [r.settings["presence_penalty"] for r in mixed] == [0.0, 1.0, 0.0, 1.0]
+    alone = [e.generate([p])[0] for p in prompts]
+    assert [r.text for r in alone] == [r.text for r in mixed]  # an answer depends only on its request
+    plain = load_engine(tiny_model, device="cpu", dtype="float32")
+    no_preset = [r.text for r in plain.generate(prompts, plain.params(dict(config)), batch_size=4)]
+    assert no_preset[0::2] == [r.text for r in mixed][0::2]  # verse rows untouched by the Latin preset
+    assert no_preset[1::2] != [r.text for r in mixed][1::2]  # Latin rows decoded with the preset
+    forced = e.generate(prompts[1:2], e.params({"block_length": 16}))[0]
+    assert forced.settings["block_length"] == 16 and forced.settings["presence_penalty"] == 1.0
+
+
+def test_min_tokens_keeps_stop_tokens_out_of_the_answers_first_positions(eos_prone: Engine) -> None:
+    base = {"gen_length": 16, "block_length": 8, "denoise_steps": 16, "temperature": 1.0, "early_exit": False}
+    prompts = ["床前明月光，", "To be, or not to be", "白日依山尽，", "The quick"]
+    free = eos_prone.generate(prompts, eos_prone.params(base))
+    assert min(r.output_tokens for r in free) < 5  # the EOS-prone model ends early without the rule
+    held = eos_prone.generate(prompts, eos_prone.params({**base, "min_tokens": 5}))
+    assert all(r.output_tokens >= 5 for r in held)
+
+
+def test_presence_penalty_lowers_the_reuse_of_committed_tokens(engine: Engine) -> None:
+    base = {"gen_length": 32, "block_length": 8, "denoise_steps": 32, "temperature": 0.0, "order_temperature": 0.0}
+    prompts = ["床前明月光，", "To be, or not to be", "白日依山尽，", "The quick"]
+
+    def repeats(penalty: float) -> int:
+        ids, _ = engine.decode_ids(
+            [engine.encode_prompt(p) for p in prompts], engine.params({**base, "presence_penalty": penalty})
+        )
+        return sum(len(row) - len(set(row)) for row in ids)
+
+    assert repeats(5.0) < repeats(0.0)
