@@ -136,6 +136,12 @@ def test_the_shipped_generation_config_is_valid() -> None:
 
     from celeris_cli.engine import default_model_dir
 
+    from celeris_cli.params import script_layers
+
     raw = json.loads((default_model_dir() / "generation_config.json").read_text(encoding="utf-8"))
+    presets = script_layers(raw)  # each script's settings checked too
+    raw.pop("by_script", None)
     params = GenerationParams.from_mapping(raw)
     assert {k: getattr(params, k) for k in raw} == raw
+    for layer in presets.values():
+        assert {k: getattr(params.as_defaults().under(layer), k) for k in layer} == layer
