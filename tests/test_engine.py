@@ -135,7 +135,6 @@ def test_the_shipped_generation_config_is_valid() -> None:
     import json
 
     from celeris_cli.engine import default_model_dir
-
     from celeris_cli.params import script_layers
 
     raw = json.loads((default_model_dir() / "generation_config.json").read_text(encoding="utf-8"))
