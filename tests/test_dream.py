@@ -158,3 +158,19 @@ def test_dream_decoding_is_rejected_by_name_on_a_block_model_or_with_llada_knobs
         engine.params({"strategy": "dream", "block_length": 8})
     with pytest.raises(UsageError, match="alg"):
         engine.params({"strategy": "fast", "alg": "entropy"})
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_the_cached_window_handles_the_shift_exactly_on_a_one_layer_model(cache: str) -> None:
+    """With one layer a cache is exact (keys/values depend on each position's own token), so the cached
+    decoder must reproduce the uncached one; the window must start one position early for the shift."""
+    from celeris_cli.engine import Engine
+
+    full = load_engine(FOLDER, device="cpu", dtype="float32")
+    full.model.model.layers = full.model.model.layers[:1]
+    one = Engine(full.model, full.tokenizer, full.device, full.dtype, FOLDER, full.arch)
+    base = {"gen_length": 24, "block_length": 8, "steps": 24, "threshold": 0.95, "early_exit": False, "temperature": 0}
+    prompts = [one.encode_prompt(p) for p in ("床前明月光，", "def add(a, b):\n", "The quick brown fox")]
+    plain, _ = one.decode_ids(prompts, one.params({**base, "cache": "none"}))
+    cached, _ = one.decode_ids(prompts, one.params({**base, "cache": cache}))
+    assert cached == plain
