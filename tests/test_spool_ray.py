@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from .spool_helpers import claimed, drop, failures, make_queue, outputs
 from .test_spool_process import REPO, accounted, celeris, wait_for
 
 RAY = {"ray": {"actors": 2, "cpus_per_actor": 0.5}}
+SLOW_START = {"RAY_gcs_server_port_wait_time_s": "120"}  # Ray's 30 s for its GCS to start is short on 2 busy cores
 GEN = {"gen_length": 16, "block_length": 8, "denoise_steps": 8, "temperature": 1.0}  # sampled: seeds matter
 
 
@@ -90,6 +92,8 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     ray = pytest.importorskip("ray")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HOME", str(tmp_path_factory.mktemp("ray-home")))  # Ray 2.60 writes ~/.ray/auth_token
+        for key, value in SLOW_START.items():
+            mp.setenv(key, value)
         ray.init(
             num_cpus=2,
             log_to_driver=False,
@@ -164,17 +168,46 @@ def test_an_actor_killed_mid_run_still_gives_one_result_per_request(
     ids = fill(tmp_path)
     cfg = load_config(make_queue(tmp_path, model=tiny_model, batch_size=4, generation=GEN, engine=RAY))
     assert Spool(cfg, lambda: RayActorPool(cfg, ExplodingActor)).run(once=True) == 1
-    assert marker.exists()  # an actor did die mid-batch; Ray restarted it and the pool redid the batch
+    assert marker.exists()  # an actor did die mid-batch; Ray restarted it and redid the batch
+    bisected = [e["error"] for e in events(tmp_path) if e["event"] == "bisect"]
+    assert bisected and all(error == "RuntimeError: simulated out of memory" for error in bisected)  # not the death
     assert sorted(accounted(tmp_path)) == sorted(ids)  # each id once: a result or a failure record
     assert published(tmp_path) == local_run  # the redone rows are the rows the first run would have given
 
 
+class HangingActor(EngineActor):
+    def run(self, batch: list[Prepared]) -> list[dict[str, Any]]:
+        while any("hang" in p.payload[0] for p in batch):
+            time.sleep(0.05)
+        return super().run(batch)
+
+
+def test_a_batch_past_request_timeout_s_on_ray_fails_as_in_process_and_its_actor_is_replaced(
+    tmp_path: Path, tiny_model: Path, ray_session: Any
+) -> None:
+    drop(tmp_path, "h.txt", "a longer prompt, one\nhang\na longer prompt, three\na longer prompt, four\n")
+    one_actor = {"ray": {"actors": 1, "cpus_per_actor": 0.5}}  # the shortest (hanging) request runs first on it
+    cfg = load_config(
+        make_queue(tmp_path, model=tiny_model, batch_size=1, generation=GEN, engine=one_actor, request_timeout_s=2)
+    )
+    assert Spool(cfg, lambda: RayActorPool(cfg, HangingActor)).run(once=True) == 1
+    assert [e["failed"] for e in events(tmp_path) if e["event"] == "batch"] == [1, 0, 0, 0]  # the hang first
+    # the rest ran on the actor that replaced the killed one
+    assert [r["custom_id"] for r in outputs(tmp_path)["h.txt.results.jsonl"]] == ["line-1", "line-3", "line-4"]
+    [rec] = failures(tmp_path)
+    assert (rec["custom_id"], rec["code"], rec["retryable"]) == ("line-2", "timeout", False)
+    assert rec["message"] == "ran past request_timeout_s (2 s)"  # the in-process message
+
+
 # -- the daemon killed while batches are out on Ray ------------------------------------------------------
 def test_sigkill_of_the_daemon_mid_batch_on_ray_then_restart_loses_and_duplicates_nothing(
-    tmp_path: Path, tiny_model: Path
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("ray")
-    config = make_queue(tmp_path, model=tiny_model, batch_size=4, generation=GEN, engine=RAY, rescan_s=60)
+    for key, value in SLOW_START.items():
+        monkeypatch.setenv(key, value)  # for both daemons
+    slow = {"gen_length": 32, "block_length": 32, "denoise_steps": 32}  # 30 batches of ~0.1 s: time to kill mid-run
+    config = make_queue(tmp_path, model=tiny_model, batch_size=4, generation=slow, engine=RAY, rescan_s=60)
     ids = set()
     for f in range(3):
         drop(tmp_path, f"f{f}.txt", "".join(f"prompt {f}-{i}\n" for i in range(40)), age_s=30 - f)
@@ -188,7 +221,8 @@ def test_sigkill_of_the_daemon_mid_batch_on_ray_then_restart_loses_and_duplicate
         start_new_session=True,  # its own process group: Ray's helpers that outlive it are cleaned up below
     )
     try:
-        wait_for(lambda: any(e["event"] == "batch" for e in events(tmp_path)), timeout=120)
+        # two batches back: the first one's outcomes are journaled (an event is logged before its journal)
+        wait_for(lambda: sum(e["event"] == "batch" for e in events(tmp_path)) >= 2, timeout=120)
         daemon.send_signal(signal.SIGKILL)
         daemon.communicate(timeout=30)
     finally:

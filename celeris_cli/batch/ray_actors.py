@@ -141,6 +141,7 @@ class RayActorPool:
                 self.ray.kill(task.actor, no_restart=True)
                 self.actors.remove(task.actor)
                 self.actors.append(self.new_actor())
+                self.ray.get(self.actors[-1].ready.remote())  # its model load must not count as a batch's time
                 self.idle.append(self.actors[-1])
                 late = RequestTimeout(f"ran past request_timeout_s ({self.timeout_s:g} s)")
                 out.append(Done(task.ticket, error=late))
