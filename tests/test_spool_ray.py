@@ -87,6 +87,18 @@ class ExplodingActor(EngineActor):
         return super().run(batch)
 
 
+def forget_earlier_ray_tokens(mp: pytest.MonkeyPatch) -> None:
+    """An earlier Ray session in this process (test_batch's bench) left token auth on and its token cached;
+    a new session would then skip writing a token to this HOME and its GCS would abort (`has_token`)."""
+    for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        mp.delenv(key, raising=False)
+    try:
+        from ray._private.authentication_test_utils import reset_auth_token_state
+    except ImportError:  # a Ray without token auth
+        return
+    reset_auth_token_state()
+
+
 @pytest.fixture(scope="module")
 def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     ray = pytest.importorskip("ray")
@@ -94,6 +106,7 @@ def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         mp.setenv("HOME", str(tmp_path_factory.mktemp("ray-home")))  # Ray 2.60 writes ~/.ray/auth_token
         for key, value in SLOW_START.items():
             mp.setenv(key, value)
+        forget_earlier_ray_tokens(mp)
         ray.init(
             num_cpus=2,
             log_to_driver=False,
