@@ -41,13 +41,34 @@ class RayOptions:
     engine: dict[str, Any] = field(default_factory=dict)  # model, device, dtype, generation
 
 
-def import_ray() -> Any:
+def import_ray(what: str = "--ray", data: bool = True) -> Any:
     try:
         import ray
-        import ray.data  # noqa: F401
+
+        if data:
+            import ray.data  # noqa: F401
     except ImportError:
-        raise UsageError("--ray needs Ray: pip install 'celeris[ray]'") from None
+        raise UsageError(f"{what} needs Ray: pip install 'celeris[ray]'") from None
     return ray
+
+
+def init_ray(ray: Any, address: str | None) -> bool:
+    """Join Ray at `address`, or start a local one (None); returns whether this process started the
+    session (and so shuts it down). Actors get this process's CELERIS_* variables (fault injection)."""
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(
+            address=address,
+            log_to_driver=False,  # stdout belongs to the results, stderr to our own progress
+            logging_level=logging.WARNING,
+            include_dashboard=False,
+            runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("CELERIS_")}},
+        )
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = address or "a local Ray"
+        raise UsageError(f"cannot start or join Ray ({where}): {str(e).splitlines()[0]}") from None
+    return True
 
 
 def check_engine(engine: dict[str, Any]) -> None:
@@ -73,29 +94,16 @@ class RayExecutor:
         check_engine(options.engine)
 
     def run(self, requests: list[Request]) -> Iterator[Outcome]:
-        with _stdout_to_stderr():
+        with stdout_to_stderr():
             yield from self._session(requests)
 
     def _session(self, requests: list[Request]) -> Iterator[Outcome]:
-        ray, o = self.ray, self.options
-        started_here = not ray.is_initialized()
-        if started_here:
-            try:
-                ray.init(
-                    address=o.address,
-                    log_to_driver=False,  # stdout belongs to the results, stderr to our own progress
-                    logging_level=logging.WARNING,
-                    include_dashboard=False,
-                    runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("CELERIS_")}},
-                )
-            except (ConnectionError, RuntimeError, ValueError) as e:
-                where = o.address or "a local Ray"
-                raise UsageError(f"cannot start or join Ray ({where}): {str(e).splitlines()[0]}") from None
+        started_here = init_ray(self.ray, self.options.address)
         try:
             yield from self._run(requests)
         finally:
             if started_here:
-                ray.shutdown()
+                self.ray.shutdown()
 
     def _run(self, requests: list[Request]) -> Iterator[Outcome]:
         ray, o = self.ray, self.options
@@ -131,7 +139,7 @@ class RayExecutor:
 
 
 @contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
+def stdout_to_stderr() -> Iterator[None]:
     """Ray's raylet prints retries and worker deaths to the driver's stdout even with log_to_driver off;
     stdout belongs to the results, so file descriptor 1 points at stderr while Ray runs."""
     sys.stdout.flush()

@@ -2,15 +2,18 @@
 put a fake at this boundary.
 
 `prepare` validates one request (its parameters, its length) and says which requests may share a batch;
-`run` decodes one batch of prepared requests into OpenAI-style response bodies.
+`run` decodes one batch of prepared requests into OpenAI-style response bodies. `Preparer` is `prepare`
+without the weights (tokenizer, context length and the model's default settings), for a daemon whose
+batches run elsewhere (Ray actors).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import CelerisError, ConfigError
+from ..errors import CelerisError, ConfigError, PromptTooLong, UsageError
 from .formats import Request
 
 
@@ -32,6 +35,68 @@ class Backend(Protocol):
         ...
 
 
+class Preparer:
+    """Requests to Prepared rows with a tokenizer, a context length and settings over the model's defaults;
+    what the engine's own encode_prompt and check_fits do, so the queue's rows are the same with or
+    without the weights loaded here."""
+
+    def __init__(self, tokenizer: Any, max_length: int, base: Any) -> None:
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.base = base  # GenerationParams: the config's `generation:` over the model's defaults
+
+    @classmethod
+    def load(cls, model: str | None, generation: dict[str, Any]) -> Preparer:
+        """From a model folder without its weights (they are only checked to be there)."""
+        from pathlib import Path
+
+        from ..arch.checkpoint import read_config, weight_files
+        from ..arch.tokenizer import load_tokenizer
+        from ..engine import default_model_dir, read_generation_config
+        from ..params import GenerationParams
+
+        folder = Path(model) if model else default_model_dir()
+        cfg = read_config(folder)
+        tokenizer = load_tokenizer(folder, cfg)
+        weight_files(folder)
+        defaults, _ = read_generation_config(folder)
+        base = _settings(lambda: GenerationParams.from_mapping(generation, defaults))
+        return cls(tokenizer, cfg.max_sequence_length, base)
+
+    def prepare(self, request: Request) -> Prepared:
+        params = self.base.with_(**request.params)
+        if request.messages is not None:
+            if self.tokenizer.chat_template:
+                ids = self.tokenizer.encode(self.tokenizer.render_chat(request.messages))
+            else:  # a completion model: the conversation's text is the prompt
+                ids = self._encode("\n".join(m["content"] for m in request.messages))
+            text = request.messages[-1]["content"]
+        else:
+            assert request.prompt is not None
+            ids, text = self._encode(request.prompt), request.prompt
+        if len(ids) + params.gen_length > self.max_length:
+            raise PromptTooLong(
+                f"prompt of {len(ids)} tokens plus gen-length {params.gen_length} exceeds the "
+                f"model's context of {self.max_length} tokens"
+            )
+        # requests that differ only in their seed share a batch: each row draws from its own seed
+        return Prepared(request, params.batch_key(), len(ids) + params.gen_length, (text, ids, params.seed))
+
+    def _encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text)
+        if not ids:
+            raise UsageError("empty prompt")
+        return ids
+
+
+def _settings(build: Callable[[], Any]) -> Any:
+    """The config's `generation:` over the model's defaults; a bad combination is the config's error."""
+    try:
+        return build()
+    except CelerisError as e:
+        raise ConfigError(f"generation: {e}") from None
+
+
 class EngineBackend:
     """The real backend over `celeris_cli.engine` (imported here, lazily, not by the queue)."""
 
@@ -41,25 +106,11 @@ class EngineBackend:
         from ..engine import load_engine
 
         self.engine = load_engine(model, device, dtype, threads)
-        try:
-            self.base = self.engine.params(generation)
-        except CelerisError as e:
-            raise ConfigError(f"generation: {e}") from None
+        self.base = _settings(lambda: self.engine.params(generation))
 
     def prepare(self, request: Request) -> Prepared:
-        params = self.base.with_(**request.params)
-        if request.messages is not None:
-            if self.engine.tokenizer.chat_template:
-                ids = self.engine.tokenizer.encode(self.engine.tokenizer.render_chat(request.messages))
-            else:  # a completion model: the conversation's text is the prompt
-                ids = self.engine.encode_prompt("\n".join(m["content"] for m in request.messages))
-            text = request.messages[-1]["content"]
-        else:
-            assert request.prompt is not None
-            ids, text = self.engine.encode_prompt(request.prompt), request.prompt
-        self.engine.check_fits(len(ids), params)
-        # requests that differ only in their seed share a batch: each row draws from its own seed
-        return Prepared(request, params.batch_key(), len(ids) + params.gen_length, (text, ids, params.seed))
+        # built per request (cheap): measure.bench sets `engine` and `base` on a bare EngineBackend
+        return Preparer(self.engine.tokenizer, self.engine.max_length, self.base).prepare(request)
 
     def run(self, batch: list[Prepared]) -> list[dict[str, Any]]:
         params = batch[0].group
