@@ -40,31 +40,35 @@ class Preparer:
     what the engine's own encode_prompt and check_fits do, so the queue's rows are the same with or
     without the weights loaded here."""
 
-    def __init__(self, tokenizer: Any, max_length: int, base: Any) -> None:
+    def __init__(self, tokenizer: Any, max_length: int, base: Any, arch: Any = None) -> None:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.base = base  # GenerationParams: the config's `generation:` over the model's defaults
+        self.arch = arch  # the model's architecture: which strategies it runs (None: any)
 
     @classmethod
     def load(cls, model: str | None, generation: dict[str, Any]) -> Preparer:
         """From a model folder without its weights (they are only checked to be there)."""
         from pathlib import Path
 
-        from ..arch.checkpoint import read_config, weight_files
+        from ..arch.checkpoint import read_folder, weight_files
         from ..arch.tokenizer import load_tokenizer
         from ..engine import default_model_dir, read_generation_config
         from ..params import GenerationParams
 
         folder = Path(model) if model else default_model_dir()
-        cfg = read_config(folder)
+        arch, cfg = read_folder(folder)
         tokenizer = load_tokenizer(folder, cfg)
         weight_files(folder)
-        defaults, _ = read_generation_config(folder)
+        defaults, _ = read_generation_config(folder, arch)
         base = _settings(lambda: GenerationParams.from_mapping(generation, defaults))
-        return cls(tokenizer, cfg.max_sequence_length, base)
+        _settings(lambda: arch.check_strategy(base.strategy))
+        return cls(tokenizer, cfg.max_sequence_length, base, arch)
 
     def prepare(self, request: Request) -> Prepared:
         params = self.base.with_(**request.params)
+        if self.arch is not None:
+            self.arch.check_strategy(params.strategy)
         if request.messages is not None:
             if self.tokenizer.chat_template:
                 ids = self.tokenizer.encode(self.tokenizer.render_chat(request.messages))
@@ -110,7 +114,7 @@ class EngineBackend:
 
     def prepare(self, request: Request) -> Prepared:
         # built per request (cheap): measure.bench sets `engine` and `base` on a bare EngineBackend
-        return Preparer(self.engine.tokenizer, self.engine.max_length, self.base).prepare(request)
+        return Preparer(self.engine.tokenizer, self.engine.max_length, self.base, self.engine.arch).prepare(request)
 
     def run(self, batch: list[Prepared]) -> list[dict[str, Any]]:
         params = batch[0].group
