@@ -246,9 +246,7 @@ def load_engine(
     return Engine(m, tok, dev, dt, folder, arch)
 
 
-def read_generation_config(
-    model_dir: Path | None, arch: Architecture = ARCHITECTURES[0]
-) -> tuple[GenerationParams, frozenset[int]]:
+def read_generation_config(model_dir: Path | None, arch: Architecture) -> tuple[GenerationParams, frozenset[int]]:
     """The model folder's layer of settings over the built-in defaults and the architecture's own (its
     default strategy first), and any extra stop ids. Accepts both Celeris's own keys and the file
     `transformers` writes; keys neither knows are ignored (logged)."""

@@ -124,13 +124,16 @@ def _prompts(n: int) -> list[list[int]]:
     return list(seen.values())[:n]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("strategy", ["block", "block-fast"])
-def test_batched_rows_equal_each_row_alone(engine, strategy) -> None:  # type: ignore[no-untyped-def]
+def test_batched_rows_equal_each_row_alone(engine, strategy, temperature) -> None:  # type: ignore[no-untyped-def]
     """Rows of different prompt lengths (so different block alignments) decoded together: no row's answer
     moves, and the MoE drops no token whatever its batch mates route to."""
     prompts = _prompts(5)
     assert len({len(p) % 8 for p in prompts}) > 1
-    params = engine.params({"strategy": strategy, "gen_length": 32, "block_length": 8, "block_steps": 8})
+    params = engine.params(
+        {"strategy": strategy, "gen_length": 32, "block_length": 8, "block_steps": 8, "temperature": temperature}
+    )
     together, _ = engine.decode_ids(prompts, params)
     alone = [engine.decode_ids([p], params)[0][0] for p in prompts]
     cut = [engine.finish(o)[0] for o in together], [engine.finish(o)[0] for o in alone]

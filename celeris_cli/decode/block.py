@@ -99,16 +99,19 @@ def lay_out(prompts: list[torch.Tensor], gen_length: int, width: int, mask_id: i
 
 
 def block_mask(real: torch.Tensor, q_lo: int, q_hi: int, k_hi: int, width: int) -> torch.Tensor:
-    """(B, 1, q_hi - q_lo, k_hi): query c sees key c' when c' exists and its block is not after c's."""
-    q_block = torch.arange(q_lo, q_hi, device=real.device) // width
-    k_block = torch.arange(k_hi, device=real.device) // width
-    causal = k_block[None, :] <= q_block[:, None]  # (Tq, Tk)
-    return (causal[None] & real[:, None, :k_hi])[:, None]
+    """(B, 1, q_hi - q_lo, k_hi): query c sees key c' when c' exists and its block is not after c's. A
+    padding query sees itself, so no row of the mask is empty (some kernels give NaN for an empty row)."""
+    q_idx = torch.arange(q_lo, q_hi, device=real.device)
+    k_idx = torch.arange(k_hi, device=real.device)
+    causal = (k_idx // width)[None, :] <= (q_idx // width)[:, None]  # (Tq, Tk)
+    return ((causal[None] & real[:, None, :k_hi]) | (k_idx[None, :] == q_idx[:, None])[None])[:, None]
 
 
 def predict(logits: torch.Tensor, s: Sampling, gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """x0 and its probability under the filtered distribution (LLaDA2: top-k and top-p renormalise the
-    probabilities even at temperature 0)."""
+    """x0 and its probability under the filtered distribution. top-k and top-p renormalise the
+    probabilities even at temperature 0, where they change only the threshold's decisions (LLaDA2's own
+    generate returns the unfiltered probability at temperature 0; filtering keeps these options meaningful
+    there, as Dream's generate does)."""
     x0 = sample_tokens(logits, s, gens)
     if s.top_k == 0 and s.top_p >= 1.0 and s.min_p == 0:
         t = s.temperature if s.temperature > 0 else 1.0

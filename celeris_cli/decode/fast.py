@@ -105,13 +105,15 @@ class _View:
         """Logits of the block [s, e): a full-canvas forward (which refreshes the cache), or the block
         (dual) or the block and suffix (prefix) against the cached rest."""
         P = self.prompt_part.shape[1]
+        canvas = torch.cat([self.prompt_part, x[:, P:]], 1)  # this view's canvas (guidance masks the prompt)
         if mode == "none" or refresh:
-            logits, kv = net.span_logits(torch.cat([self.prompt_part, x[:, P:]], 1), pos, km, s, e)
+            logits, kv = net.span_logits(canvas, pos, km, s, e)
             if mode != "none":
                 self.cache = [(k.contiguous(), v.contiguous()) for k, v in kv]
             return logits
         end = x.shape[1] if mode == "prefix" else e
-        return net.span_logits(x, pos, km, s, e, self.cache, end)[0]
+        # a shifted model's window starts at s-1, which may be the prompt's last token: the view's own
+        return net.span_logits(canvas, pos, km, s, e, self.cache, end)[0]
 
 
 @torch.no_grad()
