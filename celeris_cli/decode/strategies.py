@@ -76,17 +76,21 @@ class Net:
         e: int,
         cache: list[KV] | None = None,
         end: int | None = None,
+        select: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[KV]]:
         """Logits predicting positions [s, e) of the canvas `ids` (B, L), s >= 1: a full-canvas forward
         (no cache; returns every layer's keys/values), or the window [s, end) recomputed against `cache`
-        (end defaults to e). With a logit shift the window starts one position earlier."""
+        (end defaults to e). With a logit shift the window starts one position earlier. `select` (B, e - s)
+        bool: the LM head runs on those positions only, and the logits come flat, (N, V) in row order."""
         lo = s - self.shift
         if cache is None:
             h, kv = self.hidden(ids, positions, key_mask)
-            return self.head(h[:, lo : e - self.shift]), kv
-        end = e if end is None else end
-        h, kv = self.hidden(ids[:, lo:end], positions[:, lo:end], key_mask, cache, lo)
-        return self.head(h[:, : e - s]), kv
+            h = h[:, lo : e - self.shift]
+        else:
+            end = e if end is None else end
+            h, kv = self.hidden(ids[:, lo:end], positions[:, lo:end], key_mask, cache, lo)
+            h = h[:, : e - s]
+        return self.head(h if select is None else h[select]), kv
 
 
 Strategy = Callable[[Net, torch.Tensor, torch.Tensor, GenerationParams, SpecialTokens, RowNoise], torch.Tensor]
