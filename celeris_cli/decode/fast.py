@@ -57,6 +57,8 @@ class CachedNet(Protocol):
         select: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[KV]]: ...
 
+    def cache_of(self, kv: list[KV]) -> list[KV]: ...
+
 
 def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: Confidence) -> torch.Tensor:
     """How sure the model is of x0, per position; higher is surer. prob = p(x0); margin = p(top1) -
@@ -112,7 +114,7 @@ class _View:
             ids = x if self.prompt_part is None else torch.cat([self.prompt_part, x[:, self.prompt_part.shape[1] :]], 1)
             logits, kv = net.span_logits(ids, pos, km, s, e, select=select)
             if mode != "none":
-                self.cache = [(k.contiguous(), v.contiguous()) for k, v in kv]
+                self.cache = net.cache_of(kv)
             return logits
         end = x.shape[1] if mode == "prefix" else e
         return net.span_logits(x, pos, km, s, e, self.cache, end, select)[0]

@@ -67,6 +67,17 @@ class Net:
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.head(h)
 
+    def cache_of(self, kv: list[KV]) -> list[KV]:
+        """A cache made of a full forward's keys/values: contiguous, one copy each, and in float32 where
+        the model computes attention in float32 under low-precision weights (`upcast`), so that no later
+        step casts the whole cache again. The values are the same the cast at every step gave."""
+        up = getattr(self.model, "upcast", False)
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            return t.to(torch.float32 if up else t.dtype, memory_format=torch.contiguous_format)
+
+        return [(keep(k), keep(v)) for k, v in kv]
+
     def span_logits(
         self,
         ids: torch.Tensor,
