@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from celeris_cli.cli import app
 from celeris_cli.engine import Engine
 from celeris_cli.measure.bench import MODES, agreement, batch_invariance, bench, bench_queue
+from celeris_cli.measure.evaluate import EvalSet
 
 
 def test_bench_reports_every_mode_with_speed_and_quality_figures(eos_prone: Engine) -> None:
@@ -30,6 +31,17 @@ def test_bench_reports_every_mode_with_speed_and_quality_figures(eos_prone: Engi
     assert set(report["cache_agreement_temperature_0"]) == {"prefix", "dual"}
     assert set(report["sweep"]) == {"reference@2", "reference@4", "dual-cache@2", "dual-cache@4"}
     assert report["sweep"]["reference@2"]["nfe"] == 6 * 4  # fewer steps than blocks: one per block
+    # positions computed: the reference runs every step over the whole canvas (prompt + 16), batches of one
+    canvas = sum(len(eos_prone.encode_prompt(r["prompt"])) + 16 for r in EvalSet.load().poems[:6])
+    ref = modes["reference"]
+    assert ref["positions_per_output_token"] == round(16 * canvas / ref["output_tokens"], 1)
+    assert modes["dual-cache"]["positions_per_output_token"] < ref["positions_per_output_token"]
+    ar = report["autoregressive_limit"]  # one position per row per forward after the prompt's forward
+    P = report["prompt_tokens"]["max"]
+    assert ar["nfe"] == 6 * 16 and ar["positions_per_output_token"] == round((P + 15) / 16, 3)
+    assert ar["output_tokens"] == 6 * 16 and ar["tokens_per_s"] > 0
+    for m in modes.values():
+        assert m["of_ar_limit"] == round(m["tokens_per_s"] / ar["tokens_per_s"], 4)
 
 
 def test_batch_invariance_is_exact_in_float32(engine: Engine) -> None:

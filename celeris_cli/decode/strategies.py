@@ -39,6 +39,7 @@ class Net:
     def __init__(self, model: Model) -> None:
         self.model = model
         self.nfe = 0
+        self.positions_computed = 0  # positions (rows x tokens) through the network, over every forward
         self.shift = model.logit_shift
 
     @staticmethod
@@ -48,6 +49,7 @@ class Net:
     def __call__(self, ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """Full-canvas logits (B, L, V), position j's row predicting position j."""
         self.nfe += 1
+        self.positions_computed += ids.numel()
         logits = self.model(ids, key_mask, self.positions(key_mask))
         if self.shift:  # as Dream's generate: position 0 keeps its own row (it is always prompt)
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
@@ -62,6 +64,7 @@ class Net:
         start: int = 0,
     ) -> tuple[torch.Tensor, list[KV]]:
         self.nfe += 1
+        self.positions_computed += ids.numel()
         return self.model.hidden(ids, positions, key_mask, cache, start)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
