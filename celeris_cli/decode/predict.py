@@ -18,10 +18,13 @@ from ..params import Confidence, Sampling
 
 
 def candidates(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
-    """For logits (N, V): token ids (N, K) by falling logit and their float64 scores (logit / temperature)
-    with the tokens that top-k, top-p and min-p exclude at -inf, as `sampling.filtered_scores` decides over
-    the whole vocabulary. Positions whose last candidate survives are redone with four times as many, until
-    it does not: every filter keeps a prefix of the tokens sorted by score, so then no survivor is left out."""
+    """For logits (N, V): token ids (N, K) by falling logit (min-p alone: by token id) and their float64
+    scores (logit / temperature) with the tokens that top-k, top-p and min-p exclude at -inf, as
+    `sampling.filtered_scores` decides over the whole vocabulary. Positions whose last candidate survives
+    are redone with four times as many, until it does not: every filter keeps a prefix of the tokens
+    sorted by score, so then no survivor is left out."""
+    if s.min_p > 0 and s.top_k == 0 and s.top_p == 1.0:
+        return _min_p_candidates(logits, s)
     V = logits.shape[-1]
     K = min(V, s.top_k + 1 if s.top_k > 0 else 16)  # top-k: one past the k-th, so a tie there shows
     ids, scores = _sorted_candidates(logits, s, K)
@@ -35,6 +38,24 @@ def candidates(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor, torch.T
         scores = scores.index_copy(0, redo, more_scores)
         redo = redo[more_scores[:, -1] > float("-inf")]
     return ids, scores
+
+
+def _min_p_candidates(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """min-p alone keeps the tokens within log(min_p) of the top score: found by one comparison over the
+    vocabulary (a float32 superset, then the exact float64 test on it), no top-k. Candidates come in
+    token-id order, padded with -inf: an order that does not depend on the batch either."""
+    top = logits.amax(-1, keepdim=True)
+    rows, cols = torch.nonzero(logits >= top + s.temperature * math.log(s.min_p) - 1e-3, as_tuple=True)
+    N = logits.shape[0]
+    count = torch.bincount(rows, minlength=N)
+    slot = torch.arange(rows.numel(), device=rows.device) - (count.cumsum(0) - count)[rows]
+    width = int(count.max())
+    ids = rows.new_zeros(N, width)
+    ids[rows, slot] = cols
+    scores = torch.full((N, width), float("-inf"), dtype=torch.float64, device=logits.device)
+    scores[rows, slot] = logits[rows, cols].double() / s.temperature
+    floor = top.double() / s.temperature + math.log(s.min_p)  # as filtered_scores: max score + log(min_p)
+    return ids, scores.masked_fill(scores < floor, float("-inf"))
 
 
 def _sorted_candidates(logits: torch.Tensor, s: Sampling, K: int) -> tuple[torch.Tensor, torch.Tensor]:
