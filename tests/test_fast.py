@@ -29,6 +29,8 @@ MODES = [
     {"strategy": "fast", "cache": "dual", "confidence": "margin", "threshold": 0.5},
     {"strategy": "fast", "cache": "none", "confidence": "entropy", "threshold": 0.3},
     {"strategy": "fast", "cache": "prefix", "confidence": "lead", "threshold": 0.6},
+    {"strategy": "fast", "cache": "dual", "suffix_window": 4},
+    {"strategy": "fast", "cache": "prefix", "suffix_window": 8},
 ]
 
 
@@ -206,3 +208,16 @@ def test_finished_rows_leave_within_the_block_and_change_no_answer(eos_prone: En
     params = plan("fast", **{**base, "early_exit": True})
     generate_fast(net, prompt, pmask, params, eos_prone.tokenizer.mask_id, eos_prone.tokenizer.stop_ids, noise(10))
     assert net.rows[0] == 10 and 0 < min(net.rows) < 10  # rows left although there is a single block
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_a_suffix_window_bounds_every_forward_and_a_wide_one_changes_nothing(engine: Engine, cache: str) -> None:
+    base = {"gen_length": 32, "block_length": 8, "denoise_steps": 32, "cache": cache, "early_exit": False}
+    _, whole, P = run_fast(engine, PROMPTS, plan("fast", **base, suffix_window=0))
+    _, wide, _ = run_fast(engine, PROMPTS, plan("fast", **base, suffix_window=32))
+    assert [c.tolist() for c in wide.canvases] == [c.tolist() for c in whole.canvases]
+    out, net, _ = run_fast(engine, PROMPTS, plan("fast", **base, suffix_window=4))
+    # full forwards cover the prompt, the blocks so far, the active block and 4 more, capped at the canvas
+    lengths = [c.shape[1] for c in net.canvases]
+    assert lengths[0] == P + 8 + 4 and max(lengths) == P + 32 and lengths == sorted(lengths)
+    assert not (out == engine.tokenizer.mask_id).any()

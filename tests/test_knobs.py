@@ -39,6 +39,7 @@ CHANGES = {
     "cache": "dual",
     "confidence": "entropy",
     "early_exit": True,
+    "suffix_window": 1,
     "seed": 1,
 }
 

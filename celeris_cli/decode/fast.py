@@ -14,6 +14,9 @@ Pure functions on token ids, like `reference`, but they need a cache-aware model
 - Early exit (dInfer): a row whose committed text holds a stop token with everything before it decoded
   is finished; its remaining masks are filled with that stop token, and it leaves the batch at once, with
   its rows of the cache, mid-block. When every row is finished, decoding stops.
+- Bounded canvas (`suffix_window` N > 0; DPad's suffix dropout): the model sees the prompt, the blocks
+  decoded, the active block and at most N masked positions after it; the all-mask rest is left out of
+  every forward, the cache refresh included.
 - The LM head, sampling and confidence run only on the masked positions of the active block
   (`predict`).
 """
@@ -153,11 +156,12 @@ def generate_fast(
         if active.numel() == 0:
             break
         s, e = P + bs, P + be
+        w = x.shape[1] if par.suffix_window == 0 else min(x.shape[1], e + par.suffix_window)  # bounded canvas
         schedule = num_transfer_tokens((xa[:, s:e] == mask_id).sum(1), steps)
         for i in range(steps):
             block = xa[:, s:e]
             masked = block == mask_id  # (b, T): the only positions predicted
-            logits = [v.logits(net, xa, pos, km, s, e, par.cache, i == 0, masked) for v in views]
+            logits = [v.logits(net, xa[:, :w], pos[:, :w], km[:, :w], s, e, par.cache, i == 0, masked) for v in views]
             flat = guide(logits[0], logits[1], plan.guidance.cfg_scale) if len(logits) > 1 else logits[0]
             gens = noise.at(active, j, i)
             x0 = sample_masked(flat, plan.sampling, masked.sum(1).tolist(), gens)  # (N,) in row order
