@@ -87,6 +87,7 @@ class Engine:
         if outside:
             raise ModelError(f"{GENERATION_CONFIG}: eos_token_id {outside[0]} is outside the embedding table")
         self.special = SpecialTokens(tokenizer.mask_id, tokenizer.stop_ids | extra_stops, tokenizer.pad_id)
+        self.positions_computed = 0  # positions through the network over every decode (for `bench`)
 
     def with_defaults(self, settings: dict[str, Any]) -> Engine:
         """Replace this engine's model-folder layer of defaults with `settings` (for tests and tools)."""
@@ -131,6 +132,7 @@ class Engine:
         noise = RowNoise([request_seed(s, ids) for s, ids in zip(seeds, batch)], self.device)
         net = Net(self.model)
         out = decode(net, prompt, prompt_mask, params, self.special, noise)
+        self.positions_computed += net.positions_computed
         return out[:, P:].tolist(), net.nfe
 
     def finish(self, ids: list[int], stop: Sequence[str] = ()) -> tuple[str, int, str]:

@@ -59,6 +59,7 @@ KNOBS: dict[str, Knob] = {
     "cache": Knob(str, "dual", choices=("dual", "prefix", "none")),
     "confidence": Knob(str, "prob", choices=("prob", "margin", "lead", "entropy")),
     "early_exit": Knob(bool, True),
+    "suffix_window": Knob(int, 0, lambda v: v >= 0, "an integer >= 0 (0 = the whole canvas)"),
     # Dream's own decoding: time schedule and unmasking rule
     "eps": Knob(float, 1e-3, lambda v: math.isfinite(v) and 0 < v < 1, "in (0, 1)"),
     "alg": Knob(str, "maskgit_plus", choices=("maskgit_plus", "topk_margin", "entropy", "origin")),
@@ -133,6 +134,7 @@ class Parallel:
     cache: CacheMode
     confidence: Confidence
     early_exit: bool
+    suffix_window: int  # masked positions past the active block that the model sees; 0 = all
 
 
 @dataclass(frozen=True)
@@ -220,6 +222,7 @@ class GenerationParams:
     cache: CacheMode = KNOBS["cache"].default
     confidence: Confidence = KNOBS["confidence"].default
     early_exit: bool = KNOBS["early_exit"].default
+    suffix_window: int = KNOBS["suffix_window"].default
     eps: float = KNOBS["eps"].default
     alg: DreamAlg = KNOBS["alg"].default
     alg_temp: float = KNOBS["alg_temp"].default

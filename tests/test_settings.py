@@ -70,7 +70,10 @@ def test_building_the_record_directly_is_validated_too() -> None:
 def test_every_strategy_declares_what_it_honours() -> None:
     dream, block = {"eps", "alg", "alg_temp"}, {"block_steps"}
     assert set(KNOBS) - set(honoured("fast")) == dream | block  # the fast decoder honours the rest
-    assert set(KNOBS) - set(honoured("reference")) == {"threshold", "cache", "confidence", "early_exit"} | dream | block
+    assert (
+        set(KNOBS) - set(honoured("reference"))
+        == {"threshold", "cache", "confidence", "early_exit", "suffix_window"} | dream | block
+    )
     assert set(honoured("dream")) == {
         "gen_length",
         "denoise_steps",

@@ -102,20 +102,22 @@ def attend(
 ) -> tuple[torch.Tensor, KV]:
     """Scaled dot-product attention of q (B, H, T, D) over k, v (B, Hkv, T, D), or over a cached canvas
     with positions [start, start+T) overwritten in place by the fresh k, v. Returns (B, T, H*D) and the
-    fresh (k, v). attn_mask: bool, broadcastable to (B, H, T, L); True = may attend."""
+    fresh (k, v). attn_mask: bool, broadcastable to (B, H, T, L); True = may attend. Grouped-query heads
+    are SDPA's own (`enable_gqa`), so the keys/values are never repeated per query head. A float32 cache
+    under upcast is used as it is (see `Net.cache_of`), not cast again at every step."""
     fresh = (k, v)
     if cache is not None:
         ck, cv = cache
         ck[:, :, start : start + k.shape[2]] = k
         cv[:, :, start : start + v.shape[2]] = v
         k, v = ck, cv
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    gqa = q.shape[1] != k.shape[1]
     if q.dtype != torch.float32 and upcast:  # low-precision rounding would depend on the batch's shape
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask).to(q.dtype)
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask, enable_gqa=gqa).to(
+            q.dtype
+        )
     else:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
     B, H, T, D = y.shape
     return y.transpose(1, 2).reshape(B, T, H * D), fresh
 

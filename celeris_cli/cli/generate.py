@@ -130,6 +130,16 @@ def generate(
         "--early-exit/--no-early-exit",
         help=knob_help("early_exit", "fast: stop a row once its end-of-text is decoded."),
     ),
+    suffix_window: int = typer.Option(
+        None,
+        "--suffix-window",
+        min=0,
+        metavar="N",
+        help=knob_help(
+            "suffix_window",
+            "fast: the model sees at most N masked positions past the active block (0 = the whole canvas).",
+        ),
+    ),
     alg: AlgOpt = typer.Option(None, "--alg", help=knob_help("alg", "dream: which positions unmask first.")),
     alg_temp: float = typer.Option(
         None,
@@ -193,6 +203,7 @@ def generate(
                 cache=cache.value if cache else None,
                 confidence=confidence.value if confidence else None,
                 early_exit=early_exit,
+                suffix_window=suffix_window,
                 alg=alg.value if alg else None,
                 alg_temp=alg_temp,
                 eps=eps,
