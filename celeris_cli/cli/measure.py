@@ -19,18 +19,24 @@ def eval_cmd(
     set_name: str = typer.Option(None, "--set", help="The generation setting, as JSON: '{\"temperature\": 0.8}'."),
     batch_size: int = typer.Option(32, "--batch-size", min=1),
     no_nll: bool = typer.Option(False, "--no-nll", help="Skip the held-out NLL estimate."),
+    split: str = typer.Option(
+        "eval", "--split", help="eval (report) or tune (choose settings here: rows the eval split never uses)."
+    ),
+    samples: int = typer.Option(1, "--samples", min=1, help="Answers per opening, with seeds seed, seed+1, ..."),
     device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
     dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
 ) -> None:
-    """Quality on a fixed held-out set: structure rate, distinct-2, NLL bound, English word validity."""
+    """Quality on a fixed held-out set: verse structure and distinct-2, NLL bound, and English word validity,
+    distinct-2, repetition, empty answers and length, beside the human continuations'."""
     from ..engine import load_engine
     from ..measure.evaluate import EvalSet, evaluate
 
     try:
         overrides = _json_setting(set_name)
         engine = load_engine(model, device.value, dtype.value)
-        report = evaluate(engine, engine.params(overrides), EvalSet.load(), poems, english, batch_size, nll=not no_nll)
+        params = engine.params(overrides)
+        report = evaluate(engine, params, EvalSet.load(), poems, english, batch_size, not no_nll, split, samples)
     except CelerisError as e:
         fail(e)
     if as_json:
@@ -39,13 +45,18 @@ def eval_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="celeris eval (held-out)")
-    for col in ("figure", "value"):
+    table = Table(title=f"celeris eval (held-out, {report['split']} split)")
+    for col in ("figure", "value", "human"):
         table.add_column(col)
+    human = report["human_reference"]
     for key in (
         "structure_rate",
         "distinct_2",
         "english_word_validity",
+        "english_distinct_2",
+        "english_repetition_rate",
+        "english_empty_rate",
+        "english_mean_words",
         "heldout_nll_per_token",
         "poems",
         "english_prompts",
@@ -57,10 +68,13 @@ def eval_cmd(
     ):
         if key in report:
             v = report[key]
-            table.add_row(key, f"{v:.4f}" if isinstance(v, float) else str(v))
+            h = f"{human[key]:.4f}" if key in human else ""
+            table.add_row(key, f"{v:.4f}" if isinstance(v, float) else str(v), h)
     console = Console()
     console.print(table)
     console.print("settings: " + json.dumps(report["settings"]), soft_wrap=True)
+    if report["english_settings"] != report["settings"]:
+        console.print("English settings: " + json.dumps(report["english_settings"]), soft_wrap=True)
 
 
 def _int_list(option: str, text: str) -> tuple[int, ...]:
