@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..errors import ModelError
 
@@ -167,3 +168,75 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
+
+
+class DiffusionLM(nn.Module):
+    """The model boundary every architecture shares: embed, run the layers (with an optional cache), norm,
+    LM head. A family supplies its parts through `parts()` and `head_weight()`; each layer is called as
+    `layer(x, rope, mask, cache_i, start, upcast) -> (x, (k, v))`.
+
+    `upcast`: with low-precision weights (bfloat16), attention and the LM head are computed in float32.
+    Their bfloat16 rounding depends on the padded length and the batch's shape, so without it a prompt
+    decoded in a batch often drifts from the same prompt decoded alone (README, "Reproducible answers")."""
+
+    upcast = True
+    logit_shift = 0  # 1 where position j-1's logits predict position j (Dream)
+    block_causal = False  # True where attention is causal between blocks (LLaDA2)
+    cfg: Any
+
+    def parts(self) -> tuple[nn.Embedding, nn.ModuleList, Any]:
+        """The embedding, the layers, and the final norm (a callable on hidden states)."""
+        raise NotImplementedError
+
+    def head_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rope_dims(self) -> tuple[int, float]:
+        """Rotary dimensions per head, and theta."""
+        raise NotImplementedError
+
+    def set_upcast(self, on: bool) -> None:
+        self.upcast = on
+
+    def hidden(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        cache: list[KV] | None = None,
+        start: int = 0,
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """Final hidden states (after the final norm) for `ids`, and each layer's fresh keys/values.
+
+        ids: (B, T). positions: (B, T) RoPE positions (default start..start+T-1; under left padding pass
+        cumsum(key_mask)-1 so a row's positions match its unpadded self). key_mask: (B, L) bool, True for
+        keys that may be attended to (L is T without a cache, the cached canvas length with one), or a
+        (B, 1, T, L) mask (block-causal). cache: per-layer (k, v) over the whole canvas; `ids` then stands
+        for positions [start, start+T), and the cache is updated in place there.
+        """
+        B, T = ids.shape
+        if positions is None:
+            positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
+        rope = rope_tables(positions, *self.rope_dims())
+        mask = key_mask_4d(key_mask)
+        embed, layers, norm = self.parts()
+        x = embed(ids)
+        fresh: list[KV] = []
+        for i, layer in enumerate(layers):
+            x, kv = layer(x, rope, mask, None if cache is None else cache[i], start, self.upcast)
+            fresh.append(kv)
+        return norm(x), fresh
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """LM head (B, T, vocab_size); call it on the positions whose logits are needed only."""
+        w = self.head_weight()
+        if h.dtype != torch.float32 and self.upcast:
+            return F.linear(h.float(), w.float())[..., : self.cfg.vocab_size]
+        return F.linear(h, w)[..., : self.cfg.vocab_size]
+
+    def forward(
+        self, ids: torch.Tensor, key_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Full-canvas logits (B, T, vocab_size), unshifted (as each family's own forward returns them)."""
+        h, _ = self.hidden(ids, positions, key_mask)
+        return self.head(h)
