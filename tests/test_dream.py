@@ -203,3 +203,12 @@ def test_dream_settings_rules(engine) -> None:  # type: ignore[no-untyped-def]
         engine.params({"strategy": "dream", "alg": "origin", "alg_temp": 0.5})
     # Dream's schedule may commit nothing on a step: more steps than tokens is allowed, as in its own code
     assert engine.params({"strategy": "dream", "gen_length": 16, "steps": 32}).denoise_steps == 32
+
+
+def test_eps_changes_the_schedule_and_the_answer(engine) -> None:  # type: ignore[no-untyped-def]
+    """eps ends Dream's time schedule: a large one commits more tokens early, which changes what follows."""
+    prompts = [engine.encode_prompt(p) for p in ("def add(a, b):\n", "The quick brown fox", "床前明月光，")]
+    base = {"strategy": "dream", "gen_length": 24, "steps": 8, "alg": "maskgit_plus"}
+    small, _ = engine.decode_ids(prompts, engine.params({**base, "eps": 0.001}))
+    large, _ = engine.decode_ids(prompts, engine.params({**base, "eps": 0.6}))
+    assert small != large
