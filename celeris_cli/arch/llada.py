@@ -54,6 +54,8 @@ class ModelConfig:
     eot_token_id: int | None = None  # end of turn for chat models; LLaDA's <|eot_id|>
     bos_token_id: int | None = None
     model_type: str = "llada"
+    # Ours, not LLaDA's: attention causal between blocks (block diffusion, `celeris train --block-size`).
+    block_causal: bool = False
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "mlp_hidden_size", "vocab_size"):
@@ -105,6 +107,8 @@ class ModelConfig:
         d["n_kv_heads"] = self.kv_heads
         d["embedding_size"] = self.rows
         d["pad_token_id"] = self.pad_token_id if self.pad_token_id is not None else self.eos_token_id
+        if not self.block_causal:  # a bidirectional model's config stays LLaDA's own
+            del d["block_causal"]
         d.update(
             {
                 "activation_type": "silu",
@@ -192,6 +196,7 @@ class LLaDAModel(DiffusionLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.block_causal = cfg.block_causal
         self.model = nn.Module()
         self.model.transformer = Transformer(cfg)
 
