@@ -33,11 +33,28 @@ DEFAULT_MODEL = "celeris-tiny"
 GENERATION_CONFIG = "generation_config.json"  # the model's own default settings
 
 
+def embedded_models() -> dict[str, Path]:
+    """The models shipped inside the package, by name."""
+    root = Path(str(resources.files("celeris_cli"))) / "models"
+    return {p.name: p for p in sorted(root.iterdir()) if (p / "config.json").is_file()} if root.is_dir() else {}
+
+
 def default_model_dir() -> Path:
     """The embedded model shipped inside the package."""
     path = Path(str(resources.files("celeris_cli"))) / "models" / DEFAULT_MODEL
     if not (path / "config.json").is_file():
         raise ModelError(f"the embedded model is not installed ({path}); pass --model FOLDER")
+    return path
+
+
+def model_dir(model: str | Path | None) -> Path:
+    """The folder a --model value names: the default embedded model for None, a folder as given, or the
+    name of an embedded model (`celeris-tiny`) where no folder of that name exists here."""
+    if model is None or str(model) == "":
+        return default_model_dir()
+    path = Path(model)
+    if not path.exists() and str(model) in embedded_models():
+        return embedded_models()[str(model)]
     return path
 
 
@@ -238,7 +255,7 @@ def load_engine(
     """Load a model folder (default: the embedded model) onto a device, ready to generate."""
     if threads:
         torch.set_num_threads(threads)
-    folder = Path(model) if model is not None else default_model_dir()
+    folder = model_dir(model)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     arch, cfg = read_folder(folder)

@@ -91,3 +91,22 @@ def test_confidence_matches_the_full_softmax_definition(kind: str) -> None:
 def test_temperature_zero_is_the_argmax() -> None:
     logits = logits_with_ties()
     assert torch.equal(sample_masked(logits, sampling(temperature=0.0), [40], []), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("kw", [*SETTINGS, {}], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "none")
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_sampled_token_s_probability_is_that_of_the_filtered_distribution(kw: dict, temperature: float) -> None:
+    """The block decoders' confidence, from the survivors alone, equals the whole-vocabulary filtered
+    softmax at the token drawn (filters at temperature 1 when greedy), and the draw is sample_masked's.
+    Without ties: where top-p cuts through tied tokens, the whole-vocabulary sort keeps an arbitrary subset."""
+    from celeris_cli.decode.predict import sample_with_probability
+
+    logits = torch.randn(40, 300, generator=torch.Generator().manual_seed(0)) * 3
+    s = sampling(**{**kw, "temperature": temperature})
+    counts = [10, 0, 30]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    x0, prob = sample_with_probability(logits, s, counts, gens)
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    assert torch.equal(x0, sample_masked(logits, s, counts, gens))
+    full = filtered_scores(logits, sampling(**{**kw, "temperature": temperature or 1.0})).softmax(-1)
+    assert torch.allclose(prob, full.gather(-1, x0[:, None]).squeeze(-1).float(), atol=1e-6)

@@ -76,10 +76,10 @@ def check_engine(engine: dict[str, Any]) -> None:
     combination the model's defaults reject is one clear error here, not a retried actor crash there."""
     from ..arch.checkpoint import read_folder, weight_files
     from ..arch.tokenizer import load_tokenizer
-    from ..engine import default_model_dir, read_generation_config
+    from ..engine import model_dir, read_generation_config
     from ..params import GenerationParams
 
-    folder = Path(engine["model"]) if engine.get("model") else default_model_dir()
+    folder = model_dir(engine.get("model"))
     arch, cfg = read_folder(folder)
     load_tokenizer(folder, cfg)
     weight_files(folder)

@@ -22,16 +22,16 @@ masked position whose confidence is above `threshold` (LLaDA2's rule, written as
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from ..arch.layers import KV
 from ..params import Blocks, Commit, Sampling
+from .predict import sample_with_probability
 from .reference import select_top_k
-from .sampling import RowNoise, filtered_scores, sample_tokens
+from .sampling import RowNoise
 
 
 @dataclass(frozen=True)
@@ -107,31 +107,30 @@ def block_mask(real: torch.Tensor, q_lo: int, q_hi: int, k_hi: int, width: int) 
     return ((causal[None] & real[:, None, :k_hi]) | (k_idx[None, :] == q_idx[:, None])[None])[:, None]
 
 
-def predict(logits: torch.Tensor, s: Sampling, gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """x0 and its probability under the filtered distribution. top-k and top-p renormalise the
-    probabilities even at temperature 0, where they change only the threshold's decisions (LLaDA2's own
-    generate returns the unfiltered probability at temperature 0; filtering keeps these options meaningful
-    there, as Dream's generate does)."""
-    x0 = sample_tokens(logits, s, gens)
-    if s.top_k == 0 and s.top_p >= 1.0 and s.min_p == 0:
-        t = s.temperature if s.temperature > 0 else 1.0
-        probs = F.softmax(logits.float() / t, dim=-1)
-    else:
-        probs = filtered_scores(logits, replace(s, temperature=s.temperature or 1.0)).softmax(-1)
-    return x0, probs.gather(-1, x0[..., None]).squeeze(-1).float()
-
-
 def commit_step(
-    block: torch.Tensor, logits: torch.Tensor, plan: BlockPlan, k: int, mask_id: int, gens: list[torch.Generator]
+    block: torch.Tensor,
+    h: torch.Tensor,
+    net: BlockNet,
+    plan: BlockPlan,
+    k: int,
+    mask_id: int,
+    gens: list[torch.Generator],
 ) -> torch.Tensor:
-    """The block (B, W) after one step: the k most confident masked positions, and every masked one above
-    the threshold, take their predicted tokens."""
-    x0, conf = predict(logits, plan.sampling, gens)
+    """The block (B, W) after one step, from its hidden states h (B, W, d): the k most confident masked
+    positions, and every masked one above the threshold, take their predicted tokens. The LM head and the
+    sampling run on the masked positions only; the confidence is the sampled token's probability under the
+    filtered distribution (top-k, top-p and min-p renormalise it even at temperature 0, where they change
+    only the threshold's decisions: LLaDA2's own generate returns the unfiltered probability there;
+    filtering keeps these options meaningful, as Dream's generate does)."""
     masked = block == mask_id
-    rank = torch.where(masked, conf, float("-inf"))
+    x0, conf = sample_with_probability(net.head(h[masked]), plan.sampling, masked.sum(1).tolist(), gens)
+    rank = torch.full(block.shape, float("-inf"), device=block.device)
+    rank[masked] = conf
     chosen = select_top_k(rank, torch.full_like(masked[:, 0], k, dtype=torch.long))
-    chosen |= masked & (conf > plan.commit.threshold)
-    return torch.where(chosen, x0, block)
+    chosen |= masked & (rank > plan.commit.threshold)
+    out = block.clone()
+    out[masked] = torch.where(chosen[masked], x0, mask_id)
+    return out
 
 
 def finished(cv: Canvas, rows: torch.Tensor, upto: int, mask_id: int, stop: torch.Tensor) -> torch.Tensor:
@@ -183,8 +182,8 @@ def generate_block(
                 break
             mask = block_mask(cv.real[rows], 0, e, e, W)
             h, _ = net.hidden(cv.x[rows, :e], cv.pos[rows, :e], mask)
-            logits = net.head(h[:, s:e])
-            cv.x[rows, s:e] = commit_step(cv.x[rows, s:e], logits, plan, k, mask_id, _noise(noise, cv, rows, j, i))
+            gens = _noise(noise, cv, rows, j, i)
+            cv.x[rows, s:e] = commit_step(cv.x[rows, s:e], h[:, s:e], net, plan, k, mask_id, gens)
         rows = rows[~finished(cv, rows, e, mask_id, stop)]
     return _result(cv, prompt, plan.blocks.gen_length, mask_id)
 
@@ -227,8 +226,8 @@ def generate_block_cached(
             if cache is None:
                 cache = [_grow(k_, v_, cv.num_blocks * W) for k_, v_ in kv]
             pending = s
-            logits = net.head(h[:, s - lo :])
-            cv.x[rows, s:e] = commit_step(cv.x[rows, s:e], logits, plan, k, mask_id, _noise(noise, cv, rows, j, i))
+            block = commit_step(cv.x[rows, s:e], h[:, s - lo :], net, plan, k, mask_id, _noise(noise, cv, rows, j, i))
+            cv.x[rows, s:e] = block
             done = finished(cv, rows, e, mask_id, stop)
             if done.any():  # finished rows leave at once; the batch and its cache shrink
                 keep = ~done

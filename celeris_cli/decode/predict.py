@@ -11,6 +11,7 @@ own positions and logits (README, "Reproducible answers").
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -85,18 +86,18 @@ def _filter_sorted(scores: torch.Tensor, logits: torch.Tensor, s: Sampling) -> t
     return scores
 
 
-def sample_masked(logits: torch.Tensor, s: Sampling, counts: list[int], gens: list[torch.Generator]) -> torch.Tensor:
-    """x0 (N,) for the logits (N, V) of the masked positions, rows' positions contiguous in order (row b
-    has counts[b] of them): argmax at temperature 0, else Gumbel-max over the survivors. Row b draws
-    (counts[b], its own most survivors at any of its positions) float64 uniforms from gens[b]."""
-    assert sum(counts) == logits.shape[0] or s.temperature == 0
-    if s.temperature == 0:
-        return logits.argmax(-1)
-    if s.top_k == 0 and s.top_p == 1.0 and s.min_p == 0:  # nothing filtered: noise for every token id
-        scores = logits.double() / s.temperature
-        ids: torch.Tensor | None = None
-    else:
-        ids, scores = candidates(logits, s)
+def survivors(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The tokens sampling may pick and their float64 scores (logit / temperature, excluded ones at
+    -inf): `candidates`, or with no filter every token id (ids None: a score's column is its id)."""
+    if s.top_k == 0 and s.top_p == 1.0 and s.min_p == 0:
+        return None, logits.double() / s.temperature
+    return candidates(logits, s)
+
+
+def gumbel_pick(scores: torch.Tensor, counts: list[int], gens: list[torch.Generator]) -> torch.Tensor:
+    """The column (N,) Gumbel-max picks among scores (N, K), rows' positions contiguous in order (row b has
+    counts[b] of them). Row b draws (counts[b], its own most survivors at any of its positions) float64
+    uniforms from gens[b]."""
     alive = (scores > float("-inf")).sum(-1).tolist()
     u = torch.full_like(scores, 0.5)  # where a row draws nothing, the candidate is excluded anyway
     start = 0
@@ -106,8 +107,30 @@ def sample_masked(logits: torch.Tensor, s: Sampling, counts: list[int], gens: li
             u[start : start + n, :width] = torch.rand((n, width), dtype=u.dtype, device=u.device, generator=gen)
         start += n
     noise = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
-    choice = (scores + noise).argmax(-1)
+    return (scores + noise).argmax(-1)
+
+
+def sample_masked(logits: torch.Tensor, s: Sampling, counts: list[int], gens: list[torch.Generator]) -> torch.Tensor:
+    """x0 (N,) for the logits (N, V) of the masked positions, rows' positions contiguous in order (row b
+    has counts[b] of them): argmax at temperature 0, else Gumbel-max over the survivors (`gumbel_pick`)."""
+    assert sum(counts) == logits.shape[0] or s.temperature == 0
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    ids, scores = survivors(logits, s)
+    choice = gumbel_pick(scores, counts, gens)
     return choice if ids is None else ids.gather(-1, choice[:, None]).squeeze(-1)
+
+
+def sample_with_probability(
+    logits: torch.Tensor, s: Sampling, counts: list[int], gens: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x0 (N,) as `sample_masked`, and its probability under the filtered distribution (the survivors
+    renormalised; at temperature 0 the filters apply at temperature 1), from the same candidates."""
+    t = s.temperature if s.temperature > 0 else 1.0
+    ids, scores = survivors(logits, s if s.temperature > 0 else replace(s, temperature=t))
+    col = scores.argmax(-1) if s.temperature == 0 else gumbel_pick(scores, counts, gens)
+    prob = (scores.gather(-1, col[:, None]).squeeze(-1) - scores.logsumexp(-1)).exp().float()
+    return (col if ids is None else ids.gather(-1, col[:, None]).squeeze(-1)), prob
 
 
 def confidence_masked(logits: torch.Tensor, x0: torch.Tensor, kind: Confidence) -> torch.Tensor:

@@ -49,14 +49,13 @@ class Preparer:
     @classmethod
     def load(cls, model: str | None, generation: dict[str, Any]) -> Preparer:
         """From a model folder without its weights (they are only checked to be there)."""
-        from pathlib import Path
 
         from ..arch.checkpoint import read_folder, weight_files
         from ..arch.tokenizer import load_tokenizer
-        from ..engine import default_model_dir, read_generation_config
+        from ..engine import model_dir, read_generation_config
         from ..params import GenerationParams
 
-        folder = Path(model) if model else default_model_dir()
+        folder = model_dir(model)
         arch, cfg = read_folder(folder)
         tokenizer = load_tokenizer(folder, cfg)
         weight_files(folder)
