@@ -126,3 +126,34 @@ def test_scaling_cli_prints_a_table_and_rejects_a_bad_list(tiny_model: Path, tmp
     assert "speedup" in r.stdout and json.loads((tmp_path / "s.json").read_text())["cells"][0]["batch"] == 2
     r = CliRunner().invoke(app, [*args[:-1], "2,x"])
     assert r.exit_code == 2 and "--scaling-batch must be comma-separated integers" in r.output
+
+
+def test_bench_versus_another_model_on_the_same_prompts(tiny_model: Path, tiny_tokenizer: Path, tmp_path: Path) -> None:
+    """A block-diffusion model benched against a bidirectional one: its own block modes, the other's
+    reference and default mode on the same prompts, every row also as a multiple of the other's reference."""
+    from .conftest import make_model
+
+    block = make_model(tmp_path / "block", tiny_tokenizer, block_causal=True)
+    args = ["bench", "--model", str(block), "--prompts", "3", "--batch-size", "2", "--gen-length", "8"]
+    r = CliRunner().invoke(app, [*args, "--versus", str(tiny_model), "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["architecture"] == "llada_block" and set(report["modes"]) == {"block", "block-fast"}
+    assert report["block_length"] == 8 and report["denoise_steps"] == 8  # the architecture's defaults
+    versus = report["versus"]
+    assert versus["model"] == str(tiny_model) and versus["baseline"] == "reference"
+    assert set(versus["modes"]) == {"reference", "dual-cache"}
+    assert versus["modes"]["reference"]["nfe"] == 2 * 8  # its own defaults: steps = gen_length, two batches
+    ref = versus["modes"]["reference"]["tokens_per_s"]
+    for m in [*report["modes"].values(), *versus["modes"].values()]:
+        assert m["x_versus_baseline"] == round(m["tokens_per_s"] / ref, 2)
+    r = CliRunner().invoke(app, [*args, "--versus", str(tmp_path / "nowhere"), "--device", "cpu"])
+    assert r.exit_code != 0 and "nowhere" in r.output
+
+
+def test_an_embedded_model_is_named_by_its_folder_name(tmp_path: Path, monkeypatch: object) -> None:
+    from celeris_cli.engine import default_model_dir, embedded_models, model_dir
+
+    assert model_dir("celeris-tiny") == default_model_dir() == embedded_models()["celeris-tiny"]
+    assert model_dir(None) == default_model_dir()
+    assert model_dir(str(tmp_path)) == tmp_path  # a folder that exists is a folder

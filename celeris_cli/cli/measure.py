@@ -104,6 +104,14 @@ def bench_cmd(
     set_name: str = typer.Option(None, "--set", help="Settings for every mode, as JSON."),
     sweep: str = typer.Option(None, "--sweep", help="Also sweep these step counts, e.g. 5,10,20,40,64."),
     no_agreement: bool = typer.Option(False, "--no-agreement", help="Skip the cache-vs-no-cache comparison."),
+    versus: str = typer.Option(
+        None,
+        "--versus",
+        metavar="MODEL",
+        help="Also decode the same prompts with this model (a folder or an embedded model's name): its baseline "
+        "and default mode, its own defaults otherwise (--set is not applied to it); every row's tokens/s is "
+        "shown as a multiple of its baseline.",
+    ),
     queue: int = typer.Option(0, "--queue", min=0, help="Also measure queue overhead with this many files."),
     invariance: int = typer.Option(
         0, "--invariance", min=0, help="Only measure: N prompts alone versus batched, share of identical answers."
@@ -201,6 +209,7 @@ def bench_cmd(
                 raise UsageError(f"unknown mode {m!r} for this model (choose {', '.join(table)})")
         settings = _json_setting(set_name)
         block_length = block_length or engine.params(settings).block_length
+        other = load_engine(versus, device.value, dtype.value, threads) if versus else None
         report = bench(
             engine,
             prompts,
@@ -212,6 +221,7 @@ def bench_cmd(
             settings,
             cache_agreement=not no_agreement,
             sweep=sweep_steps,
+            versus=other,
         )
         if queue:
             params = engine.params({**settings, "gen_length": gen_length, "block_length": block_length})

@@ -212,14 +212,19 @@ def bench(
     settings: dict[str, Any] | None = None,
     cache_agreement: bool = True,
     sweep: list[int] | None = None,
+    versus: Engine | None = None,
 ) -> dict[str, Any]:
+    """`versus`: another model whose baseline and default mode are decoded on the same prompts, batch size,
+    gen_length and dtype, each with its own defaults otherwise; every mode's tokens/s is then also shown as
+    a multiple of that model's baseline (`x_versus_baseline`)."""
     evalset = EvalSet.load()
     prompts = [r["prompt"] for r in evalset.poems[:n_prompts]]
     table, default_mode = modes_for(engine)
     baseline = next(iter(table))
-    steps_knob = (
-        {"block_steps": steps or block_length} if table is BLOCK_MODES else {"denoise_steps": steps or gen_length}
-    )
+    if table is BLOCK_MODES:
+        steps_knob = {"block_steps": steps} if steps else {}
+    else:
+        steps_knob = {"denoise_steps": steps or gen_length}
     base = engine.params({**(settings or {}), "gen_length": gen_length, "block_length": block_length, **steps_knob})
     lengths = [len(engine.encode_prompt(p)) for p in prompts]
     report: dict[str, Any] = {
@@ -244,7 +249,13 @@ def bench(
     for name in modes or list(table):
         params = base.with_(**table[name])
         report["modes"][name] = run_mode(engine, prompts, params, batch_size)
+    if versus is not None:
+        report["versus"] = versus_rows(versus, prompts, gen_length, batch_size)
     ref = report["modes"].get(baseline)
+    other = report["versus"]["modes"][report["versus"]["baseline"]] if versus is not None else None
+    for m in [*report["modes"].values(), *(report["versus"]["modes"].values() if versus is not None else [])]:
+        if other:
+            m["x_versus_baseline"] = round(m["tokens_per_s"] / other["tokens_per_s"], 2)
     for m in report["modes"].values():
         if ref:
             m["speedup"] = round(m["tokens_per_s"] / ref["tokens_per_s"], 2) if ref["tokens_per_s"] else None
@@ -281,6 +292,25 @@ def bench(
     for m in report["modes"].values():
         m.pop("texts")
     return report
+
+
+def versus_rows(engine: Engine, prompts: list[str], gen_length: int, batch_size: int) -> dict[str, Any]:
+    """Another model's baseline and default mode on the same prompts, with its own defaults otherwise
+    (`--set` is the bench model's alone)."""
+    table, default_mode = modes_for(engine)
+    baseline = next(iter(table))
+    base = engine.params({"gen_length": gen_length})
+    modes = {}
+    for name in dict.fromkeys((baseline, default_mode)):
+        modes[name] = run_mode(engine, prompts, base.with_(**table[name]), batch_size)
+        modes[name].pop("texts")
+    return {
+        "model": str(engine.model_dir),
+        "architecture": engine.arch.name,
+        "baseline": baseline,
+        "settings": {k: v for k, v in base.report().items() if k not in ("strategy", "cache", "early_exit")},
+        "modes": modes,
+    }
 
 
 def batch_invariance(
@@ -379,11 +409,17 @@ def render(report: dict[str, Any]) -> None:
         "of raw fwd",
         "of AR limit",
     ]
+    versus = report.get("versus")
+    if versus:
+        cols.append(f"x {Path(versus['model']).name} {versus['baseline']}")
     table = Table()
     for c in cols:
         table.add_column(c, justify="right" if c != "mode" else "left")
-    for name, m in report["modes"].items():
-        table.add_row(
+    rows = list(report["modes"].items())
+    if versus:
+        rows += [(f"{Path(versus['model']).name}: {n}", m) for n, m in versus["modes"].items()]
+    for name, m in rows:
+        cells = [
             name,
             f"{m['tokens_per_s']:.1f}",
             f"{m.get('speedup', '')}",
@@ -394,9 +430,12 @@ def render(report: dict[str, Any]) -> None:
             f"{m['peak_mem_mb']:.0f}",
             f"{m['structure_rate']:.3f}",
             f"{m['distinct_2']:.3f}",
-            f"{m['of_raw_forward']:.4f}",
-            f"{m['of_ar_limit']:.3f}",
-        )
+            f"{m.get('of_raw_forward', '')}",
+            f"{m.get('of_ar_limit', '')}",
+        ]
+        if versus:
+            cells.append(f"{m['x_versus_baseline']:.2f}")
+        table.add_row(*cells)
     ar = report["autoregressive_limit"]
     table.add_row(
         "autoregressive-limit (timing only)",
@@ -411,6 +450,7 @@ def render(report: dict[str, Any]) -> None:
         "n/a",
         f"{ar['tokens_per_s'] / report['raw_forward_tokens_per_s']:.4f}",
         "1.000",
+        *([f"{ar['tokens_per_s'] / versus['modes'][versus['baseline']]['tokens_per_s']:.2f}"] if versus else []),
     )
     console.print(table)
     console.print(
