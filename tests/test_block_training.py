@@ -165,3 +165,24 @@ def test_bidirectional_config_stays_llada_s_own(tmp_path: Path) -> None:
     raw = json.loads((tmp_path / "m" / "config.json").read_text())
     assert "block_causal" not in raw
     assert read_folder(tmp_path / "m")[0].name == "llada"
+
+
+def test_eval_nll_of_a_block_model_is_its_block_bound(block_model: Path) -> None:
+    from celeris_cli import load_engine
+    from celeris_cli.measure.evaluate import heldout_nll
+    from celeris_cli.recipe.train import nll_bound
+
+    from .conftest import LINES
+
+    engine = load_engine(block_model, device="cpu", dtype="float32")
+    got = heldout_nll(engine, LINES, seq_len=16, draws=2)
+    flat: list[int] = []
+    for d in LINES:
+        flat += engine.tokenizer.encode(d) + [engine.tokenizer.eos_id]
+    x = torch.tensor(flat[: len(flat) // 16 * 16]).view(-1, 16)
+    mask_id = engine.tokenizer.mask_id
+
+    def bound(sizes: list[int] | None) -> float:
+        return nll_bound(engine.model, x, mask_id, torch.Generator().manual_seed(0), 2, rows=32, sizes=sizes)
+
+    assert got == bound([engine.params({}).block_length]) and got != bound(None)
