@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import CelerisError, UsageError
 from ..spool.formats import Request
 from . import Outcome
 
@@ -115,12 +115,19 @@ class RayExecutor:
         # starves it and the job hangs); the threads use what the actors share
         cpus = o.cpus_per_actor if o.cpus_per_actor is not None else min(1.0, total_cpus / (o.actors + 1))
         threads = o.threads_per_actor or max(1, int(total_cpus // o.actors))
+        # the driver packs, as the local executor does, and each Ray row is one whole batch: an answer's
+        # batch mates (and so its low-precision rounding) are the same as in a local run
+        from ..spool.backend import Preparer
+        from .local import prepare_and_pack
+
+        preparer = Preparer.load(o.engine.get("model"), o.engine.get("generation", {}))
+        batches, failed = prepare_and_pack(preparer.prepare, requests, o.batch_size, o.token_budget)
+        yield from failed
+        if not batches:
+            return
         by_line = {r.line: r for r in requests}
-        # settings first, then length: consecutive rows share settings and have similar lengths, so Ray's
-        # batches pack well inside each actor
-        order = sorted(requests, key=lambda r: (json.dumps(r.params, sort_keys=True), len(r.prompt or str(r.messages))))
-        ds = ray.data.from_items([{"request": json.dumps(asdict(r), ensure_ascii=False)} for r in order])
-        out = ds.map_batches(
+        rows = [{"batch": json.dumps([asdict(p.request) for p in b], ensure_ascii=False)} for b in batches]
+        out = ray.data.from_items(rows).map_batches(
             RayWorker,
             fn_constructor_kwargs={
                 "engine": o.engine,
@@ -128,7 +135,7 @@ class RayExecutor:
                 "token_budget": o.token_budget,
                 "batch_size": o.batch_size,
             },
-            batch_size=o.batch_size,
+            batch_size=1,
             compute=ray.data.ActorPoolStrategy(size=o.actors),
             num_cpus=cpus,
             num_gpus=o.gpus_per_actor,
@@ -167,16 +174,30 @@ class RayWorker:
         self.executor = LocalExecutor(backend, batch_size, token_budget)
         self.batches_done = 0
 
-    def __call__(self, batch: dict[str, Any]) -> dict[str, list[str]]:
+    def __call__(self, rows: dict[str, Any]) -> dict[str, list[str]]:
+        """Each row is one batch packed by the driver, decoded as it is."""
         marker = os.environ.get(CRASH_ENV)
         if marker and self.batches_done >= 1 and not Path(marker).exists():
             Path(marker).touch()
             os._exit(1)  # as if the node lost the process mid-batch
         self.batches_done += 1
-        requests = [Request(**json.loads(s)) for s in batch["request"]]
         outcomes = []
-        for oc in self.executor.run(requests):
-            rec = {"line": oc.request.line, "body": oc.body, "code": oc.code, "message": oc.message,
-                   "retryable": oc.retryable}  # fmt: skip
-            outcomes.append(json.dumps(rec, ensure_ascii=False))
+        for row in rows["batch"]:
+            outcomes += self._decode([Request(**r) for r in json.loads(row)])
         return {"outcome": outcomes}
+
+    def _decode(self, requests: list[Request]) -> list[str]:
+        backend = self.executor.backend
+        prepared, outcomes = [], []
+        for req in requests:  # prepared by the driver already; a failure here would be the actor's own
+            try:
+                prepared.append(backend.prepare(req))
+            except CelerisError as e:
+                outcomes.append(self._row(Outcome(req, code=e.code, message=str(e), retryable=e.retryable)))
+        return outcomes + [self._row(oc) for oc in self.executor.decode(prepared)] if prepared else outcomes
+
+    @staticmethod
+    def _row(oc: Outcome) -> str:
+        rec = {"line": oc.request.line, "body": oc.body, "code": oc.code, "message": oc.message,
+               "retryable": oc.retryable}  # fmt: skip
+        return json.dumps(rec, ensure_ascii=False)
