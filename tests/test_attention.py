@@ -65,3 +65,21 @@ def test_a_float32_cache_under_bfloat16_gives_the_values_a_cast_at_every_step_ga
     assert torch.equal(a, b)
     model.set_upcast(False)  # attention in bfloat16: the cache stays bfloat16
     assert all(k.dtype == torch.bfloat16 for pair in net.cache_of(kv) for k in pair)
+
+
+def test_float_head_weight_is_cast_once_and_follows_the_weight() -> None:
+    """The upcast head keeps its float32 weight between forwards, and a changed weight is cast again."""
+    import torch
+
+    from celeris_cli.arch.llada import LLaDAModel, ModelConfig
+
+    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=4, mlp_hidden_size=64, vocab_size=50, mask_token_id=4,
+                      eos_token_id=2, weight_tying=True)  # fmt: skip
+    model = LLaDAModel(cfg).to(torch.bfloat16).eval()
+    h = torch.randn(2, 3, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        first = model.head(h)
+        assert model._head_f32.data_ptr() == model._float_head(model.head_weight()).data_ptr()  # kept
+        assert torch.equal(first, torch.nn.functional.linear(h.float(), model.head_weight().float()))
+        model.head_weight().mul_(2)  # an in-place change bumps the version: cast again
+        assert torch.equal(model.head(h), torch.nn.functional.linear(h.float(), model.head_weight().float()))

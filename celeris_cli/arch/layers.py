@@ -170,6 +170,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
+HEAD_CACHE_BYTES = 64 * 2**20  # the largest float32 copy of an LM head's weight kept between forwards
+
+
 class DiffusionLM(nn.Module):
     """The model boundary every architecture shares: embed, run the layers (with an optional cache), norm,
     LM head. A family supplies its parts through `parts()` and `head_weight()`; each layer is called as
@@ -231,8 +234,19 @@ class DiffusionLM(nn.Module):
         """LM head (B, T, vocab_size); call it on the positions whose logits are needed only."""
         w = self.head_weight()
         if h.dtype != torch.float32 and self.upcast:
-            return F.linear(h.float(), w.float())[..., : self.cfg.vocab_size]
+            return F.linear(h.float(), self._float_head(w))[..., : self.cfg.vocab_size]
         return F.linear(h, w)[..., : self.cfg.vocab_size]
+
+    def _float_head(self, w: torch.Tensor) -> torch.Tensor:
+        """The head's weight in float32 for the upcast head: cast once and kept while the weight is
+        unchanged, where the copy is small (the embedded models: 9.5 MB, cast at every forward before);
+        a large head (LLaDA-8B's is 2 GB in float32) is cast per call instead of held twice."""
+        if w.numel() * 4 > HEAD_CACHE_BYTES or (torch.is_grad_enabled() and w.requires_grad):
+            return w.float()
+        key = (w.data_ptr(), w._version, w.device)
+        if getattr(self, "_head_key", None) != key:
+            self._head_f32, self._head_key = w.detach().float(), key
+        return self._head_f32
 
     def forward(
         self, ids: torch.Tensor, key_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
