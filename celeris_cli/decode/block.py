@@ -213,7 +213,7 @@ def generate_block_cached(
         s, e = j * W, (j + 1) * W
         out = cv.end[rows] <= s  # rows whose blocks are all decoded leave
         if out.any():
-            cache = [(ck[~out], cv_[~out]) for ck, cv_ in cache] if cache is not None else None
+            cache = _keep(cache, ~out, pending)
             rows = rows[~out]
         for i, k in enumerate(transfers):
             if rows.numel() == 0 or not (cv.x[rows, s:e] == mask_id).any():
@@ -230,21 +230,33 @@ def generate_block_cached(
             cv.x[rows, s:e] = block
             done = finished(cv, rows, e, mask_id, stop)
             if done.any():  # finished rows leave at once; the batch and its cache shrink
-                keep = ~done
-                cache = [(ck[keep], cv_[keep]) for ck, cv_ in cache] if cache is not None else None
-                rows = rows[keep]
+                cache = _keep(cache, ~done, pending)
+                rows = rows[~done]
         if rows.numel() == 0:
             break
     return _result(cv, prompt, plan.blocks.gen_length, mask_id)
 
 
 def _grow(k: torch.Tensor, v: torch.Tensor, length: int) -> KV:
-    """A cache over the whole canvas, allocated once, holding `k`, `v` at its start."""
-    ck = k.new_zeros(*k.shape[:2], length, k.shape[3])
-    cv = v.new_zeros(*v.shape[:2], length, v.shape[3])
+    """A cache over the whole canvas, allocated once (not zeroed: every step reads only the positions
+    before its block's end, all written by then), holding `k`, `v` at its start."""
+    ck = k.new_empty(*k.shape[:2], length, k.shape[3])
+    cv = v.new_empty(*v.shape[:2], length, v.shape[3])
     ck[:, :, : k.shape[2]] = k
     cv[:, :, : v.shape[2]] = v
     return ck, cv
+
+
+def _keep(cache: list[KV] | None, rows: torch.Tensor, written: int) -> list[KV] | None:
+    """The cache of the rows that stay; only its first `written` positions, the exact ones, are copied."""
+    if cache is None:
+        return None
+    out = []
+    for ck, cv in cache:
+        nk, nv = ck.new_empty(int(rows.sum()), *ck.shape[1:]), cv.new_empty(int(rows.sum()), *cv.shape[1:])
+        nk[:, :, :written], nv[:, :, :written] = ck[rows, :, :written], cv[rows, :, :written]
+        out.append((nk, nv))
+    return out
 
 
 def _canvas(prompt: torch.Tensor, prompt_mask: torch.Tensor, plan: BlockPlan, mask_id: int) -> Canvas:
