@@ -212,6 +212,33 @@ def test_a_batch_past_request_timeout_s_on_ray_fails_as_in_process_and_its_actor
     assert rec["message"] == "ran past request_timeout_s (2 s)"  # the in-process message
 
 
+class KillingActor(EngineActor):
+    """A request that takes its actor's process down every time it runs (a segfault, an OOM kill)."""
+
+    def run(self, batch: list[Prepared]) -> list[dict[str, Any]]:
+        if any("die here" in p.payload[0] for p in batch):
+            os._exit(1)
+        return super().run(batch)
+
+
+def test_a_request_that_kills_its_actor_every_time_fails_alone_as_actor_lost(
+    tmp_path: Path, tiny_model: Path, ray_session: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray restarts the actor and redoes the batch REDO times; then the batch comes back as actor_lost and is
+    halved like any failing batch, until the request at fault fails alone and its batch mates are served."""
+    from celeris_cli.batch import ray_actors
+
+    monkeypatch.setattr(ray_actors, "REDO", 0)  # one death per try keeps the test short
+    drop(tmp_path, "k.txt", "a prompt, one\ndie here\na prompt, three\na prompt, four\n")
+    cfg = load_config(make_queue(tmp_path, model=tiny_model, batch_size=2, generation=GEN, engine=RAY))
+    assert Spool(cfg, lambda: RayActorPool(cfg, KillingActor)).run(once=True) == 1
+    assert [r["custom_id"] for r in outputs(tmp_path)["k.txt.results.jsonl"]] == ["line-1", "line-3", "line-4"]
+    [rec] = failures(tmp_path)
+    assert (rec["custom_id"], rec["code"], rec["retryable"]) == ("line-2", "actor_lost", True)
+    assert "its actor died each of the 1 times" in rec["message"]
+    assert any(e["event"] == "bisect" for e in events(tmp_path))  # its batch mate was served after the halving
+
+
 # -- the daemon killed while batches are out on Ray ------------------------------------------------------
 def test_sigkill_of_the_daemon_mid_batch_on_ray_then_restart_loses_and_duplicates_nothing(
     tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch

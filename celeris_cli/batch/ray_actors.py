@@ -120,7 +120,7 @@ class RayActorPool:
         try:
             bodies = ray.get(ref)
         except ray.exceptions.RayActorError as e:  # Ray restarted it and redid the batch REDO times already
-            self.idle.append(task.actor)
+            self._replace(task.actor)
             return Done(task.ticket, error=ActorLost(f"its actor died each of the {REDO + 1} times: {_cause(e)}"))
         except ray.exceptions.RayTaskError as e:  # the batch raised: hand back what it raised
             self.idle.append(task.actor)
@@ -138,14 +138,23 @@ class RayActorPool:
         for ref, task in list(self.running.items()):
             if now - task.started > self.timeout_s:
                 del self.running[ref]
-                self.ray.kill(task.actor, no_restart=True)
-                self.actors.remove(task.actor)
-                self.actors.append(self.new_actor())
-                self.ray.get(self.actors[-1].ready.remote())  # its model load must not count as a batch's time
-                self.idle.append(self.actors[-1])
+                self._replace(task.actor)
                 late = RequestTimeout(f"ran past request_timeout_s ({self.timeout_s:g} s)")
                 out.append(Done(task.ticket, error=late))
         return out
+
+    def _replace(self, actor: Any) -> None:
+        """A new actor, loaded, in the place of one that is killed for good: one that ran past the timeout
+        (Ray would redo its batch on a restart), or one that died each time (still restarting now, so a
+        batch sent to it at once would fail too, and count against an innocent request)."""
+        try:
+            self.ray.kill(actor, no_restart=True)
+        except Exception:  # already gone for good
+            pass
+        self.actors.remove(actor)
+        self.actors.append(self.new_actor())
+        self.ray.get(self.actors[-1].ready.remote())  # its model load must not count as a batch's time
+        self.idle.append(self.actors[-1])
 
     def _poll_s(self) -> float:
         if not self.timeout_s or not self.running:

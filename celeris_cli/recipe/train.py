@@ -432,7 +432,7 @@ def save_checkpoint(model: LLaDAModel, opt: torch.optim.Optimizer, step: int, ou
     shutil.rmtree(old, ignore_errors=True)
 
 
-def plot_log(log_path: Path, png: Path) -> None:
+def plot_log(log_path: Path, png: Path, title: str = "celeris-tiny training curve") -> None:
     """Training loss and held-out NLL bound against tokens seen, as a PNG (needs matplotlib)."""
     try:
         import matplotlib
@@ -464,7 +464,7 @@ def plot_log(log_path: Path, png: Path) -> None:
     )
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("nats per token")
-    ax.set_title("celeris-tiny training curve")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
