@@ -186,3 +186,16 @@ def test_eval_nll_of_a_block_model_is_its_block_bound(block_model: Path) -> None
         return nll_bound(engine.model, x, mask_id, torch.Generator().manual_seed(0), 2, rows=32, sizes=sizes)
 
     assert got == bound([engine.params({}).block_length]) and got != bound(None)
+
+
+def test_the_shipped_block_model_loads_by_name_and_decodes_with_its_defaults() -> None:
+    from celeris_cli import load_engine
+
+    engine = load_engine("celeris-block", device="cpu", dtype="float32")
+    assert engine.arch.name == "llada_block" and engine.model.block_causal
+    params = engine.params({"gen_length": 16})
+    assert (params.strategy, params.block_length, params.block_steps) == ("block-fast", 8, 2)
+    [a, b] = engine.generate(["床前明月光，", "床前明月光，"], params, batch_size=2, seeds=[0, 1])
+    assert a.output_tokens > 0 and a.text != b.text  # sampled: the seed matters
+    with pytest.raises(UsageError, match="does not run on the llada_block architecture"):
+        engine.params({"strategy": "reference"})
