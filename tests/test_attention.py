@@ -83,3 +83,18 @@ def test_float_head_weight_is_cast_once_and_follows_the_weight() -> None:
         assert torch.equal(first, torch.nn.functional.linear(h.float(), model.head_weight().float()))
         model.head_weight().mul_(2)  # an in-place change bumps the version: cast again
         assert torch.equal(model.head(h), torch.nn.functional.linear(h.float(), model.head_weight().float()))
+
+
+def test_float_head_under_inference_mode_casts_per_call() -> None:
+    """Weights made under torch.inference_mode have no version counter: the head casts them per call."""
+    import torch
+
+    from celeris_cli.arch.llada import LLaDAModel, ModelConfig
+
+    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=4, mlp_hidden_size=64, vocab_size=50, mask_token_id=4,
+                      eos_token_id=2, weight_tying=True)  # fmt: skip
+    with torch.inference_mode():
+        model = LLaDAModel(cfg).to(torch.bfloat16).eval()
+        h = torch.randn(2, 3, 32).to(torch.bfloat16)
+        out = model.head(h)
+    assert torch.equal(out, torch.nn.functional.linear(h.float(), model.head_weight().float()))

@@ -199,3 +199,73 @@ def test_the_shipped_block_model_loads_by_name_and_decodes_with_its_defaults() -
     assert a.output_tokens > 0 and a.text != b.text  # sampled: the seed matters
     with pytest.raises(UsageError, match="does not run on the llada_block architecture"):
         engine.params({"strategy": "reference"})
+
+
+def test_a_block_causal_config_named_by_class_is_the_block_variant() -> None:
+    from celeris_cli.arch.registry import architecture_of
+
+    assert architecture_of({"architectures": ["LLaDAModelLM"], "block_causal": True}).name == "llada_block"
+    assert architecture_of({"architectures": ["LLaDAModelLM"]}).name == "llada"
+
+
+def test_resuming_with_other_block_sizes_is_refused(
+    data_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    tiny_tokenizer: Path,
+) -> None:
+    train(_block_config(data_dir, tmp_path / "run", tiny_tokenizer), show_progress=False, stop_after=2)
+    plain = config(data_dir, tmp_path / "run", tiny_tokenizer)
+    with pytest.raises(UsageError, match=r"trained with block sizes \[4, 8\]"):
+        train(plain, show_progress=False)
+    other = _block_config(data_dir, tmp_path / "run", tiny_tokenizer)
+    other.block_sizes = [4]
+    with pytest.raises(UsageError, match="resume it with the same --block-size"):
+        train(other, show_progress=False)
+
+
+def test_init_from_a_model_with_another_tokenizer_than_the_run_s_is_refused(tmp_path: Path, tiny_model: Path) -> None:
+    from celeris_cli.recipe.train import run_recipe
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.txt").write_text("x\n", encoding="utf-8")
+    (tmp_path / "run" / "data").mkdir(parents=True)
+    (tmp_path / "run" / "data" / "tokenizer.model").write_bytes(b"another tokenizer")
+    with pytest.raises(UsageError, match="holds another tokenizer"):
+        run_recipe(corpus, tmp_path / "run", init=str(tiny_model), block_sizes=[4])
+
+
+def test_block_fast_never_reads_a_cache_slot_it_has_not_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache is allocated uninitialised: fill every slot not yet written with NaN (SDPA passes NaN on even
+    from masked keys) and the cached decoder must still give the reference decoder's answers, across block
+    lengths, a first block with no whole prompt block, and rows leaving at a block's start and mid-block."""
+    import celeris_cli.decode.block as B
+    from celeris_cli import load_engine
+
+    def grow(k: torch.Tensor, v: torch.Tensor, length: int):  # type: ignore[no-untyped-def]
+        ck = k.new_full((*k.shape[:2], length, k.shape[3]), float("nan"))
+        cv = v.new_full((*v.shape[:2], length, v.shape[3]), float("nan"))
+        ck[:, :, : k.shape[2]], cv[:, :, : v.shape[2]] = k, v
+        return ck, cv
+
+    def keep(cache, rows, written):  # type: ignore[no-untyped-def]
+        if cache is None:
+            return None
+        out = []
+        for ck, cv in cache:
+            nk = ck.new_full((int(rows.sum()), *ck.shape[1:]), float("nan"))
+            nv = cv.new_full((int(rows.sum()), *cv.shape[1:]), float("nan"))
+            nk[:, :, :written], nv[:, :, :written] = ck[rows, :, :written], cv[rows, :, :written]
+            out.append((nk, nv))
+        return out
+
+    monkeypatch.setattr(B, "_grow", grow)
+    monkeypatch.setattr(B, "_keep", keep)
+    engine = load_engine("celeris-block", device="cpu", dtype="float32")
+    prompts = ["白", "The jury said it was a fine day and", "床前明月光，疑是地上霜。", "春眠不觉晓，"]
+    for width, steps, temperature in ((2, 1, 0.0), (4, 4, 1.0), (8, 2, 1.0)):
+        s = {"gen_length": 24, "block_length": width, "block_steps": steps, "temperature": temperature}
+        seeds = list(range(len(prompts)))
+        fast = engine.generate(prompts, engine.params({**s, "strategy": "block-fast"}), batch_size=4, seeds=seeds)
+        ref = engine.generate(prompts, engine.params({**s, "strategy": "block"}), batch_size=4, seeds=seeds)
+        assert [r.text for r in fast] == [r.text for r in ref], s

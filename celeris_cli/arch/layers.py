@@ -241,8 +241,8 @@ class DiffusionLM(nn.Module):
         """The head's weight in float32 for the upcast head: cast once and kept while the weight is
         unchanged, where the copy is small (the embedded models: 9.5 MB, cast at every forward before);
         a large head (LLaDA-8B's is 2 GB in float32) is cast per call instead of held twice."""
-        if w.numel() * 4 > HEAD_CACHE_BYTES or (torch.is_grad_enabled() and w.requires_grad):
-            return w.float()
+        if w.numel() * 4 > HEAD_CACHE_BYTES or w.is_inference() or (torch.is_grad_enabled() and w.requires_grad):
+            return w.float()  # an inference tensor has no version counter to tell a changed weight by
         key = (w.data_ptr(), w._version, w.device)
         if getattr(self, "_head_key", None) != key:
             self._head_f32, self._head_key = w.detach().float(), key

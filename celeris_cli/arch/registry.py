@@ -66,7 +66,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
         "llada_block",
         ("llada",),
-        (),
+        ("LLaDAModelLM",),
         ModelConfig.from_dict,
         LLaDAModel,
         ("block-fast", "block"),

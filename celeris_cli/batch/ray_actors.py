@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 REDO = 3  # a batch whose actor died this many times more comes back as ActorLost (then it is bisected)
 POLL_S = 0.5  # ray.wait's longest sleep: signals are handled between two waits
+REPLACE_TIMEOUT_S = 600.0  # the longest wait for a replacement actor to load its model
 
 
 class ActorLost(CelerisError):
@@ -136,7 +137,9 @@ class RayActorPool:
             return []
         now, out = time.monotonic(), []
         for ref, task in list(self.running.items()):
-            if now - task.started > self.timeout_s:
+            # a batch that finished in time (while the daemon was busy, say loading a replacement actor)
+            # is collected by the next wait, not timed out
+            if now - task.started > self.timeout_s and not self.ray.wait([ref], timeout=0)[0]:
                 del self.running[ref]
                 self._replace(task.actor)
                 late = RequestTimeout(f"ran past request_timeout_s ({self.timeout_s:g} s)")
@@ -147,14 +150,25 @@ class RayActorPool:
         """A new actor, loaded, in the place of one that is killed for good: one that ran past the timeout
         (Ray would redo its batch on a restart), or one that died each time (still restarting now, so a
         batch sent to it at once would fail too, and count against an innocent request)."""
+        self._drop(actor)
+        self.actors.remove(actor)
+        fresh = self.new_actor()
+        try:  # its model load must not count as a batch's time
+            self.ray.get(fresh.ready.remote(), timeout=REPLACE_TIMEOUT_S)
+        except Exception as e:  # the cluster cannot give us an actor now: go on with fewer
+            log.warning("a replacement actor did not start (%s); %d left", _cause(e), len(self.actors))
+            self._drop(fresh)
+            if not self.actors:
+                raise ModelError(f"no Ray actor left to run batches: {_cause(e)}") from None
+            return
+        self.actors.append(fresh)
+        self.idle.append(fresh)
+
+    def _drop(self, actor: Any) -> None:
         try:
             self.ray.kill(actor, no_restart=True)
-        except Exception:  # already gone for good
+        except Exception:  # already gone
             pass
-        self.actors.remove(actor)
-        self.actors.append(self.new_actor())
-        self.ray.get(self.actors[-1].ready.remote())  # its model load must not count as a batch's time
-        self.idle.append(self.actors[-1])
 
     def _poll_s(self) -> float:
         if not self.timeout_s or not self.running:

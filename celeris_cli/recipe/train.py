@@ -271,7 +271,11 @@ def train(
     torch.manual_seed(cfg.seed)
     model = LLaDAModel(mcfg)
     model.init_weights(generator=torch.Generator().manual_seed(cfg.seed))
-    if cfg.init:
+    ckpt = out / "ckpt.pt"
+    resuming = resume and ckpt.is_file()
+    if resuming:
+        _check_same_objective(out, cfg)
+    elif cfg.init:  # a resumed run's weights come from its checkpoint
         _load_init(model, Path(cfg.init))
     model.to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -282,8 +286,7 @@ def train(
         betas=(0.9, 0.95),
     )
     step = 0
-    ckpt = out / "ckpt.pt"
-    if resume and ckpt.is_file():
+    if resuming:
         state = torch.load(ckpt, weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
@@ -370,6 +373,20 @@ def train(
     return records
 
 
+def _check_same_objective(out: Path, cfg: TrainConfig) -> None:
+    """A run resumes with the block sizes it started with: another objective mid-curve (or a block-trained
+    model exported as bidirectional) is a mistake, not a resume."""
+    saved = out / "train_config.json"
+    if not saved.is_file():
+        return
+    before = sorted(json.loads(saved.read_text(encoding="utf-8")).get("block_sizes", []))
+    if before != sorted(cfg.block_sizes):
+        raise UsageError(
+            f"{out} was trained with block sizes {before or 'none (bidirectional)'}; resume it with the same "
+            f"--block-size, or train into a new --out"
+        )
+
+
 def _load_init(model: LLaDAModel, folder: Path) -> None:
     """Start from a model folder's weights (same shape; its attention pattern may differ)."""
     from ..arch.checkpoint import load_model
@@ -397,12 +414,18 @@ def run_recipe(corpus: Path, out: Path, **overrides: Any) -> list[dict]:
     tok = data / "tokenizer.model"
     if not (corpus / "train.txt").is_file():
         raise UsageError(f"{corpus}: no train.txt; build the corpus first (celeris corpus)")
-    init = overrides.get("init")
-    if init and not tok.is_file():  # a run that starts from a model keeps that model's tokenizer
-        if not (Path(init) / "tokenizer.model").is_file():
+    if overrides.get("init"):  # a run that starts from a model keeps that model's tokenizer
+        from ..engine import model_dir
+
+        init = model_dir(overrides["init"])
+        overrides["init"] = str(init)
+        if not (init / "tokenizer.model").is_file():
             raise UsageError(f"{init}: no tokenizer.model to start from")
-        data.mkdir(parents=True, exist_ok=True)
-        shutil.copy(Path(init) / "tokenizer.model", tok)
+        if not tok.is_file():
+            data.mkdir(parents=True, exist_ok=True)
+            shutil.copy(init / "tokenizer.model", tok)
+        elif tok.read_bytes() != (init / "tokenizer.model").read_bytes():
+            raise UsageError(f"{data} holds another tokenizer than {init}'s; use a new --out to start from it")
     if not tok.is_file():
         fold_path = corpus / "t2s.json"
         fold = json.loads(fold_path.read_text(encoding="utf-8")) if fold_path.is_file() else None
