@@ -430,8 +430,8 @@ def render(report: dict[str, Any]) -> None:
             f"{m['peak_mem_mb']:.0f}",
             f"{m['structure_rate']:.3f}",
             f"{m['distinct_2']:.3f}",
-            f"{m.get('of_raw_forward', '')}",
-            f"{m.get('of_ar_limit', '')}",
+            f"{m['of_raw_forward']:.4f}" if "of_raw_forward" in m else "",  # the versus rows have neither
+            f"{m['of_ar_limit']:.3f}" if "of_ar_limit" in m else "",
         ]
         if versus:
             cells.append(f"{m['x_versus_baseline']:.2f}")
