@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CelerisError, UsageError
+from ..errors import UsageError
 from ..spool.formats import Request
 from . import Outcome
 
@@ -129,12 +129,7 @@ class RayExecutor:
         rows = [{"batch": json.dumps([asdict(p.request) for p in b], ensure_ascii=False)} for b in batches]
         out = ray.data.from_items(rows).map_batches(
             RayWorker,
-            fn_constructor_kwargs={
-                "engine": o.engine,
-                "threads": threads,
-                "token_budget": o.token_budget,
-                "batch_size": o.batch_size,
-            },
+            fn_constructor_kwargs={"engine": o.engine, "threads": threads},
             batch_size=1,
             compute=ray.data.ActorPoolStrategy(size=o.actors),
             num_cpus=cpus,
@@ -163,7 +158,7 @@ def stdout_to_stderr() -> Iterator[None]:
 class RayWorker:
     """One actor: loads the engine once, then turns batches of request rows into outcome rows."""
 
-    def __init__(self, engine: dict[str, Any], threads: int, batch_size: int, token_budget: int) -> None:
+    def __init__(self, engine: dict[str, Any], threads: int) -> None:
         from ..spool.backend import EngineBackend
         from .local import LocalExecutor
 
@@ -171,7 +166,7 @@ class RayWorker:
             engine.get("model"), engine.get("device", "auto"), engine.get("dtype", "auto"), threads,
             engine.get("generation", {}),
         )  # fmt: skip
-        self.executor = LocalExecutor(backend, batch_size, token_budget)
+        self.executor = LocalExecutor(backend)
         self.batches_done = 0
 
     def __call__(self, rows: dict[str, Any]) -> dict[str, list[str]]:
@@ -183,18 +178,18 @@ class RayWorker:
         self.batches_done += 1
         outcomes = []
         for row in rows["batch"]:
-            outcomes += self._decode([Request(**r) for r in json.loads(row)])
+            outcomes += [self._row(oc) for oc in self._decode([Request(**r) for r in json.loads(row)])]
         return {"outcome": outcomes}
 
-    def _decode(self, requests: list[Request]) -> list[str]:
-        backend = self.executor.backend
-        prepared, outcomes = [], []
-        for req in requests:  # prepared by the driver already; a failure here would be the actor's own
-            try:
-                prepared.append(backend.prepare(req))
-            except CelerisError as e:
-                outcomes.append(self._row(Outcome(req, code=e.code, message=str(e), retryable=e.retryable)))
-        return outcomes + [self._row(oc) for oc in self.executor.decode(prepared)] if prepared else outcomes
+    def _decode(self, requests: list[Request]) -> Iterator[Outcome]:
+        """The driver's batch as one batch: the same requests re-prepared here (a failure would be this
+        actor's own) fall in one group, already in cost order, so packing them again cannot split them."""
+        from .local import prepare_and_pack
+
+        batches, failed = prepare_and_pack(self.executor.backend.prepare, requests, len(requests), 1 << 62)
+        yield from failed
+        for batch in batches:
+            yield from self.executor.decode(batch)
 
     @staticmethod
     def _row(oc: Outcome) -> str:
