@@ -33,11 +33,28 @@ DEFAULT_MODEL = "celeris-tiny"
 GENERATION_CONFIG = "generation_config.json"  # the model's own default settings
 
 
+def embedded_models() -> dict[str, Path]:
+    """The models shipped inside the package, by name."""
+    root = Path(str(resources.files("celeris_cli"))) / "models"
+    return {p.name: p for p in sorted(root.iterdir()) if (p / "config.json").is_file()} if root.is_dir() else {}
+
+
 def default_model_dir() -> Path:
     """The embedded model shipped inside the package."""
     path = Path(str(resources.files("celeris_cli"))) / "models" / DEFAULT_MODEL
     if not (path / "config.json").is_file():
         raise ModelError(f"the embedded model is not installed ({path}); pass --model FOLDER")
+    return path
+
+
+def model_dir(model: str | Path | None) -> Path:
+    """The folder a --model value names: the default embedded model for None, a folder as given, or the
+    name of an embedded model (`celeris-tiny`) where no folder of that name exists here."""
+    if model is None or str(model) == "":
+        return default_model_dir()
+    path = Path(model)
+    if not path.exists() and str(model) in embedded_models():
+        return embedded_models()[str(model)]
     return path
 
 
@@ -88,6 +105,7 @@ class Engine:
         if outside:
             raise ModelError(f"{GENERATION_CONFIG}: eos_token_id {outside[0]} is outside the embedding table")
         self.special = SpecialTokens(tokenizer.mask_id, tokenizer.stop_ids | extra_stops, tokenizer.pad_id)
+        self.positions_computed = 0  # positions through the network over every decode (for `bench`)
 
     def with_defaults(self, settings: dict[str, Any]) -> Engine:
         """Replace this engine's model-folder layer of defaults with `settings`, a generation_config.json's
@@ -141,6 +159,7 @@ class Engine:
         noise = RowNoise([request_seed(s, ids) for s, ids in zip(seeds, batch)], self.device)
         net = Net(self.model)
         out = decode(net, prompt, prompt_mask, params, self.special, noise)
+        self.positions_computed += net.positions_computed
         return out[:, P:].tolist(), net.nfe
 
     def finish(self, ids: list[int], stop: Sequence[str] = ()) -> tuple[str, int, str]:
@@ -262,7 +281,7 @@ def load_engine(
     """Load a model folder (default: the embedded model) onto a device, ready to generate."""
     if threads:
         torch.set_num_threads(threads)
-    folder = Path(model) if model is not None else default_model_dir()
+    folder = model_dir(model)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     arch, cfg = read_folder(folder)
@@ -284,9 +303,7 @@ def read_script_layers(model_dir: Path | None) -> dict[str, dict[str, Any]]:
         raise ModelError(f"{path}: {e}") from None
 
 
-def read_generation_config(
-    model_dir: Path | None, arch: Architecture = ARCHITECTURES[0]
-) -> tuple[GenerationParams, frozenset[int]]:
+def read_generation_config(model_dir: Path | None, arch: Architecture) -> tuple[GenerationParams, frozenset[int]]:
     """The model folder's layer of settings over the built-in defaults and the architecture's own (its
     default strategy first), and any extra stop ids. Accepts both Celeris's own keys and the file
     `transformers` writes; keys neither knows are ignored (logged)."""

@@ -61,6 +61,7 @@ KNOBS: dict[str, Knob] = {
     "cache": Knob(str, "dual", choices=("dual", "prefix", "none")),
     "confidence": Knob(str, "prob", choices=("prob", "margin", "lead", "entropy")),
     "early_exit": Knob(bool, True),
+    "suffix_window": Knob(int, 0, lambda v: v >= 0, "an integer >= 0 (0 = the whole canvas)"),
     # shaping (fast only): rules on the logits that look at the answer as a whole
     "presence_penalty": Knob(float, 0.0, _finite(0.0), "a finite number >= 0 (0 = off)"),
     "min_tokens": Knob(int, 0, lambda v: v >= 0, "an integer >= 0 (0 = off)"),
@@ -138,6 +139,7 @@ class Parallel:
     cache: CacheMode
     confidence: Confidence
     early_exit: bool
+    suffix_window: int  # masked positions past the active block that the model sees; 0 = all
 
 
 @dataclass(frozen=True)
@@ -206,8 +208,8 @@ STRATEGY_PARTS: dict[str, tuple[str, ...]] = {
     "reference": ("schedule", "sampling", "ordering", "guidance"),
     "fast": ("schedule", "sampling", "ordering", "guidance", "parallel", "shaping"),
     "dream": ("timeline", "sampling", "unmasking"),
-    "block": ("blocks", "sampling", "commit"),
-    "block-fast": ("blocks", "sampling", "commit"),
+    "block": ("blocks", "sampling", "commit", "shaping"),
+    "block-fast": ("blocks", "sampling", "commit", "shaping"),
 }
 PER_REQUEST = ("seed", "strategy", "stop")  # honoured by every strategy, outside the decoder
 
@@ -236,6 +238,7 @@ class GenerationParams:
     cache: CacheMode = KNOBS["cache"].default
     confidence: Confidence = KNOBS["confidence"].default
     early_exit: bool = KNOBS["early_exit"].default
+    suffix_window: int = KNOBS["suffix_window"].default
     presence_penalty: float = KNOBS["presence_penalty"].default
     min_tokens: int = KNOBS["min_tokens"].default
     eps: float = KNOBS["eps"].default
@@ -273,7 +276,7 @@ class GenerationParams:
         """A model folder's layer of defaults: each value checked, none explicit. Knobs the default strategy
         does not honour are kept for the strategies that do (Dream's `alg` under the fast default)."""
         layer = dict(_coerce(k, v) for k, v in values.items())
-        return replace(cls(), **layer)._settle()
+        return replace(cls(), **layer)  # settled when a user layer lands on it, for the strategy that runs
 
     def as_defaults(self) -> GenerationParams:
         """These settings as a layer of defaults (a model folder's): none of them counts as the user's."""
@@ -288,7 +291,15 @@ class GenerationParams:
                 f"{', '.join(ignored)}: not used by the {self.strategy} strategy "
                 f"(it honours {', '.join(k for k in honoured(self.strategy) if k not in PER_REQUEST)})"
             )
-        if self.denoise_steps > self.gen_length and "denoise_steps" in layer:
+        if (
+            self.alg == "origin"
+            and self.alg_temp > 0
+            and {"alg", "alg_temp"} & self.explicit
+            and self.strategy == "dream"
+        ):
+            raise UsageError("alg_temp: origin unmasks at random, with no ranking to draw from; set it to 0")
+        capped = self.strategy != "dream"  # Dream's schedule may commit nothing on a step; its own code allows it
+        if capped and self.denoise_steps > self.gen_length and "denoise_steps" in layer:
             raise UsageError(
                 f"denoise_steps {self.denoise_steps} exceeds gen_length {self.gen_length}: a step commits at least "
                 "one token, so more steps than tokens cannot run"
@@ -301,7 +312,9 @@ class GenerationParams:
         canvas and raised to one per block. (A short last block also caps its own share at its tokens;
         `schedule.steps_per_block` has the exact count.)"""
         fixes: dict[str, Any] = {}
-        if self.denoise_steps > self.gen_length:
+        if self.alg == "origin" and self.alg_temp > 0:
+            fixes["alg_temp"] = 0.0
+        if self.denoise_steps > self.gen_length and self.strategy != "dream":
             fixes["denoise_steps"] = self.gen_length
         if self.remasking == "random" and self.order_temperature > 0:
             fixes["order_temperature"] = 0.0

@@ -34,8 +34,9 @@ def main() -> None:
     ap.add_argument("--english", type=int, default=50)
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--model", default=None, help="a model folder or an embedded model's name")
     args = ap.parse_args()
-    engine = load_engine()
+    engine = load_engine(args.model)
     evalset = EvalSet.load()
     for raw in args.settings:
         setting = json.loads(raw)

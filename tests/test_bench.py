@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from celeris_cli.cli import app
 from celeris_cli.engine import Engine
 from celeris_cli.measure.bench import MODES, agreement, batch_invariance, bench, bench_queue
+from celeris_cli.measure.evaluate import EvalSet
 
 
 def test_bench_reports_every_mode_with_speed_and_quality_figures(eos_prone: Engine) -> None:
@@ -30,6 +31,17 @@ def test_bench_reports_every_mode_with_speed_and_quality_figures(eos_prone: Engi
     assert set(report["cache_agreement_temperature_0"]) == {"prefix", "dual"}
     assert set(report["sweep"]) == {"reference@2", "reference@4", "dual-cache@2", "dual-cache@4"}
     assert report["sweep"]["reference@2"]["nfe"] == 6 * 4  # fewer steps than blocks: one per block
+    # positions computed: the reference runs every step over the whole canvas (prompt + 16), batches of one
+    canvas = sum(len(eos_prone.encode_prompt(r["prompt"])) + 16 for r in EvalSet.load().poems[:6])
+    ref = modes["reference"]
+    assert ref["positions_per_output_token"] == round(16 * canvas / ref["output_tokens"], 1)
+    assert modes["dual-cache"]["positions_per_output_token"] < ref["positions_per_output_token"]
+    ar = report["autoregressive_limit"]  # one position per row per forward after the prompt's forward
+    P = report["prompt_tokens"]["max"]
+    assert ar["nfe"] == 6 * 16 and ar["positions_per_output_token"] == round((P + 15) / 16, 3)
+    assert ar["output_tokens"] == 6 * 16 and ar["tokens_per_s"] > 0
+    for m in modes.values():
+        assert m["of_ar_limit"] == round(m["tokens_per_s"] / ar["tokens_per_s"], 4)
 
 
 def test_batch_invariance_is_exact_in_float32(engine: Engine) -> None:
@@ -89,3 +101,59 @@ def test_bench_block_length_defaults_to_the_models(tiny_model: Path, tmp_path: P
     assert json.loads(r.stdout)["block_length"] == 4
     r = CliRunner().invoke(app, [*args, "--block-length", "8", "--modes", "dual-cache", "--no-agreement", "--json"])
     assert json.loads(r.stdout)["block_length"] == 8
+
+
+def test_scaling_measures_each_cell_that_fits_as_one_batch(eos_prone: Engine) -> None:
+    from celeris_cli.measure.scaling import scaling
+
+    report = scaling(eos_prone, gen_lengths=(8, 300), batches=(1, 3), block_length=4)
+    cells = {(c["gen_length"], c["batch"]): c for c in report["cells"]}
+    assert set(cells) == {(8, 1), (8, 3), (300, 1), (300, 3)}
+    assert "context 256" in cells[(300, 1)]["skipped"] and "reference" not in cells[(300, 3)]
+    for batch in (1, 3):
+        cell = cells[(8, batch)]
+        ref, fast = cell["reference"], cell["dual-cache"]
+        assert ref["nfe"] == 8  # one batch, one forward per step, steps = gen_length
+        assert 0 < ref["output_tokens"] <= 8 * batch and fast["output_tokens"] <= 8 * batch
+        assert ref["peak_mem_mb"] >= 0 and fast["tokens_per_s"] > 0
+        assert cell["speedup"] == round(fast["tokens_per_s"] / ref["tokens_per_s"], 2)
+
+
+def test_scaling_cli_prints_a_table_and_rejects_a_bad_list(tiny_model: Path, tmp_path: Path) -> None:
+    args = ["bench", "--model", str(tiny_model), "--scaling", "--scaling-gen", "8", "--scaling-batch", "2"]
+    r = CliRunner().invoke(app, [*args, "--block-length", "8", "--device", "cpu", "--out", str(tmp_path / "s.json")])
+    assert r.exit_code == 0, r.output
+    assert "speedup" in r.stdout and json.loads((tmp_path / "s.json").read_text())["cells"][0]["batch"] == 2
+    r = CliRunner().invoke(app, [*args[:-1], "2,x"])
+    assert r.exit_code == 2 and "--scaling-batch must be comma-separated integers" in r.output
+
+
+def test_bench_versus_another_model_on_the_same_prompts(tiny_model: Path, tiny_tokenizer: Path, tmp_path: Path) -> None:
+    """A block-diffusion model benched against a bidirectional one: its own block modes, the other's
+    reference and default mode on the same prompts, every row also as a multiple of the other's reference."""
+    from .conftest import make_model
+
+    block = make_model(tmp_path / "block", tiny_tokenizer, block_causal=True)
+    args = ["bench", "--model", str(block), "--prompts", "3", "--batch-size", "2", "--gen-length", "8"]
+    r = CliRunner().invoke(app, [*args, "--versus", str(tiny_model), "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["architecture"] == "llada_block" and set(report["modes"]) == {"block", "block-fast"}
+    assert report["block_length"] == 8 and report["denoise_steps"] == 8  # the architecture's defaults
+    versus = report["versus"]
+    assert versus["model"] == str(tiny_model) and versus["baseline"] == "reference"
+    assert set(versus["modes"]) == {"reference", "dual-cache"}
+    assert versus["modes"]["reference"]["nfe"] == 2 * 8  # its own defaults: steps = gen_length, two batches
+    ref = versus["modes"]["reference"]["tokens_per_s"]
+    for m in [*report["modes"].values(), *versus["modes"].values()]:
+        assert m["x_versus_baseline"] == round(m["tokens_per_s"] / ref, 2)
+    r = CliRunner().invoke(app, [*args, "--versus", str(tmp_path / "nowhere"), "--device", "cpu"])
+    assert r.exit_code != 0 and "nowhere" in r.output
+
+
+def test_an_embedded_model_is_named_by_its_folder_name(tmp_path: Path, monkeypatch: object) -> None:
+    from celeris_cli.engine import default_model_dir, embedded_models, model_dir
+
+    assert model_dir("celeris-tiny") == default_model_dir() == embedded_models()["celeris-tiny"]
+    assert model_dir(None) == default_model_dir()
+    assert model_dir(str(tmp_path)) == tmp_path  # a folder that exists is a folder

@@ -133,17 +133,18 @@ def test_each_dream_alg_changes_the_answer(engine) -> None:  # type: ignore[no-u
 
 
 def test_alg_temp_draws_positions_per_request_seed(engine) -> None:  # type: ignore[no-untyped-def]
-    ids = engine.encode_prompt("def add(a, b):\n")
-    base = {"strategy": "dream", "gen_length": 32, "steps": 8}
-    greedy = engine.decode_ids([ids], engine.params(base))[0][0]
-    drawn = [engine.decode_ids([ids], engine.params({**base, "alg_temp": 0.5, "seed": s}))[0][0] for s in (1, 1, 2)]
+    prompts = [engine.encode_prompt(p) for p in ("def add(a, b):\n", "The quick brown fox", "床前明月光，")]
+    base = {"strategy": "dream", "gen_length": 32, "steps": 8, "alg": "maskgit_plus"}  # the folder's is origin
+    greedy, _ = engine.decode_ids(prompts, engine.params(base))
+    drawn = [engine.decode_ids(prompts, engine.params({**base, "alg_temp": 5.0, "seed": s}))[0] for s in (1, 1, 2)]
     assert drawn[0] == drawn[1]  # the same request gives the same answer
-    assert drawn[0] != greedy or drawn[2] != greedy
+    assert drawn[0] != greedy and drawn[2] != drawn[0]
 
 
 def test_fast_strategy_handles_the_logit_shift(engine) -> None:  # type: ignore[no-untyped-def]
-    """With one token per step and no threshold, the cached decoder must match the reference decoder's
-    choices on the first block, whose cache is fresh; a decoder that ignored the shift would not."""
+    """With one token per step and no threshold, the fast decoder (no cache: its full-canvas path) must make
+    the reference decoder's choices; a decoder that ignored the shift would not. The cached window's shift
+    is pinned by the one-layer test below."""
     ids = engine.encode_prompt("床前明月光，")
     common = {"gen_length": 16, "block_length": 16, "steps": 16, "temperature": 0.0}
     ref = engine.decode_ids([ids], engine.params({**common, "strategy": "reference"}))[0][0]
@@ -158,3 +159,56 @@ def test_dream_decoding_is_rejected_by_name_on_a_block_model_or_with_llada_knobs
         engine.params({"strategy": "dream", "block_length": 8})
     with pytest.raises(UsageError, match="alg"):
         engine.params({"strategy": "fast", "alg": "entropy"})
+
+
+@pytest.mark.parametrize("cfg_scale", [0.0, 2.0])
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_the_cached_window_handles_the_shift_exactly_on_a_one_layer_model(cache: str, cfg_scale: float) -> None:
+    """With one layer a cache is exact (keys/values depend on each position's own token), so the cached
+    decoder must reproduce the uncached one; the window must start one position early for the shift."""
+    from celeris_cli.engine import Engine
+
+    full = load_engine(FOLDER, device="cpu", dtype="float32")
+    full.model.model.layers = full.model.model.layers[:1]
+    one = Engine(full.model, full.tokenizer, full.device, full.dtype, FOLDER, full.arch)
+    base = {"gen_length": 24, "block_length": 8, "steps": 24, "threshold": 0.95, "early_exit": False, "temperature": 0}
+    base["cfg_scale"] = cfg_scale  # guidance: the unconditional view's window must not see the prompt either
+    prompts = [one.encode_prompt(p) for p in ("床前明月光，", "def add(a, b):\n", "The quick brown fox")]
+    plain, _ = one.decode_ids(prompts, one.params({**base, "cache": "none"}))
+    cached, _ = one.decode_ids(prompts, one.params({**base, "cache": cache}))
+    assert cached == plain
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"temperature": 1.0},
+        {"alg": "origin"},
+        {"alg": "topk_margin", "alg_temp": 0.5},
+        {"alg": "entropy", "temperature": 0.7, "top_p": 0.9},
+    ],
+    ids=["sampled", "origin", "alg_temp", "entropy-top_p"],
+)
+def test_every_random_draw_depends_on_the_request_alone(engine, settings) -> None:  # type: ignore[no-untyped-def]
+    """Prompts of very different lengths batched together: each row's answer equals its answer alone."""
+    prompts = [engine.encode_prompt(p) for p in ("床前明月光，疑是地上霜。举头望明月，", "To", "def add(a, b):\n")]
+    params = engine.params({"strategy": "dream", "gen_length": 24, "steps": 8, "seed": 3, **settings})
+    together, _ = engine.decode_ids(prompts, params)
+    alone = [engine.decode_ids([p], params)[0][0] for p in prompts]
+    assert together == alone
+
+
+def test_dream_settings_rules(engine) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(UsageError, match="alg_temp: origin"):
+        engine.params({"strategy": "dream", "alg": "origin", "alg_temp": 0.5})
+    # Dream's schedule may commit nothing on a step: more steps than tokens is allowed, as in its own code
+    assert engine.params({"strategy": "dream", "gen_length": 16, "steps": 32}).denoise_steps == 32
+
+
+def test_eps_changes_the_schedule_and_the_answer(engine) -> None:  # type: ignore[no-untyped-def]
+    """eps ends Dream's time schedule: a large one commits more tokens early, which changes what follows."""
+    prompts = [engine.encode_prompt(p) for p in ("def add(a, b):\n", "The quick brown fox", "床前明月光，")]
+    base = {"strategy": "dream", "gen_length": 24, "steps": 8, "alg": "maskgit_plus"}
+    small, _ = engine.decode_ids(prompts, engine.params({**base, "eps": 0.001}))
+    large, _ = engine.decode_ids(prompts, engine.params({**base, "eps": 0.6}))
+    assert small != large

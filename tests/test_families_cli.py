@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .spool_helpers import drop, make_queue, outputs
+from .spool_helpers import drop, failures, make_queue, outputs
 
 REPO = Path(__file__).parents[1]
 DATA = Path(__file__).parent / "data"
@@ -78,3 +78,19 @@ def test_the_queue_answers_openai_chat_lines_with_each_family(tmp_path: Path, fa
     assert all(r["status_code"] == 200 for r in rows.values())
     strategy = "block-fast" if family == "llada2_moe" else "fast"
     assert rows["c1"]["body"]["settings"]["strategy"] == strategy
+
+
+def test_a_queue_request_for_a_strategy_the_model_does_not_run_fails_alone_by_name(tmp_path: Path) -> None:
+    plain = {"prompt": "def add(a, b):", "max_tokens": 16}
+    lines = [
+        {"custom_id": "ok", "method": "POST", "url": "/v1/completions", "body": plain},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": {**plain, "strategy": "fast"}},
+    ]
+    config = make_queue(tmp_path, model=FOLDERS["llada2_moe"], generation={"block_length": 8})
+    drop(tmp_path, "in.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
+    p = celeris("watch", str(config), "--once")
+    assert p.returncode == 1, p.stderr  # --once exits 1 when a request failed
+    assert [r["custom_id"] for r in outputs(tmp_path)["in.jsonl.results.jsonl"]] == ["ok"]
+    [failure] = failures(tmp_path)
+    assert failure["custom_id"] == "bad" and failure["code"] == "bad_param" and not failure["retryable"]
+    assert "does not run on the llada2_moe architecture" in failure["message"]

@@ -29,6 +29,8 @@ MODES = [
     {"strategy": "fast", "cache": "dual", "confidence": "margin", "threshold": 0.5},
     {"strategy": "fast", "cache": "none", "confidence": "entropy", "threshold": 0.3},
     {"strategy": "fast", "cache": "prefix", "confidence": "lead", "threshold": 0.6},
+    {"strategy": "fast", "cache": "dual", "suffix_window": 4},
+    {"strategy": "fast", "cache": "prefix", "suffix_window": 8},
 ]
 
 
@@ -172,3 +174,50 @@ def test_fast_parameters_are_validated(engine: Engine, bad: dict) -> None:
 
     with pytest.raises(UsageError):
         engine.params(bad)
+
+
+class RowCounter(Recorder):
+    """Records how many rows each forward (full or cached) computes, in call order."""
+
+    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(model)
+        self.rows: list[int] = []
+
+    def hidden(self, ids, positions, key_mask, cache=None, start=0):  # type: ignore[no-untyped-def]
+        self.rows.append(ids.shape[0])
+        return super().hidden(ids, positions, key_mask, cache, start)
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_finished_rows_leave_within_the_block_and_change_no_answer(eos_prone: Engine, cache: str) -> None:
+    """One block of 32: rows that finish early stop being computed before the block ends (with their
+    cache rows), and every canvas equals the one decoded without early exit."""
+    base = {"gen_length": 32, "block_length": 32, "denoise_steps": 32, "threshold": 0.9, "cache": cache}
+    prompts = PROMPTS * 2
+    encoded = [eos_prone.encode_prompt(p) for p in prompts]
+    with_exit, _ = eos_prone.decode_ids(encoded, eos_prone.params({**base, "early_exit": True}))
+    without, _ = eos_prone.decode_ids(encoded, eos_prone.params({**base, "early_exit": False}))
+    stop = eos_prone.special.stop_ids
+    for a, b in zip(with_exit, without):  # the same answer, up to and including the first stop token
+        cut = next((i for i, t in enumerate(b) if t in stop), len(b))
+        assert a[: cut + 1] == b[: cut + 1]
+    P = max(map(len, encoded))
+    prompt = torch.tensor([[eos_prone.tokenizer.pad_id] * (P - len(i)) + i for i in encoded])
+    pmask = torch.tensor([[False] * (P - len(i)) + [True] * len(i) for i in encoded])
+    net = RowCounter(eos_prone.model)
+    params = plan("fast", **{**base, "early_exit": True})
+    generate_fast(net, prompt, pmask, params, eos_prone.tokenizer.mask_id, eos_prone.tokenizer.stop_ids, noise(10))
+    assert net.rows[0] == 10 and 0 < min(net.rows) < 10  # rows left although there is a single block
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_a_suffix_window_bounds_every_forward_and_a_wide_one_changes_nothing(engine: Engine, cache: str) -> None:
+    base = {"gen_length": 32, "block_length": 8, "denoise_steps": 32, "cache": cache, "early_exit": False}
+    _, whole, P = run_fast(engine, PROMPTS, plan("fast", **base, suffix_window=0))
+    _, wide, _ = run_fast(engine, PROMPTS, plan("fast", **base, suffix_window=32))
+    assert [c.tolist() for c in wide.canvases] == [c.tolist() for c in whole.canvases]
+    out, net, _ = run_fast(engine, PROMPTS, plan("fast", **base, suffix_window=4))
+    # full forwards cover the prompt, the blocks so far, the active block and 4 more, capped at the canvas
+    lengths = [c.shape[1] for c in net.canvases]
+    assert lengths[0] == P + 8 + 4 and max(lengths) == P + 32 and lengths == sorted(lengths)
+    assert not (out == engine.tokenizer.mask_id).any()

@@ -39,6 +39,7 @@ CHANGES = {
     "cache": "dual",
     "confidence": "entropy",
     "early_exit": True,
+    "suffix_window": 1,
     "presence_penalty": 2.0,
     "min_tokens": 8,
     "seed": 1,
@@ -192,13 +193,17 @@ def test_bfloat16_batched_answers_equal_alone_with_float32_attention_and_logits(
     from celeris_cli.measure.bench import agreement
 
     e = load_engine(tiny_model, device="cpu", dtype="bfloat16")
-    params = e.params({"gen_length": 24, "block_length": 8, "denoise_steps": 24, "temperature": 1.0})
+    base = {"gen_length": 24, "block_length": 8, "denoise_steps": 24, "temperature": 1.0}
     seeds = list(range(len(TWENTY)))
 
-    def identical() -> float:
-        together = [r.text for r in e.generate(TWENTY, params, batch_size=20, seeds=seeds)]
-        alone = [e.generate([p], params, seeds=[s])[0].text for p, s in zip(TWENTY, seeds)]
-        return agreement(alone, together)["identical_rows"]
+    def identical() -> float:  # over the three cache modes: which of them drifts depends on the draws
+        shares = []
+        for cache in ("dual", "prefix", "none"):
+            params = e.params({**base, "cache": cache})
+            together = [r.text for r in e.generate(TWENTY, params, batch_size=20, seeds=seeds)]
+            alone = [e.generate([p], params, seeds=[s])[0].text for p, s in zip(TWENTY, seeds)]
+            shares.append(agreement(alone, together)["identical_rows"])
+        return sum(shares) / len(shares)
 
     with_upcast = identical()
     e.model.set_upcast(False)

@@ -124,13 +124,16 @@ def _prompts(n: int) -> list[list[int]]:
     return list(seen.values())[:n]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("strategy", ["block", "block-fast"])
-def test_batched_rows_equal_each_row_alone(engine, strategy) -> None:  # type: ignore[no-untyped-def]
+def test_batched_rows_equal_each_row_alone(engine, strategy, temperature) -> None:  # type: ignore[no-untyped-def]
     """Rows of different prompt lengths (so different block alignments) decoded together: no row's answer
     moves, and the MoE drops no token whatever its batch mates route to."""
     prompts = _prompts(5)
     assert len({len(p) % 8 for p in prompts}) > 1
-    params = engine.params({"strategy": strategy, "gen_length": 32, "block_length": 8, "block_steps": 8})
+    params = engine.params(
+        {"strategy": strategy, "gen_length": 32, "block_length": 8, "block_steps": 8, "temperature": temperature}
+    )
     together, _ = engine.decode_ids(prompts, params)
     alone = [engine.decode_ids([p], params)[0][0] for p in prompts]
     cut = [engine.finish(o)[0] for o in together], [engine.finish(o)[0] for o in alone]
@@ -179,3 +182,25 @@ def test_every_block_knob_changes_the_answer(engine) -> None:  # type: ignore[no
     for knob, value in changes.items():
         outs, _ = engine.decode_ids(prompts, engine.params({**base, knob: value, "seed": 1}))
         assert outs != ref, knob
+
+
+@pytest.mark.parametrize("strategy", ["block", "block-fast"])
+def test_block_decoders_honour_presence_penalty_and_min_tokens(engine, strategy, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """One commit per step (threshold never fires), greedy: with a prohibitive presence penalty no token
+    comes twice in an answer; with min_tokens N, a stop token the answer would start with waits until N."""
+    prompts = _prompts(4)
+    vocab = REF["ids"]["vocab_size"]
+    monkeypatch.setattr(engine, "special", SpecialTokens(engine.tokenizer.mask_id, frozenset({vocab - 1}), 0))
+    base = {"strategy": strategy, "gen_length": 32, "block_length": 8, "block_steps": 8, "threshold": 1.0}
+    base["temperature"] = 0.0
+    plain, _ = engine.decode_ids(prompts, engine.params(base))
+    assert any(len(set(a)) < len(a) for a in plain)  # greedy answers repeat themselves
+    penalised, _ = engine.decode_ids(prompts, engine.params({**base, "presence_penalty": 1e4}))
+    assert all(len(set(a)) == len(a) for a in penalised)
+
+    first = plain[0][0]  # make the first answer's first token a stop token: that answer ends at once
+    monkeypatch.setattr(engine, "special", SpecialTokens(engine.tokenizer.mask_id, frozenset({first}), 0))
+    ended, _ = engine.decode_ids(prompts, engine.params(base))
+    assert ended[0][0] == first
+    held, _ = engine.decode_ids(prompts, engine.params({**base, "min_tokens": 5}))
+    assert all(first not in a[:5] for a in held)

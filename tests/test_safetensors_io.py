@@ -43,3 +43,17 @@ def test_a_truncated_file_is_a_model_error_naming_the_tensor(tmp_path: Path) -> 
     path.write_bytes(data[:-10])
     with pytest.raises(ModelError, match="truncated"):
         list(read_tensors(path, ["w", "b", "ids", "f"], "cpu", torch.float32))
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ['"x"', '{"dtype": "F32", "data_offsets": [0, 4]}', '{"dtype": "F32", "shape": [1], "data_offsets": ["0", "4"]}'],
+)
+def test_a_damaged_header_is_a_model_error_naming_the_entry(tmp_path: Path, entry: str) -> None:
+    import struct
+
+    header = ('{"t": ' + entry + "}").encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    with pytest.raises(ModelError, match="damaged safetensors header \\(entry 't'\\)"):
+        safetensors_io.read_header(path)

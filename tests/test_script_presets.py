@@ -98,3 +98,30 @@ def test_presence_penalty_lowers_the_reuse_of_committed_tokens(engine: Engine) -
         return sum(len(row) - len(set(row)) for row in ids)
 
     assert repeats(5.0) < repeats(0.0)
+
+
+def test_the_batch_command_gives_each_request_its_scripts_preset(tmp_path: Path, tiny_model: Path) -> None:
+    """`celeris batch` (the queue's preparer and packer) runs each request with its script's preset, the
+    same answer as `generate`, and a request's own setting still wins over the preset. The packer groups
+    requests by the settings they will run with, so batches hold --batch-size rows of one preset."""
+    from .test_batch import celeris
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    config = {"gen_length": 16, "block_length": 16, "denoise_steps": 16, "temperature": 1.0}
+    preset = {"latin": {"block_length": 4, "presence_penalty": 1.0, "min_tokens": 3}}
+    (folder / "generation_config.json").write_text(json.dumps({**config, "by_script": preset}))
+    prompts = ["床前明月光，", "To be, or not to be", "白日依山尽，", "The quick"] * 2
+    lines = [json.dumps({"id": f"q{i}", "prompt": p}) for i, p in enumerate(prompts)]
+    lines.append(json.dumps({"id": "own", "prompt": "The quick", "block_length": 8}))
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    p = celeris("batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--model",
+                str(folder), "--device", "cpu", "--dtype", "float32", "--batch-size", "4")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    bodies = [json.loads(x)["response"]["body"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    settings = [b["settings"] for b in bodies]
+    assert [s["block_length"] for s in settings] == [16, 4, 16, 4] * 2 + [8]
+    assert [s["presence_penalty"] for s in settings] == [0.0, 1.0, 0.0, 1.0] * 2 + [1.0]
+    assert [b["timing"]["batch_size"] for b in bodies] == [4] * 8 + [1]  # not mixed batches split in two
+    e = load_engine(folder, device="cpu", dtype="float32")
+    assert [b["text"] for b in bodies[:8]] == [r.text for r in e.generate(prompts, batch_size=4)]

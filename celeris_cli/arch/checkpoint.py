@@ -162,5 +162,5 @@ def describe(folder: Path) -> dict[str, Any]:
         "context": cfg.max_sequence_length,
         "chat_template": "yes" if tok.chat_template else "no",
         "strategies": ", ".join(arch.strategies) + f" (default {defaults.strategy})",
-        "logit_shift": "yes (position j-1 predicts j)" if arch.name == "dream" else "no",
+        "logit_shift": "yes (position j-1 predicts j)" if getattr(arch.build, "logit_shift", 0) else "no",
     }

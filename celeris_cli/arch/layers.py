@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..errors import ModelError
 
@@ -102,20 +103,22 @@ def attend(
 ) -> tuple[torch.Tensor, KV]:
     """Scaled dot-product attention of q (B, H, T, D) over k, v (B, Hkv, T, D), or over a cached canvas
     with positions [start, start+T) overwritten in place by the fresh k, v. Returns (B, T, H*D) and the
-    fresh (k, v). attn_mask: bool, broadcastable to (B, H, T, L); True = may attend."""
+    fresh (k, v). attn_mask: bool, broadcastable to (B, H, T, L); True = may attend. Grouped-query heads
+    are SDPA's own (`enable_gqa`), so the keys/values are never repeated per query head. A float32 cache
+    under upcast is used as it is (see `Net.cache_of`), not cast again at every step."""
     fresh = (k, v)
     if cache is not None:
         ck, cv = cache
         ck[:, :, start : start + k.shape[2]] = k
         cv[:, :, start : start + v.shape[2]] = v
         k, v = ck, cv
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    gqa = q.shape[1] != k.shape[1]
     if q.dtype != torch.float32 and upcast:  # low-precision rounding would depend on the batch's shape
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask).to(q.dtype)
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask, enable_gqa=gqa).to(
+            q.dtype
+        )
     else:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
     B, H, T, D = y.shape
     return y.transpose(1, 2).reshape(B, T, H * D), fresh
 
@@ -165,3 +168,89 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
+
+
+HEAD_CACHE_BYTES = 64 * 2**20  # the largest float32 copy of an LM head's weight kept between forwards
+
+
+class DiffusionLM(nn.Module):
+    """The model boundary every architecture shares: embed, run the layers (with an optional cache), norm,
+    LM head. A family supplies its parts through `parts()` and `head_weight()`; each layer is called as
+    `layer(x, rope, mask, cache_i, start, upcast) -> (x, (k, v))`.
+
+    `upcast`: with low-precision weights (bfloat16), attention and the LM head are computed in float32.
+    Their bfloat16 rounding depends on the padded length and the batch's shape, so without it a prompt
+    decoded in a batch often drifts from the same prompt decoded alone (README, "Reproducible answers")."""
+
+    upcast = True
+    logit_shift = 0  # 1 where position j-1's logits predict position j (Dream)
+    block_causal = False  # True where attention is causal between blocks (LLaDA2)
+    cfg: Any
+
+    def parts(self) -> tuple[nn.Embedding, nn.ModuleList, Any]:
+        """The embedding, the layers, and the final norm (a callable on hidden states)."""
+        raise NotImplementedError
+
+    def head_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rope_dims(self) -> tuple[int, float]:
+        """Rotary dimensions per head, and theta."""
+        raise NotImplementedError
+
+    def set_upcast(self, on: bool) -> None:
+        self.upcast = on
+
+    def hidden(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        cache: list[KV] | None = None,
+        start: int = 0,
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """Final hidden states (after the final norm) for `ids`, and each layer's fresh keys/values.
+
+        ids: (B, T). positions: (B, T) RoPE positions (default start..start+T-1; under left padding pass
+        cumsum(key_mask)-1 so a row's positions match its unpadded self). key_mask: (B, L) bool, True for
+        keys that may be attended to (L is T without a cache, the cached canvas length with one), or a
+        (B, 1, T, L) mask (block-causal). cache: per-layer (k, v) over the whole canvas; `ids` then stands
+        for positions [start, start+T), and the cache is updated in place there.
+        """
+        B, T = ids.shape
+        if positions is None:
+            positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
+        rope = rope_tables(positions, *self.rope_dims())
+        mask = key_mask_4d(key_mask)
+        embed, layers, norm = self.parts()
+        x = embed(ids)
+        fresh: list[KV] = []
+        for i, layer in enumerate(layers):
+            x, kv = layer(x, rope, mask, None if cache is None else cache[i], start, self.upcast)
+            fresh.append(kv)
+        return norm(x), fresh
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """LM head (B, T, vocab_size); call it on the positions whose logits are needed only."""
+        w = self.head_weight()
+        if h.dtype != torch.float32 and self.upcast:
+            return F.linear(h.float(), self._float_head(w))[..., : self.cfg.vocab_size]
+        return F.linear(h, w)[..., : self.cfg.vocab_size]
+
+    def _float_head(self, w: torch.Tensor) -> torch.Tensor:
+        """The head's weight in float32 for the upcast head: cast once and kept while the weight is
+        unchanged, where the copy is small (the embedded models: 9.5 MB, cast at every forward before);
+        a large head (LLaDA-8B's is 2 GB in float32) is cast per call instead of held twice."""
+        if w.numel() * 4 > HEAD_CACHE_BYTES or w.is_inference() or (torch.is_grad_enabled() and w.requires_grad):
+            return w.float()  # an inference tensor has no version counter to tell a changed weight by
+        key = (w.data_ptr(), w._version, w.device)
+        if getattr(self, "_head_key", None) != key:
+            self._head_f32, self._head_key = w.detach().float(), key
+        return self._head_f32
+
+    def forward(
+        self, ids: torch.Tensor, key_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Full-canvas logits (B, T, vocab_size), unshifted (as each family's own forward returns them)."""
+        h, _ = self.hidden(ids, positions, key_mask)
+        return self.head(h)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
-from .layers import KV, apply_rope, attend, check_type, key_mask_4d, rope_tables
+from .layers import KV, DiffusionLM, apply_rope, attend, check_type
 
 # LLaDA config.json keys that change the architecture, and the only values we implement.
 _UNSUPPORTED = {
@@ -54,6 +54,8 @@ class ModelConfig:
     eot_token_id: int | None = None  # end of turn for chat models; LLaDA's <|eot_id|>
     bos_token_id: int | None = None
     model_type: str = "llada"
+    # Ours, not LLaDA's: attention causal between blocks (block diffusion, `celeris train --block-size`).
+    block_causal: bool = False
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "mlp_hidden_size", "vocab_size"):
@@ -105,6 +107,8 @@ class ModelConfig:
         d["n_kv_heads"] = self.kv_heads
         d["embedding_size"] = self.rows
         d["pad_token_id"] = self.pad_token_id if self.pad_token_id is not None else self.eos_token_id
+        if not self.block_causal:  # a bidirectional model's config stays LLaDA's own
+            del d["block_causal"]
         d.update(
             {
                 "activation_type": "silu",
@@ -182,27 +186,19 @@ class Transformer(nn.Module):
             self.ff_out = nn.Linear(cfg.d_model, cfg.rows, bias=False)
 
 
-class LLaDAModel(nn.Module):
+class LLaDAModel(DiffusionLM):
     """`model.transformer.*` naming, as in LLaDA's safetensors.
 
-    `upcast`: with low-precision weights (bfloat16), attention and the LM head are computed in float32.
-    Their bfloat16 rounding depends on the padded length and the batch's shape, so without it a prompt
-    decoded in a batch often drifts from the same prompt decoded alone (README, "Reproducible answers").
-    On this CPU it cost about 5% of bfloat16 throughput; not measured on a GPU, where float32 attention
-    also gives up the fused bfloat16 kernels and the head's weight is cast per call (2 GB for LLaDA-8B)."""
-
-    upcast = True
-    logit_shift = 0  # position j's logits predict position j
-    block_causal = False
+    The float32 upcast (`DiffusionLM.upcast`) cost about 5% of bfloat16 throughput on this CPU; not measured
+    on a GPU, where float32 attention also gives up the fused bfloat16 kernels and the head's weight is
+    cast per call (2 GB for LLaDA-8B)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.block_causal = cfg.block_causal
         self.model = nn.Module()
         self.model.transformer = Transformer(cfg)
-
-    def set_upcast(self, on: bool) -> None:
-        self.upcast = on
 
     @property
     def transformer(self) -> Transformer:
@@ -222,45 +218,13 @@ class LLaDAModel(nn.Module):
                 with torch.no_grad():
                     p.normal_(0.0, s, generator=generator)
 
-    def hidden(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        key_mask: torch.Tensor | None = None,
-        cache: list[KV] | None = None,
-        start: int = 0,
-    ) -> tuple[torch.Tensor, list[KV]]:
-        """Final hidden states (after ln_f) for `ids`, and each layer's fresh keys/values.
-
-        ids: (B, T). positions: (B, T) RoPE positions (default 0..T-1; under left padding pass
-        cumsum(key_mask)-1 so a row's positions match its unpadded self). key_mask: (B, L) bool, True for
-        keys that may be attended to, where L is T without a cache and the cached canvas length with one.
-        cache: per-layer (k, v) over the whole canvas; `ids` then stands for positions [start, start+T), and
-        the cache is updated in place there.
-        """
-        B, T = ids.shape
-        if positions is None:
-            positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
-        rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        attn_mask = key_mask_4d(key_mask)
-        x = self.transformer.wte(ids)
-        fresh: list[KV] = []
-        for i, block in enumerate(self.transformer.blocks):
-            x, kv = block(x, rope, attn_mask, None if cache is None else cache[i], start, self.upcast)
-            fresh.append(kv)
-        return self.transformer.ln_f(x), fresh
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """LM head; call it on the positions whose logits are needed only."""
+    def parts(self) -> tuple[nn.Embedding, nn.ModuleList, Any]:
         t = self.transformer
-        w = t.wte.weight if self.cfg.weight_tying else t.ff_out.weight
-        if h.dtype != torch.float32 and self.upcast:
-            return F.linear(h.float(), w.float())[..., : self.cfg.vocab_size]
-        return F.linear(h, w)[..., : self.cfg.vocab_size]
+        return t.wte, t.blocks, t.ln_f
 
-    def forward(
-        self, ids: torch.Tensor, key_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Full-canvas logits (B, T, vocab_size)."""
-        h, _ = self.hidden(ids, positions, key_mask)
-        return self.head(h)
+    def head_weight(self) -> torch.Tensor:
+        t = self.transformer
+        return t.wte.weight if self.cfg.weight_tying else t.ff_out.weight
+
+    def rope_dims(self) -> tuple[int, float]:
+        return self.cfg.head_dim, self.cfg.rope_theta

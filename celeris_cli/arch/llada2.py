@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
-from .layers import KV, apply_rope, attend, key_mask_4d, read_fields, rms_norm, rope_tables
+from .layers import KV, DiffusionLM, apply_rope, attend, read_fields, rms_norm
 
 
 @dataclass(frozen=True)
@@ -243,9 +243,7 @@ class _Backbone(nn.Module):
         self.norm = _Weight(cfg.hidden_size)
 
 
-class LLaDA2MoeModel(nn.Module):
-    upcast = True  # as LLaDAModel.upcast
-    logit_shift = 0
+class LLaDA2MoeModel(DiffusionLM):
     block_causal = True
 
     def __init__(self, cfg: LLaDA2Config) -> None:
@@ -255,38 +253,16 @@ class LLaDA2MoeModel(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def set_upcast(self, on: bool) -> None:
-        self.upcast = on
+    def parts(self) -> tuple[nn.Embedding, nn.ModuleList, Any]:
+        cfg = self.cfg
+        return (
+            self.model.word_embeddings,
+            self.model.layers,
+            lambda x: rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps),
+        )
 
-    def hidden(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        attn_mask: torch.Tensor | None = None,
-        cache: list[KV] | None = None,
-        start: int = 0,
-    ) -> tuple[torch.Tensor, list[KV]]:
-        """As `LLaDAModel.hidden`; `attn_mask` is (B, L) keys or a (B, 1, T, L) block-causal mask."""
-        B, T = ids.shape
-        if positions is None:
-            positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
-        rope = rope_tables(positions, self.cfg.rot_dim, self.cfg.rope_theta)
-        mask = key_mask_4d(attn_mask)
-        x = self.model.word_embeddings(ids)
-        fresh: list[KV] = []
-        for i, layer in enumerate(self.model.layers):
-            x, kv = layer(x, rope, mask, None if cache is None else cache[i], start, self.upcast)
-            fresh.append(kv)
-        return rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps), fresh
+    def head_weight(self) -> torch.Tensor:
+        return self.model.word_embeddings.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.model.word_embeddings.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        if h.dtype != torch.float32 and self.upcast:
-            return F.linear(h.float(), w.float())
-        return F.linear(h, w)
-
-    def forward(
-        self, ids: torch.Tensor, attn_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        h, _ = self.hidden(ids, positions, attn_mask)
-        return self.head(h)
+    def rope_dims(self) -> tuple[int, float]:
+        return self.cfg.rot_dim, self.cfg.rope_theta

@@ -31,6 +31,7 @@ class Architecture:
     strategies: tuple[str, ...]  # supported decoding strategies, the default first
     optional: Callable[[Any], frozenset[str]] = lambda cfg: frozenset()  # tensors a folder may carry or not
     defaults: tuple[tuple[str, Any], ...] = ()  # settings under the folder's generation_config.json
+    when: Callable[[dict[str, Any]], bool] = lambda raw: True  # a variant of a model_type, told by its config
 
     @property
     def default_strategy(self) -> str:
@@ -52,9 +53,25 @@ def _tied_head(cfg: Any) -> frozenset[str]:
     return frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset()
 
 
+def _block_causal(raw: dict[str, Any]) -> bool:
+    return raw.get("block_causal") is True
+
+
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
         "llada", ("llada",), ("LLaDAModelLM",), ModelConfig.from_dict, LLaDAModel, ("fast", "reference", "dream")
+    ),
+    # LLaDA's layout trained as block diffusion (`celeris train --block-size`): causal between blocks, so only
+    # the block decoders run it (a bidirectional decoder would show it blocks it never saw in training)
+    Architecture(
+        "llada_block",
+        ("llada",),
+        ("LLaDAModelLM",),
+        ModelConfig.from_dict,
+        LLaDAModel,
+        ("block-fast", "block"),
+        defaults=(("block_length", 8), ("block_steps", 8), ("threshold", 0.9)),
+        when=_block_causal,
     ),
     Architecture(
         "dream",
@@ -79,23 +96,27 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 )
 
 
+_VARIANTS = {"llada_block"}
+
+
 def supported() -> str:
-    return ", ".join(t for a in ARCHITECTURES for t in a.model_types)
+    return ", ".join(dict.fromkeys(t for a in ARCHITECTURES for t in a.model_types))
 
 
 def architecture_of(raw: dict[str, Any], path: Path | str = "config.json") -> Architecture:
     """The architecture a config.json names. A config naming neither a model_type nor an architecture is
     read as LLaDA's (the format of our own models before the registry)."""
     model_type, classes = raw.get("model_type"), raw.get("architectures") or []
-    for arch in ARCHITECTURES:
-        if model_type in arch.model_types:
+    variants = sorted(ARCHITECTURES, key=lambda a: a.name not in _VARIANTS)  # a variant before its base
+    for arch in variants:
+        if model_type in arch.model_types and arch.when(raw):
             return arch
     if model_type is None:
-        for arch in ARCHITECTURES:
-            if any(c in arch.classes for c in classes if isinstance(c, str)):
+        for arch in variants:
+            if arch.when(raw) and any(c in arch.classes for c in classes if isinstance(c, str)):
                 return arch
         if not classes:
-            return ARCHITECTURES[0]
+            return next(a for a in variants if a.when(raw) and "llada" in a.model_types)
     named = f"model_type {model_type!r}" if model_type is not None else f"architectures {classes!r}"
     raise ModelError(f"{path}: {named} is not supported (supported model types: {supported()})")
 

@@ -51,6 +51,18 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     if not isinstance(header, dict):
         raise ModelError(f"{path}: not a safetensors file (header is not an object)")
     header.pop("__metadata__", None)
+    for name, entry in header.items():
+        ok = (
+            isinstance(entry, dict)
+            and isinstance(entry.get("dtype"), str)
+            and isinstance(entry.get("shape"), list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry["shape"])
+            and isinstance(entry.get("data_offsets"), list)
+            and len(entry["data_offsets"]) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in entry["data_offsets"])
+        )
+        if not ok:
+            raise ModelError(f"{path}: damaged safetensors header (entry {name!r})")
     return header, 8 + n
 
 

@@ -5,7 +5,7 @@ alone. The queue's own packing and bisection (`spool.batching`). Also what each 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import CelerisError
@@ -25,6 +25,25 @@ def _log(event: str, **fields: Any) -> None:
     log.info("%s %s", event, fields)
 
 
+def prepare_and_pack(
+    prepare: Callable[[Request], Prepared], requests: list[Request], batch_size: int, token_budget: int
+) -> tuple[list[list[Prepared]], list[Outcome]]:
+    """The batches the requests are decoded in, and the failures of those that cannot be prepared. The one
+    packing every executor uses (on Ray, the driver packs and each actor decodes whole batches), so an
+    answer's batch mates, and with them its low-precision rounding, are the same local or on Ray."""
+    prepared: list[Prepared] = []
+    failed: list[Outcome] = []
+    for req in requests:
+        try:
+            prepared.append(prepare(req))
+        except CelerisError as e:
+            failed.append(Outcome(req, code=e.code, message=str(e), retryable=e.retryable))
+        except Exception as e:  # a request the engine cannot even prepare must not sink the others
+            log.exception("preparing %s", req.custom_id)
+            failed.append(Outcome(req, code="engine_error", message=f"{type(e).__name__}: {e}"))
+    return pack_by_group(prepared, _same, batch_size, token_budget), failed
+
+
 class LocalExecutor:
     def __init__(self, backend: Backend, batch_size: int = 16, token_budget: int = 16384) -> None:
         self.backend = backend
@@ -32,15 +51,12 @@ class LocalExecutor:
         self.token_budget = token_budget
 
     def run(self, requests: list[Request]) -> Iterator[Outcome]:
-        prepared: list[Prepared] = []
-        for req in requests:
-            try:
-                prepared.append(self.backend.prepare(req))
-            except CelerisError as e:
-                yield Outcome(req, code=e.code, message=str(e), retryable=e.retryable)
-            except Exception as e:  # a request the engine cannot even prepare must not sink the others
-                log.exception("preparing %s", req.custom_id)
-                yield Outcome(req, code="engine_error", message=f"{type(e).__name__}: {e}")
-        for batch in pack_by_group(prepared, _same, self.batch_size, self.token_budget):
-            for d in run_bisecting(self.backend, batch, _same, None, lambda: False, _log):
-                yield Outcome(d.item.request, d.body, d.code or None, d.message or None, d.retryable)
+        batches, failed = prepare_and_pack(self.backend.prepare, requests, self.batch_size, self.token_budget)
+        yield from failed
+        for batch in batches:
+            yield from self.decode(batch)
+
+    def decode(self, batch: list[Prepared]) -> Iterator[Outcome]:
+        """One packed batch; a failing batch is bisected so a poison request fails alone."""
+        for d in run_bisecting(self.backend, batch, _same, None, lambda: False, _log):
+            yield Outcome(d.item.request, d.body, d.code or None, d.message or None, d.retryable)

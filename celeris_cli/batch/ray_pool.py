@@ -41,13 +41,34 @@ class RayOptions:
     engine: dict[str, Any] = field(default_factory=dict)  # model, device, dtype, generation
 
 
-def import_ray() -> Any:
+def import_ray(what: str = "--ray", data: bool = True) -> Any:
     try:
         import ray
-        import ray.data  # noqa: F401
+
+        if data:
+            import ray.data  # noqa: F401
     except ImportError:
-        raise UsageError("--ray needs Ray: pip install 'celeris[ray]'") from None
+        raise UsageError(f"{what} needs Ray: pip install 'celeris[ray]'") from None
     return ray
+
+
+def init_ray(ray: Any, address: str | None) -> bool:
+    """Join Ray at `address`, or start a local one (None); returns whether this process started the
+    session (and so shuts it down). Actors get this process's CELERIS_* variables (fault injection)."""
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(
+            address=address,
+            log_to_driver=False,  # stdout belongs to the results, stderr to our own progress
+            logging_level=logging.WARNING,
+            include_dashboard=False,
+            runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("CELERIS_")}},
+        )
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = address or "a local Ray"
+        raise UsageError(f"cannot start or join Ray ({where}): {str(e).splitlines()[0]}") from None
+    return True
 
 
 def check_engine(engine: dict[str, Any]) -> None:
@@ -55,10 +76,10 @@ def check_engine(engine: dict[str, Any]) -> None:
     combination the model's defaults reject is one clear error here, not a retried actor crash there."""
     from ..arch.checkpoint import read_folder, weight_files
     from ..arch.tokenizer import load_tokenizer
-    from ..engine import default_model_dir, read_generation_config
+    from ..engine import model_dir, read_generation_config
     from ..params import GenerationParams
 
-    folder = Path(engine["model"]) if engine.get("model") else default_model_dir()
+    folder = model_dir(engine.get("model"))
     arch, cfg = read_folder(folder)
     load_tokenizer(folder, cfg)
     weight_files(folder)
@@ -73,29 +94,16 @@ class RayExecutor:
         check_engine(options.engine)
 
     def run(self, requests: list[Request]) -> Iterator[Outcome]:
-        with _stdout_to_stderr():
+        with stdout_to_stderr():
             yield from self._session(requests)
 
     def _session(self, requests: list[Request]) -> Iterator[Outcome]:
-        ray, o = self.ray, self.options
-        started_here = not ray.is_initialized()
-        if started_here:
-            try:
-                ray.init(
-                    address=o.address,
-                    log_to_driver=False,  # stdout belongs to the results, stderr to our own progress
-                    logging_level=logging.WARNING,
-                    include_dashboard=False,
-                    runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("CELERIS_")}},
-                )
-            except (ConnectionError, RuntimeError, ValueError) as e:
-                where = o.address or "a local Ray"
-                raise UsageError(f"cannot start or join Ray ({where}): {str(e).splitlines()[0]}") from None
+        started_here = init_ray(self.ray, self.options.address)
         try:
             yield from self._run(requests)
         finally:
             if started_here:
-                ray.shutdown()
+                self.ray.shutdown()
 
     def _run(self, requests: list[Request]) -> Iterator[Outcome]:
         ray, o = self.ray, self.options
@@ -107,20 +115,22 @@ class RayExecutor:
         # starves it and the job hangs); the threads use what the actors share
         cpus = o.cpus_per_actor if o.cpus_per_actor is not None else min(1.0, total_cpus / (o.actors + 1))
         threads = o.threads_per_actor or max(1, int(total_cpus // o.actors))
+        # the driver packs, as the local executor does, and each Ray row is one whole batch: an answer's
+        # batch mates (and so its low-precision rounding) are the same as in a local run
+        from ..spool.backend import Preparer
+        from .local import prepare_and_pack
+
+        preparer = Preparer.load(o.engine.get("model"), o.engine.get("generation", {}))
+        batches, failed = prepare_and_pack(preparer.prepare, requests, o.batch_size, o.token_budget)
+        yield from failed
+        if not batches:
+            return
         by_line = {r.line: r for r in requests}
-        # settings first, then length: consecutive rows share settings and have similar lengths, so Ray's
-        # batches pack well inside each actor
-        order = sorted(requests, key=lambda r: (json.dumps(r.params, sort_keys=True), len(r.prompt or str(r.messages))))
-        ds = ray.data.from_items([{"request": json.dumps(asdict(r), ensure_ascii=False)} for r in order])
-        out = ds.map_batches(
+        rows = [{"batch": json.dumps([asdict(p.request) for p in b], ensure_ascii=False)} for b in batches]
+        out = ray.data.from_items(rows).map_batches(
             RayWorker,
-            fn_constructor_kwargs={
-                "engine": o.engine,
-                "threads": threads,
-                "token_budget": o.token_budget,
-                "batch_size": o.batch_size,
-            },
-            batch_size=o.batch_size,
+            fn_constructor_kwargs={"engine": o.engine, "threads": threads},
+            batch_size=1,
             compute=ray.data.ActorPoolStrategy(size=o.actors),
             num_cpus=cpus,
             num_gpus=o.gpus_per_actor,
@@ -131,7 +141,7 @@ class RayExecutor:
 
 
 @contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
+def stdout_to_stderr() -> Iterator[None]:
     """Ray's raylet prints retries and worker deaths to the driver's stdout even with log_to_driver off;
     stdout belongs to the results, so file descriptor 1 points at stderr while Ray runs."""
     sys.stdout.flush()
@@ -148,7 +158,7 @@ def _stdout_to_stderr() -> Iterator[None]:
 class RayWorker:
     """One actor: loads the engine once, then turns batches of request rows into outcome rows."""
 
-    def __init__(self, engine: dict[str, Any], threads: int, batch_size: int, token_budget: int) -> None:
+    def __init__(self, engine: dict[str, Any], threads: int) -> None:
         from ..spool.backend import EngineBackend
         from .local import LocalExecutor
 
@@ -156,19 +166,33 @@ class RayWorker:
             engine.get("model"), engine.get("device", "auto"), engine.get("dtype", "auto"), threads,
             engine.get("generation", {}),
         )  # fmt: skip
-        self.executor = LocalExecutor(backend, batch_size, token_budget)
+        self.executor = LocalExecutor(backend)
         self.batches_done = 0
 
-    def __call__(self, batch: dict[str, Any]) -> dict[str, list[str]]:
+    def __call__(self, rows: dict[str, Any]) -> dict[str, list[str]]:
+        """Each row is one batch packed by the driver, decoded as it is."""
         marker = os.environ.get(CRASH_ENV)
         if marker and self.batches_done >= 1 and not Path(marker).exists():
             Path(marker).touch()
             os._exit(1)  # as if the node lost the process mid-batch
         self.batches_done += 1
-        requests = [Request(**json.loads(s)) for s in batch["request"]]
         outcomes = []
-        for oc in self.executor.run(requests):
-            rec = {"line": oc.request.line, "body": oc.body, "code": oc.code, "message": oc.message,
-                   "retryable": oc.retryable}  # fmt: skip
-            outcomes.append(json.dumps(rec, ensure_ascii=False))
+        for row in rows["batch"]:
+            outcomes += [self._row(oc) for oc in self._decode([Request(**r) for r in json.loads(row)])]
         return {"outcome": outcomes}
+
+    def _decode(self, requests: list[Request]) -> Iterator[Outcome]:
+        """The driver's batch as one batch: the same requests re-prepared here (a failure would be this
+        actor's own) fall in one group, already in cost order, so packing them again cannot split them."""
+        from .local import prepare_and_pack
+
+        batches, failed = prepare_and_pack(self.executor.backend.prepare, requests, len(requests), 1 << 62)
+        yield from failed
+        for batch in batches:
+            yield from self.executor.decode(batch)
+
+    @staticmethod
+    def _row(oc: Outcome) -> str:
+        rec = {"line": oc.request.line, "body": oc.body, "code": oc.code, "message": oc.message,
+               "retryable": oc.retryable}  # fmt: skip
+        return json.dumps(rec, ensure_ascii=False)

@@ -130,19 +130,31 @@ def generate(
         "--early-exit/--no-early-exit",
         help=knob_help("early_exit", "fast: stop a row once its end-of-text is decoded."),
     ),
+    suffix_window: int = typer.Option(
+        None,
+        "--suffix-window",
+        min=0,
+        metavar="N",
+        help=knob_help(
+            "suffix_window",
+            "fast: the model sees at most N masked positions past the active block (0 = the whole canvas).",
+        ),
+    ),
     presence_penalty: float = typer.Option(
         None,
         "--presence-penalty",
         min=0.0,
         metavar="X",
-        help=knob_help("presence_penalty", "fast: subtract X from the logit of every token already in the answer."),
+        help=knob_help(
+            "presence_penalty", "fast, block: subtract X from the logit of every token already in the answer."
+        ),
     ),
     min_tokens: int = typer.Option(
         None,
         "--min-tokens",
         min=0,
         metavar="N",
-        help=knob_help("min_tokens", "fast: no end of text among the answer's first N tokens."),
+        help=knob_help("min_tokens", "fast, block: no end of text among the answer's first N tokens."),
     ),
     alg: AlgOpt = typer.Option(None, "--alg", help=knob_help("alg", "dream: which positions unmask first.")),
     alg_temp: float = typer.Option(
@@ -207,6 +219,7 @@ def generate(
                 cache=cache.value if cache else None,
                 confidence=confidence.value if confidence else None,
                 early_exit=early_exit,
+                suffix_window=suffix_window,
                 presence_penalty=presence_penalty,
                 min_tokens=min_tokens,
                 alg=alg.value if alg else None,

@@ -20,9 +20,9 @@ def inspect(
     the decoding strategies it supports, from config.json, the safetensors headers and the tokenizer."""
     try:
         from ..arch.checkpoint import describe
-        from ..engine import default_model_dir
+        from ..engine import model_dir
 
-        info = describe(model if model is not None else default_model_dir())
+        info = describe(model_dir(model))
     except CelerisError as e:
         fail(e)
     if as_json:

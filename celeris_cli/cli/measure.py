@@ -77,6 +77,16 @@ def eval_cmd(
         console.print("English settings: " + json.dumps(report["english_settings"]), soft_wrap=True)
 
 
+def _int_list(option: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"{option} must be comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise UsageError(f"{option} must be positive integers, got {text!r}")
+    return values
+
+
 @app.command(name="bench")
 def bench_cmd(
     model: Path = typer.Option(None, "--model", "-m", help="Model folder (default: the embedded model)."),
@@ -94,6 +104,14 @@ def bench_cmd(
     set_name: str = typer.Option(None, "--set", help="Settings for every mode, as JSON."),
     sweep: str = typer.Option(None, "--sweep", help="Also sweep these step counts, e.g. 5,10,20,40,64."),
     no_agreement: bool = typer.Option(False, "--no-agreement", help="Skip the cache-vs-no-cache comparison."),
+    versus: str = typer.Option(
+        None,
+        "--versus",
+        metavar="MODEL",
+        help="Also decode the same prompts with this model (a folder or an embedded model's name): its baseline "
+        "and default mode, its own defaults otherwise (--set is not applied to it); every row's tokens/s is "
+        "shown as a multiple of its baseline.",
+    ),
     queue: int = typer.Option(0, "--queue", min=0, help="Also measure queue overhead with this many files."),
     invariance: int = typer.Option(
         0, "--invariance", min=0, help="Only measure: N prompts alone versus batched, share of identical answers."
@@ -109,6 +127,14 @@ def bench_cmd(
         help="Only measure: peak memory while loading a random checkpoint of this many GB (written to a temp "
         "folder), in bfloat16 and float32.",
     ),
+    scaling: bool = typer.Option(
+        False,
+        "--scaling",
+        help="Only measure: output tokens/s and peak memory of the reference and the default mode for each "
+        "gen-length x batch (one batch of prompts per cell; --denoise-steps, --block-length and --set apply).",
+    ),
+    scaling_gen: str = typer.Option("64,256,1024", "--scaling-gen", help="--scaling: the gen-lengths."),
+    scaling_batch: str = typer.Option("1,16,64", "--scaling-batch", help="--scaling: the batch sizes."),
     device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
     dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
     threads: int = typer.Option(None, "--threads", min=1),
@@ -146,6 +172,23 @@ def bench_cmd(
             out.write_text(json.dumps(result, indent=1), encoding="utf-8")
         typer.echo(json.dumps(result))
         return
+    if scaling:
+        from ..measure.scaling import render_scaling
+        from ..measure.scaling import scaling as measure_scaling
+
+        try:
+            gens, batches = _int_list("--scaling-gen", scaling_gen), _int_list("--scaling-batch", scaling_batch)
+            engine = load_engine(model, device.value, dtype.value, threads)
+            result = measure_scaling(engine, gens, batches, block_length, steps, _json_setting(set_name))
+        except CelerisError as e:
+            fail(e)
+        if out is not None:
+            out.write_text(json.dumps(result, indent=1, ensure_ascii=False), encoding="utf-8")
+        if as_json:
+            typer.echo(json.dumps(result, ensure_ascii=False))
+        else:
+            render_scaling(result)
+        return
     if invariance:
         try:
             engine = load_engine(model, device.value, dtype.value, threads)
@@ -157,10 +200,7 @@ def bench_cmd(
         typer.echo(json.dumps(result, ensure_ascii=False))
         return
     try:
-        try:
-            sweep_steps = [int(x) for x in sweep.split(",")] if sweep else None
-        except ValueError:
-            raise UsageError(f"--sweep must be comma-separated integers, got {sweep!r}") from None
+        sweep_steps = list(_int_list("--sweep", sweep)) if sweep else None
         engine = load_engine(model, device.value, dtype.value, threads)
         table, _ = modes_for(engine)
         chosen = [m.strip() for m in modes.split(",")] if modes else None
@@ -169,6 +209,7 @@ def bench_cmd(
                 raise UsageError(f"unknown mode {m!r} for this model (choose {', '.join(table)})")
         settings = _json_setting(set_name)
         block_length = block_length or engine.params(settings).block_length
+        other = load_engine(versus, device.value, dtype.value, threads) if versus else None
         report = bench(
             engine,
             prompts,
@@ -180,6 +221,7 @@ def bench_cmd(
             settings,
             cache_agreement=not no_agreement,
             sweep=sweep_steps,
+            versus=other,
         )
         if queue:
             params = engine.params({**settings, "gen_length": gen_length, "block_length": block_length})

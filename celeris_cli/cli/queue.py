@@ -19,10 +19,15 @@ def _load_batch_config(config: Path) -> Any:
 
 
 def _spool(cfg: Any, progress: Any = None) -> Any:
-    from ..spool.backend import EngineBackend
     from ..spool.daemon import Spool
 
-    def backend() -> EngineBackend:
+    def backend() -> Any:
+        if cfg.engine.ray is not None:  # batches on Ray actors; the queue itself stays here
+            from ..batch.ray_actors import RayActorPool
+
+            return RayActorPool(cfg)
+        from ..spool.backend import EngineBackend
+
         return EngineBackend(cfg.model, cfg.device, cfg.dtype, cfg.threads, cfg.generation)
 
     return Spool(cfg, backend, progress=progress)

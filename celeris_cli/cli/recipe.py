@@ -48,6 +48,16 @@ def train(
     warmup: int = typer.Option(150, "--warmup", min=0),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     seed: int = typer.Option(0, "--seed"),
+    block_size: list[int] = typer.Option(
+        [],
+        "--block-size",
+        min=1,
+        help="Block diffusion: attention causal between blocks of this many tokens. Repeat it to train "
+        "several (each row draws one); omitted, the model is bidirectional.",
+    ),
+    init: Path | None = typer.Option(
+        None, "--init", help="Start from this model folder's weights and tokenizer (same shape)."
+    ),
 ) -> None:
     """Train a masked-diffusion LM (LLaDA objective) in our checkpoint layout; resumes from --out."""
     import logging
@@ -72,6 +82,8 @@ def train(
             warmup=warmup,
             device=device,
             seed=seed,
+            block_sizes=sorted(set(block_size)),
+            init=str(init) if init else None,
         )
     except CelerisError as e:
         fail(e)

@@ -22,16 +22,16 @@ masked position whose confidence is above `threshold` (LLaDA2's rule, written as
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from ..arch.layers import KV
-from ..params import Blocks, Commit, Sampling
+from ..params import Blocks, Commit, Sampling, Shaping
+from .predict import sample_with_probability
 from .reference import select_top_k
-from .sampling import RowNoise, filtered_scores, sample_tokens
+from .sampling import RowNoise, shape_masked
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class BlockPlan:
     blocks: Blocks
     sampling: Sampling
     commit: Commit
+    shaping: Shaping
 
 
 class BlockNet(Protocol):
@@ -99,36 +100,42 @@ def lay_out(prompts: list[torch.Tensor], gen_length: int, width: int, mask_id: i
 
 
 def block_mask(real: torch.Tensor, q_lo: int, q_hi: int, k_hi: int, width: int) -> torch.Tensor:
-    """(B, 1, q_hi - q_lo, k_hi): query c sees key c' when c' exists and its block is not after c's."""
-    q_block = torch.arange(q_lo, q_hi, device=real.device) // width
-    k_block = torch.arange(k_hi, device=real.device) // width
-    causal = k_block[None, :] <= q_block[:, None]  # (Tq, Tk)
-    return (causal[None] & real[:, None, :k_hi])[:, None]
-
-
-def predict(logits: torch.Tensor, s: Sampling, gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """x0 and its probability under the filtered distribution (LLaDA2: top-k and top-p renormalise the
-    probabilities even at temperature 0)."""
-    x0 = sample_tokens(logits, s, gens)
-    if s.top_k == 0 and s.top_p >= 1.0 and s.min_p == 0:
-        t = s.temperature if s.temperature > 0 else 1.0
-        probs = F.softmax(logits.float() / t, dim=-1)
-    else:
-        probs = filtered_scores(logits, replace(s, temperature=s.temperature or 1.0)).softmax(-1)
-    return x0, probs.gather(-1, x0[..., None]).squeeze(-1).float()
+    """(B, 1, q_hi - q_lo, k_hi): query c sees key c' when c' exists and its block is not after c's. A
+    padding query sees itself, so no row of the mask is empty (some kernels give NaN for an empty row)."""
+    q_idx = torch.arange(q_lo, q_hi, device=real.device)
+    k_idx = torch.arange(k_hi, device=real.device)
+    causal = (k_idx // width)[None, :] <= (q_idx // width)[:, None]  # (Tq, Tk)
+    return ((causal[None] & real[:, None, :k_hi]) | (k_idx[None, :] == q_idx[:, None])[None])[:, None]
 
 
 def commit_step(
-    block: torch.Tensor, logits: torch.Tensor, plan: BlockPlan, k: int, mask_id: int, gens: list[torch.Generator]
+    block: torch.Tensor,
+    h: torch.Tensor,
+    net: BlockNet,
+    plan: BlockPlan,
+    k: int,
+    mask_id: int,
+    gens: list[torch.Generator],
+    answer: tuple[torch.Tensor, torch.Tensor],
+    stop: torch.Tensor,
 ) -> torch.Tensor:
-    """The block (B, W) after one step: the k most confident masked positions, and every masked one above
-    the threshold, take their predicted tokens."""
-    x0, conf = predict(logits, plan.sampling, gens)
+    """The block (B, W) after one step, from its hidden states h (B, W, d): the k most confident masked
+    positions, and every masked one above the threshold, take their predicted tokens. The LM head and the
+    sampling run on the masked positions only; the confidence is the sampled token's probability under the
+    filtered distribution (top-k, top-p and min-p renormalise it even at temperature 0, where they change
+    only the threshold's decisions: LLaDA2's own generate returns the unfiltered probability there;
+    filtering keeps these options meaningful, as Dream's generate does). The presence penalty and
+    min_tokens shape the logits first, from the rows' answers so far."""
     masked = block == mask_id
-    rank = torch.where(masked, conf, float("-inf"))
+    logits = shape_masked(net.head(h[masked]), masked, *answer, plan.shaping, mask_id, stop)
+    x0, conf = sample_with_probability(logits, plan.sampling, masked.sum(1).tolist(), gens)
+    rank = torch.full(block.shape, float("-inf"), device=block.device)
+    rank[masked] = conf
     chosen = select_top_k(rank, torch.full_like(masked[:, 0], k, dtype=torch.long))
-    chosen |= masked & (conf > plan.commit.threshold)
-    return torch.where(chosen, x0, block)
+    chosen |= masked & (rank > plan.commit.threshold)
+    out = block.clone()
+    out[masked] = torch.where(chosen[masked], x0, mask_id)
+    return out
 
 
 def finished(cv: Canvas, rows: torch.Tensor, upto: int, mask_id: int, stop: torch.Tensor) -> torch.Tensor:
@@ -146,6 +153,15 @@ def _noise(noise: RowNoise, cv: Canvas, rows: torch.Tensor, j: int, step: int) -
     """Each row draws from its own block number, whatever its place in the batch's canvas."""
     own = (cv.first[rows] + j - cv.start_block).tolist()
     return [noise.at([r], blk, step)[0] for r, blk in zip(rows.tolist(), own)]
+
+
+def _answer(cv: Canvas, rows: torch.Tensor, s: int, e: int, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For `shape_masked`: the rows' canvas up to e with everything before their answers masked out, and the
+    answer position of the block's first column (negative where the block still holds the prompt's tail)."""
+    gen = cv.gen[rows]
+    x = cv.x[rows, :e]
+    answer = torch.where(torch.arange(e, device=x.device)[None, :] >= gen[:, None], x, mask_id)
+    return answer, s - gen
 
 
 def _result(cv: Canvas, prompt: torch.Tensor, gen_length: int, fill: int) -> torch.Tensor:
@@ -180,8 +196,8 @@ def generate_block(
                 break
             mask = block_mask(cv.real[rows], 0, e, e, W)
             h, _ = net.hidden(cv.x[rows, :e], cv.pos[rows, :e], mask)
-            logits = net.head(h[:, s:e])
-            cv.x[rows, s:e] = commit_step(cv.x[rows, s:e], logits, plan, k, mask_id, _noise(noise, cv, rows, j, i))
+            gens, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id)
+            cv.x[rows, s:e] = commit_step(cv.x[rows, s:e], h[:, s:e], net, plan, k, mask_id, gens, answer, stop)
         rows = rows[~finished(cv, rows, e, mask_id, stop)]
     return _result(cv, prompt, plan.blocks.gen_length, mask_id)
 
@@ -211,7 +227,7 @@ def generate_block_cached(
         s, e = j * W, (j + 1) * W
         out = cv.end[rows] <= s  # rows whose blocks are all decoded leave
         if out.any():
-            cache = [(ck[~out], cv_[~out]) for ck, cv_ in cache] if cache is not None else None
+            cache = _keep(cache, ~out, pending)
             rows = rows[~out]
         for i, k in enumerate(transfers):
             if rows.numel() == 0 or not (cv.x[rows, s:e] == mask_id).any():
@@ -224,25 +240,38 @@ def generate_block_cached(
             if cache is None:
                 cache = [_grow(k_, v_, cv.num_blocks * W) for k_, v_ in kv]
             pending = s
-            logits = net.head(h[:, s - lo :])
-            cv.x[rows, s:e] = commit_step(cv.x[rows, s:e], logits, plan, k, mask_id, _noise(noise, cv, rows, j, i))
+            gens, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id)
+            block = commit_step(cv.x[rows, s:e], h[:, s - lo :], net, plan, k, mask_id, gens, answer, stop)
+            cv.x[rows, s:e] = block
             done = finished(cv, rows, e, mask_id, stop)
             if done.any():  # finished rows leave at once; the batch and its cache shrink
-                keep = ~done
-                cache = [(ck[keep], cv_[keep]) for ck, cv_ in cache] if cache is not None else None
-                rows = rows[keep]
+                cache = _keep(cache, ~done, pending)
+                rows = rows[~done]
         if rows.numel() == 0:
             break
     return _result(cv, prompt, plan.blocks.gen_length, mask_id)
 
 
 def _grow(k: torch.Tensor, v: torch.Tensor, length: int) -> KV:
-    """A cache over the whole canvas, allocated once, holding `k`, `v` at its start."""
-    ck = k.new_zeros(*k.shape[:2], length, k.shape[3])
-    cv = v.new_zeros(*v.shape[:2], length, v.shape[3])
+    """A cache over the whole canvas, allocated once (not zeroed: every step reads only the positions
+    before its block's end, all written by then), holding `k`, `v` at its start."""
+    ck = k.new_empty(*k.shape[:2], length, k.shape[3])
+    cv = v.new_empty(*v.shape[:2], length, v.shape[3])
     ck[:, :, : k.shape[2]] = k
     cv[:, :, : v.shape[2]] = v
     return ck, cv
+
+
+def _keep(cache: list[KV] | None, rows: torch.Tensor, written: int) -> list[KV] | None:
+    """The cache of the rows that stay; only its first `written` positions, the exact ones, are copied."""
+    if cache is None:
+        return None
+    out = []
+    for ck, cv in cache:
+        nk, nv = ck.new_empty(int(rows.sum()), *ck.shape[1:]), cv.new_empty(int(rows.sum()), *cv.shape[1:])
+        nk[:, :, :written], nv[:, :, :written] = ck[rows, :, :written], cv[rows, :, :written]
+        out.append((nk, nv))
+    return out
 
 
 def _canvas(prompt: torch.Tensor, prompt_mask: torch.Tensor, plan: BlockPlan, mask_id: int) -> Canvas:

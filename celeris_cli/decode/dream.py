@@ -106,21 +106,23 @@ def generate_dream(
     timesteps = torch.linspace(1, tl.eps, tl.denoise_steps + 1, device=x.device)  # float32, as Dream
     rows = list(range(B))
     for i in range(tl.denoise_steps):
-        masked = x == mask_id
-        masked[:, :P] = False
-        logits = model_fn(x, key_mask)
+        # only the generated part is predicted and drawn for, so a row's draws do not depend on how far its
+        # batch mates' padding pushes it right
+        gen = x[:, P:]
+        masked = gen == mask_id
+        logits = model_fn(x, key_mask)[:, P:]
         gens = noise.at(rows, 0, i)
         t, s = timesteps[i], timesteps[i + 1]
         last = i == tl.denoise_steps - 1
         if alg == "origin":
             p_transfer = 1.0 if last else float(1 - s / t)
-            draw = uniform(tuple(x.shape[1:]), gens, torch.float32, x.device)
+            draw = uniform(tuple(gen.shape[1:]), gens, torch.float32, x.device)
             x0, _ = predict(logits, plan.sampling, "maskgit_plus", gens)
-            x = torch.where(masked & (draw < p_transfer), x0, x)
+            x[:, P:] = torch.where(masked & (draw < p_transfer), x0, gen)
             continue
         x0, confidence = predict(logits, plan.sampling, alg, gens)
         n = masked.sum(1)
         k = n if last else (n.float() * (1 - s / t)).long()  # Dream's int(n * (1 - s/t)), in float32
         chosen = pick(torch.where(masked, confidence, float("-inf")), k, plan.unmasking.alg_temp, gens)
-        x = torch.where(chosen, x0, x)
+        x[:, P:] = torch.where(chosen, x0, gen)
     return x

@@ -12,9 +12,13 @@ Pure functions on token ids, like `reference`, but they need a cache-aware model
 - Classifier-free guidance runs the unconditional view (prompt masked) through the same cache logic with
   a cache of its own; both views' forwards are counted.
 - Early exit (dInfer): a row whose committed text holds a stop token with everything before it decoded
-  is finished; its remaining masks are filled with that stop token, and it leaves the batch at the next
-  block boundary. When every row is finished, decoding stops.
-- The LM head runs only on the active block.
+  is finished; its remaining masks are filled with that stop token, and it leaves the batch at once, with
+  its rows of the cache, mid-block. When every row is finished, decoding stops.
+- Bounded canvas (`suffix_window` N > 0; DPad's suffix dropout): the model sees the prompt, the blocks
+  decoded, the active block and at most N masked positions after it; the all-mask rest is left out of
+  every forward, the cache refresh included.
+- The LM head, sampling and confidence run only on the masked positions of the active block
+  (`predict`).
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import torch.nn.functional as F
 
 from ..arch.layers import KV
 from ..params import Confidence, Guidance, Ordering, Parallel, Sampling, Schedule, Shaping
+from .predict import confidence_masked, sample_masked
 from .reference import commit_order, guide, num_transfer_tokens, select_top_k, unconditional
-from .sampling import RowNoise, sample_tokens, shape_logits
+from .sampling import RowNoise, shape_masked
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,10 @@ class CachedNet(Protocol):
         e: int,
         cache: list[KV] | None = None,
         end: int | None = None,
+        select: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[KV]]: ...
+
+    def cache_of(self, kv: list[KV]) -> list[KV]: ...
 
 
 def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: Confidence) -> torch.Tensor:
@@ -88,8 +96,8 @@ class _View:
     """One view of the active rows' canvas for the model (conditional, or unconditional under guidance),
     with its own block-wise KV cache."""
 
-    def __init__(self, prompt_part: torch.Tensor) -> None:
-        self.prompt_part = prompt_part  # (B, P): the prompt as this view shows it
+    def __init__(self, prompt_part: torch.Tensor | None) -> None:
+        self.prompt_part = prompt_part  # (B, P): the prompt as this view shows it; None: the canvas's own
         self.cache: list[KV] | None = None
 
     def logits(
@@ -102,17 +110,27 @@ class _View:
         e: int,
         mode: str,
         refresh: bool,
+        select: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits of the block [s, e): a full-canvas forward (which refreshes the cache), or the block
-        (dual) or the block and suffix (prefix) against the cached rest."""
-        P = self.prompt_part.shape[1]
+        """Logits (N, V) of the `select`ed positions of the block [s, e): a full-canvas forward (which
+        refreshes the cache), or the block (dual) or the block and suffix (prefix) against the cached rest."""
+        # this view's canvas (guidance masks the prompt); the cached path needs it too, since a shifted
+        # model's window starts at s-1, which may be the prompt's last token
+        canvas = x if self.prompt_part is None else torch.cat([self.prompt_part, x[:, self.prompt_part.shape[1] :]], 1)
         if mode == "none" or refresh:
-            logits, kv = net.span_logits(torch.cat([self.prompt_part, x[:, P:]], 1), pos, km, s, e)
+            logits, kv = net.span_logits(canvas, pos, km, s, e, select=select)
             if mode != "none":
-                self.cache = [(k.contiguous(), v.contiguous()) for k, v in kv]
+                self.cache = net.cache_of(kv)
             return logits
         end = x.shape[1] if mode == "prefix" else e
-        return net.span_logits(x, pos, km, s, e, self.cache, end)[0]
+        return net.span_logits(canvas, pos, km, s, e, self.cache, end, select)[0]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Only these rows stay (the others have finished)."""
+        if self.prompt_part is not None:
+            self.prompt_part = self.prompt_part[rows]
+        if self.cache is not None:
+            self.cache = [(k[rows], v[rows]) for k, v in self.cache]
 
 
 @torch.no_grad()
@@ -131,40 +149,50 @@ def generate_fast(
     x = torch.cat([prompt, prompt.new_full((B, G), mask_id)], dim=1)
     key_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, G)], dim=1)
     positions = (key_mask.long().cumsum(1) - 1).clamp_min(0)  # per-row RoPE positions, padding-proof
-    uncond_prompt = unconditional(x, key_mask, P, mask_id)[:, :P]
+    views = [_View(None)]
+    if plan.guidance.cfg_scale > 0:
+        views.append(_View(unconditional(x, key_mask, P, mask_id)[:, :P]))
     stop = torch.tensor(sorted(stop_ids), device=x.device, dtype=x.dtype)
     active = torch.arange(B, device=x.device)  # rows still decoding, as indices of the original batch
+    xa, km, pos = x.clone(), key_mask, positions  # the active rows' canvas; a row is written back as it leaves
     for j, ((bs, be), steps) in enumerate(zip(plan.schedule.block_spans, plan.schedule.steps_per_block)):
         if active.numel() == 0:
             break
         s, e = P + bs, P + be
-        xa, km, pos = x[active], key_mask[active], positions[active]
-        views = [_View(xa[:, :P])]
-        if plan.guidance.cfg_scale > 0:
-            views.append(_View(uncond_prompt[active]))
+        w = x.shape[1] if par.suffix_window == 0 else min(x.shape[1], e + par.suffix_window)  # bounded canvas
         schedule = num_transfer_tokens((xa[:, s:e] == mask_id).sum(1), steps)
+        offset = torch.tensor([bs], device=x.device)  # the block's first answer position
         for i in range(steps):
-            logits = [v.logits(net, xa, pos, km, s, e, par.cache, refresh=i == 0) for v in views]
-            block_logits = guide(logits[0], logits[1], plan.guidance.cfg_scale) if len(logits) > 1 else logits[0]
-            block_logits = shape_logits(block_logits, xa[:, P:], bs, plan.shaping, mask_id, stop)
-            gens = noise.at(active, j, i)
-            x0 = sample_tokens(block_logits, plan.sampling, gens)
-            conf = confidence_of(block_logits, x0, par.confidence)
             block = xa[:, s:e]
-            masked = block == mask_id
+            masked = block == mask_id  # (b, T): the only positions predicted
+            logits = [v.logits(net, xa[:, :w], pos[:, :w], km[:, :w], s, e, par.cache, i == 0, masked) for v in views]
+            flat = guide(logits[0], logits[1], plan.guidance.cfg_scale) if len(logits) > 1 else logits[0]
+            flat = shape_masked(flat, masked, xa[:, P:], offset.expand(len(xa)), plan.shaping, mask_id, stop)
+            gens = noise.at(active, j, i)
+            x0 = sample_masked(flat, plan.sampling, masked.sum(1).tolist(), gens)  # (N,) in row order
+            conf = block.new_zeros(block.shape, dtype=torch.float32).masked_scatter(
+                masked, confidence_masked(flat, x0, par.confidence)
+            )
+            proposal = block.masked_scatter(masked, x0)
             rank = torch.where(masked, commit_order(conf, plan.ordering, i, steps, gens), float("-inf"))
             k = schedule[:, i].clamp_min(1)  # at least one commit per row that still has masks
             commit = select_top_k(rank, k) | (masked & (conf >= par.threshold))
-            xa[:, s:e] = torch.where(commit, x0, block)
-            if par.early_exit:  # the rest of a finished row is irrelevant: fill it with its stop token
+            xa[:, s:e] = torch.where(commit, proposal, block)
+            if par.early_exit:  # a finished row leaves at once; the rest of its canvas is its stop token
                 done, fill = _finished(xa, P, e, mask_id, stop)
-                xa[:, s:e] = torch.where((xa[:, s:e] == mask_id) & done[:, None], fill, xa[:, s:e])
+                if done.any():
+                    out = xa[done]
+                    out[:, s:] = torch.where(out[:, s:] == mask_id, fill[done], out[:, s:])
+                    x[active[done]] = out
+                    keep = ~done
+                    xa, km, pos, active, schedule = xa[keep], km[keep], pos[keep], active[keep], schedule[keep]
+                    for v in views:
+                        v.keep(keep)
+                    if active.numel() == 0:
+                        break
             if not (xa[:, s:e] == mask_id).any():
                 break
-        x[active] = xa
-        if par.early_exit:  # finished rows leave the batch; their tail is the stop token
-            x[active[done], e:] = fill[done]
-            active = active[~done]
+    x[active] = xa
     return x
 
 

@@ -114,20 +114,30 @@ def order_scores(
     return log_conf + tau * gumbel(tuple(log_conf.shape[1:]), gens, log_conf.dtype, log_conf.device)
 
 
-def shape_logits(
-    logits: torch.Tensor, answer: torch.Tensor, start: int, s: Shaping, mask_id: int, stop: torch.Tensor
+def shape_masked(
+    logits: torch.Tensor,
+    masked: torch.Tensor,
+    answer: torch.Tensor,
+    offset: torch.Tensor,
+    s: Shaping,
+    mask_id: int,
+    stop: torch.Tensor,
 ) -> torch.Tensor:
-    """logits (B, T, V) of the answer's positions [start, start + T), given the answer so far (B, G):
-    minus presence_penalty on every token the row has committed in its answer, and no stop token before
-    position min_tokens."""
+    """logits (N, V) of a block's masked positions in row order (masked: (b, T)), given each row's answer
+    so far (b, A; mask_id where nothing is committed or outside the answer) and the answer position of
+    each row's first block column (offset: (b,)): minus presence_penalty on every token the row has
+    committed in its answer, and no stop token at an answer position below min_tokens."""
+    if s.presence_penalty == 0 and s.min_tokens == 0:
+        return logits
+    where = masked.nonzero()  # (N, 2): row and column of each logit row, row-major as the logits are
+    V = logits.shape[-1]
     if s.presence_penalty > 0:
-        seen = torch.zeros(logits.shape[0], logits.shape[-1] + 1, device=logits.device)
-        committed = torch.where(answer == mask_id, logits.shape[-1], answer)  # masks land in a spare column
-        seen = seen.scatter(1, committed, 1.0)[:, None, :-1]
-        logits = logits.float() - s.presence_penalty * seen
-    if s.min_tokens > start:
-        early = torch.arange(start, start + logits.shape[1], device=logits.device) < s.min_tokens  # (T,)
-        banned = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        banned[stop] = True
+        committed = torch.where(answer == mask_id, V, answer).clamp_max(V)  # masks land in a spare column
+        seen = torch.zeros(answer.shape[0], V + 1, device=logits.device).scatter_(1, committed, 1.0)[:, :V]
+        logits = logits.float() - s.presence_penalty * seen[where[:, 0]]
+    if s.min_tokens > 0:
+        early = offset[where[:, 0]] + where[:, 1] < s.min_tokens  # (N,)
+        banned = torch.zeros(V, dtype=torch.bool, device=logits.device)
+        banned[stop[stop < V]] = True
         logits = logits.masked_fill(early[:, None] & banned[None, :], float("-inf"))
     return logits

@@ -39,6 +39,7 @@ class Net:
     def __init__(self, model: Model) -> None:
         self.model = model
         self.nfe = 0
+        self.positions_computed = 0  # positions (rows x tokens) through the network, over every forward
         self.shift = model.logit_shift
 
     @staticmethod
@@ -48,6 +49,7 @@ class Net:
     def __call__(self, ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """Full-canvas logits (B, L, V), position j's row predicting position j."""
         self.nfe += 1
+        self.positions_computed += ids.numel()
         logits = self.model(ids, key_mask, self.positions(key_mask))
         if self.shift:  # as Dream's generate: position 0 keeps its own row (it is always prompt)
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
@@ -62,10 +64,22 @@ class Net:
         start: int = 0,
     ) -> tuple[torch.Tensor, list[KV]]:
         self.nfe += 1
+        self.positions_computed += ids.numel()
         return self.model.hidden(ids, positions, key_mask, cache, start)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.head(h)
+
+    def cache_of(self, kv: list[KV]) -> list[KV]:
+        """A cache made of a full forward's keys/values: contiguous, one copy each, and in float32 where
+        the model computes attention in float32 under low-precision weights (`upcast`), so that no later
+        step casts the whole cache again. The values are the same the cast at every step gave."""
+        up = getattr(self.model, "upcast", False)
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            return t.to(torch.float32 if up else t.dtype, memory_format=torch.contiguous_format)
+
+        return [(keep(k), keep(v)) for k, v in kv]
 
     def span_logits(
         self,
@@ -76,17 +90,21 @@ class Net:
         e: int,
         cache: list[KV] | None = None,
         end: int | None = None,
+        select: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[KV]]:
         """Logits predicting positions [s, e) of the canvas `ids` (B, L), s >= 1: a full-canvas forward
         (no cache; returns every layer's keys/values), or the window [s, end) recomputed against `cache`
-        (end defaults to e). With a logit shift the window starts one position earlier."""
+        (end defaults to e). With a logit shift the window starts one position earlier. `select` (B, e - s)
+        bool: the LM head runs on those positions only, and the logits come flat, (N, V) in row order."""
         lo = s - self.shift
         if cache is None:
             h, kv = self.hidden(ids, positions, key_mask)
-            return self.head(h[:, lo : e - self.shift]), kv
-        end = e if end is None else end
-        h, kv = self.hidden(ids[:, lo:end], positions[:, lo:end], key_mask, cache, lo)
-        return self.head(h[:, : e - s]), kv
+            h = h[:, lo : e - self.shift]
+        else:
+            end = e if end is None else end
+            h, kv = self.hidden(ids[:, lo:end], positions[:, lo:end], key_mask, cache, lo)
+            h = h[:, : e - s]
+        return self.head(h if select is None else h[select]), kv
 
 
 Strategy = Callable[[Net, torch.Tensor, torch.Tensor, GenerationParams, SpecialTokens, RowNoise], torch.Tensor]

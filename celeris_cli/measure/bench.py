@@ -121,7 +121,56 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def autoregressive_limit(
+    engine: Engine, n_prompts: int, batch_size: int, prompt_length: int, gen_length: int
+) -> dict[str, Any]:
+    """Output tokens/s of the same network decoded the way an autoregressive model is: one position per
+    row per forward against a KV cache (after one forward over the prompt), greedy. Timing only: the model
+    was not trained to predict left to right, so the text means nothing; `positions_per_output_token` is
+    the prompt's share above 1.0. It is the yardstick a diffusion decoder's tokens/s is shown against."""
+    model, device = engine.model, engine.device
+    L = prompt_length + gen_length
+    wall = 0.0
+    with torch.no_grad(), PeakRSS(device) as mem:
+        for start in range(0, n_prompts, batch_size):
+            B = min(batch_size, n_prompts - start)
+            ids = torch.randint(10, model.cfg.vocab_size, (B, L), device=device)
+            pos = torch.arange(L, device=device).expand(B, L)
+            keys = torch.ones(B, L, dtype=torch.bool, device=device)
+            t0 = time.perf_counter()
+            h, kv = model.hidden(ids[:, :prompt_length], pos[:, :prompt_length], keys[:, :prompt_length])
+            ids[:, prompt_length] = model.head(h[:, -1]).argmax(-1)  # the first output token
+            cache = []
+            for k, v in kv:  # the whole length allocated once; each step writes one position in place
+                dtype = torch.float32 if _upcast(model, k) else k.dtype
+                ck = k.new_zeros(B, k.shape[1], L, k.shape[3], dtype=dtype)
+                cv = ck.clone()
+                ck[:, :, :prompt_length], cv[:, :, :prompt_length] = k, v
+                cache.append((ck, cv))
+            for t in range(prompt_length, L - 1):  # the token at t goes in, the one at t + 1 comes out
+                window = [(ck[:, :, : t + 1], cv[:, :, : t + 1]) for ck, cv in cache]
+                h, _ = model.hidden(ids[:, t : t + 1], pos[:, t : t + 1], keys[:, : t + 1], window, t)
+                ids[:, t + 1] = model.head(h[:, -1]).argmax(-1)
+            _sync(device)
+            wall += time.perf_counter() - t0
+    out_tokens = n_prompts * gen_length
+    return {
+        "wall_s": round(wall, 3),
+        "output_tokens": out_tokens,
+        "tokens_per_s": round(out_tokens / wall, 1),
+        "nfe": -(-n_prompts // batch_size) * gen_length,
+        "positions_per_output_token": round(n_prompts * (L - 1) / out_tokens, 3),
+        "peak_mem_mb": round(mem.peak_bytes / 2**20, 1),
+        "quality": "not meaningful: the model was not trained to decode left to right",
+    }
+
+
+def _upcast(model: Any, k: torch.Tensor) -> bool:
+    return bool(getattr(model, "upcast", False)) and k.dtype != torch.float32
+
+
 def run_mode(engine: Engine, prompts: list[str], params: GenerationParams, batch_size: int) -> dict[str, Any]:
+    positions_before = engine.positions_computed
     with PeakRSS(engine.device) as mem:
         t0 = time.perf_counter()
         results = engine.generate(prompts, params, batch_size=batch_size)
@@ -129,6 +178,7 @@ def run_mode(engine: Engine, prompts: list[str], params: GenerationParams, batch
         wall = time.perf_counter() - t0
     nfe = round(sum(r.nfe / r.batch_size for r in results))  # each batch's NFE, shared by its rows
     out_tokens = sum(r.output_tokens for r in results)
+    positions = engine.positions_computed - positions_before
     quality = poem_quality(prompts, [r.text for r in results], [r.finish_reason for r in results])
     return {
         "wall_s": round(wall, 3),
@@ -136,6 +186,7 @@ def run_mode(engine: Engine, prompts: list[str], params: GenerationParams, batch
         "tokens_per_s": round(out_tokens / wall, 1),
         "nfe": nfe,
         "tokens_per_forward": round(out_tokens / max(nfe, 1), 2),
+        "positions_per_output_token": round(positions / max(out_tokens, 1), 1),
         "peak_mem_mb": round(mem.peak_bytes / 2**20, 1),
         **{k: round(v, 4) for k, v in quality.items()},
         "texts": [r.text for r in results],
@@ -161,14 +212,19 @@ def bench(
     settings: dict[str, Any] | None = None,
     cache_agreement: bool = True,
     sweep: list[int] | None = None,
+    versus: Engine | None = None,
 ) -> dict[str, Any]:
+    """`versus`: another model whose baseline and default mode are decoded on the same prompts, batch size,
+    gen_length and dtype, each with its own defaults otherwise; every mode's tokens/s is then also shown as
+    a multiple of that model's baseline (`x_versus_baseline`)."""
     evalset = EvalSet.load()
     prompts = [r["prompt"] for r in evalset.poems[:n_prompts]]
     table, default_mode = modes_for(engine)
     baseline = next(iter(table))
-    steps_knob = (
-        {"block_steps": steps or block_length} if table is BLOCK_MODES else {"denoise_steps": steps or gen_length}
-    )
+    if table is BLOCK_MODES:
+        steps_knob = {"block_steps": steps} if steps else {}
+    else:
+        steps_knob = {"denoise_steps": steps or gen_length}
     base = engine.params({**(settings or {}), "gen_length": gen_length, "block_length": block_length, **steps_knob})
     lengths = [len(engine.encode_prompt(p)) for p in prompts]
     report: dict[str, Any] = {
@@ -188,16 +244,25 @@ def bench(
     }
     canvas = max(lengths) + gen_length
     report["raw_forward_tokens_per_s"] = round(raw_forward_tokens_per_s(engine, batch_size, canvas), 1)
+    ar = autoregressive_limit(engine, len(prompts), batch_size, max(lengths), gen_length)
+    report["autoregressive_limit"] = ar
     for name in modes or list(table):
         params = base.with_(**table[name])
         report["modes"][name] = run_mode(engine, prompts, params, batch_size)
+    if versus is not None:
+        report["versus"] = versus_rows(versus, prompts, gen_length, batch_size)
     ref = report["modes"].get(baseline)
+    other = report["versus"]["modes"][report["versus"]["baseline"]] if versus is not None else None
+    for m in [*report["modes"].values(), *(report["versus"]["modes"].values() if versus is not None else [])]:
+        if other:
+            m["x_versus_baseline"] = round(m["tokens_per_s"] / other["tokens_per_s"], 2)
     for m in report["modes"].values():
         if ref:
             m["speedup"] = round(m["tokens_per_s"] / ref["tokens_per_s"], 2) if ref["tokens_per_s"] else None
             m["structure_delta_pts"] = round(100 * (m["structure_rate"] - ref["structure_rate"]), 1)
             m["distinct_2_delta_pts"] = round(100 * (m["distinct_2"] - ref["distinct_2"]), 1)
         m["of_raw_forward"] = round(m["tokens_per_s"] / report["raw_forward_tokens_per_s"], 4)
+        m["of_ar_limit"] = round(m["tokens_per_s"] / ar["tokens_per_s"], 4)
     if cache_agreement:  # the default mode against the baseline, both greedy, on the same prompts
         greedy = base.with_(temperature=0.0)
         texts = {
@@ -227,6 +292,25 @@ def bench(
     for m in report["modes"].values():
         m.pop("texts")
     return report
+
+
+def versus_rows(engine: Engine, prompts: list[str], gen_length: int, batch_size: int) -> dict[str, Any]:
+    """Another model's baseline and default mode on the same prompts, with its own defaults otherwise
+    (`--set` is the bench model's alone)."""
+    table, default_mode = modes_for(engine)
+    baseline = next(iter(table))
+    base = engine.params({"gen_length": gen_length})
+    modes = {}
+    for name in dict.fromkeys((baseline, default_mode)):
+        modes[name] = run_mode(engine, prompts, base.with_(**table[name]), batch_size)
+        modes[name].pop("texts")
+    return {
+        "model": str(engine.model_dir),
+        "architecture": engine.arch.name,
+        "baseline": baseline,
+        "settings": {k: v for k, v in base.report().items() if k not in ("strategy", "cache", "early_exit")},
+        "modes": modes,
+    }
 
 
 def batch_invariance(
@@ -318,28 +402,61 @@ def render(report: dict[str, Any]) -> None:
         "wall s",
         "NFE",
         "tok/fwd",
+        "pos/out tok",
         "peak MB",
         "structure",
         "distinct-2",
         "of raw fwd",
+        "of AR limit",
     ]
+    versus = report.get("versus")
+    if versus:
+        cols.append(f"x {Path(versus['model']).name} {versus['baseline']}")
     table = Table()
     for c in cols:
         table.add_column(c, justify="right" if c != "mode" else "left")
-    for name, m in report["modes"].items():
-        table.add_row(
+    rows = list(report["modes"].items())
+    if versus:
+        rows += [(f"{Path(versus['model']).name}: {n}", m) for n, m in versus["modes"].items()]
+    for name, m in rows:
+        cells = [
             name,
             f"{m['tokens_per_s']:.1f}",
             f"{m.get('speedup', '')}",
             f"{m['wall_s']:.2f}",
             str(m["nfe"]),
             f"{m['tokens_per_forward']:.2f}",
+            f"{m['positions_per_output_token']:.1f}",
             f"{m['peak_mem_mb']:.0f}",
             f"{m['structure_rate']:.3f}",
             f"{m['distinct_2']:.3f}",
-            f"{m['of_raw_forward']:.3f}",
-        )
+            f"{m['of_raw_forward']:.4f}" if "of_raw_forward" in m else "",  # the versus rows have neither
+            f"{m['of_ar_limit']:.3f}" if "of_ar_limit" in m else "",
+        ]
+        if versus:
+            cells.append(f"{m['x_versus_baseline']:.2f}")
+        table.add_row(*cells)
+    ar = report["autoregressive_limit"]
+    table.add_row(
+        "autoregressive-limit (timing only)",
+        f"{ar['tokens_per_s']:.1f}",
+        "",
+        f"{ar['wall_s']:.2f}",
+        str(ar["nfe"]),
+        "",
+        f"{ar['positions_per_output_token']:.2f}",
+        f"{ar['peak_mem_mb']:.0f}",
+        "n/a",
+        "n/a",
+        f"{ar['tokens_per_s'] / report['raw_forward_tokens_per_s']:.4f}",
+        "1.000",
+        *([f"{ar['tokens_per_s'] / versus['modes'][versus['baseline']]['tokens_per_s']:.2f}"] if versus else []),
+    )
     console.print(table)
+    console.print(
+        "autoregressive-limit: the same network decoding one position per row per forward with a KV cache; "
+        "quality is not meaningful there (the model was not trained left to right)."
+    )
     if "greedy_agreement_with_reference" in report:
         console.print("greedy, default mode vs reference: " + str(report["greedy_agreement_with_reference"]))
     if "cache_agreement_temperature_0" in report:

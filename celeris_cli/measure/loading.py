@@ -1,7 +1,7 @@
 """Peak memory while loading a checkpoint: a random LLaDA-layout checkpoint of a given size is written to a
 temporary folder, then loaded in a fresh process, whose peak resident memory is compared with the weights'
-size. The loader memory-maps the safetensors and places each tensor in the target dtype, so the peak should
-stay near the weights (the goal: at most 1.2x)."""
+size. The loader reads each tensor into its own memory and casts it in pieces, so the peak should stay
+near the weights (the goal: at most 1.2x)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from ..errors import ModelError
 
 CHILD = """
 import json, resource, sys, time
@@ -67,9 +69,9 @@ def measure_loading(size_gb: float, dtypes: tuple[str, ...] = ("bfloat16", "floa
         folder = Path(tmp) / "random"
         on_disk = write_random_checkpoint(folder, size_gb)
         for dtype in dtypes:
-            out = subprocess.run(
-                [sys.executable, "-c", CHILD, str(folder), dtype], capture_output=True, text=True, check=True
-            )
+            out = subprocess.run([sys.executable, "-c", CHILD, str(folder), dtype], capture_output=True, text=True)
+            if out.returncode != 0:
+                raise ModelError(f"loading the random checkpoint failed: {out.stderr.strip()[-500:]}")
             r = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append(
                 {

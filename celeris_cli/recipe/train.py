@@ -1,9 +1,17 @@
-"""Train a masked-diffusion LM in our checkpoint layout (LLaDA / MDLM objective).
+"""Train a masked-diffusion LM in our checkpoint layout (LLaDA / MDLM objective), bidirectional or
+block-causal (block diffusion).
 
 Each row is `seq_len` tokens of packed documents (EOS between them), starting at a document start. Per
 row a mask ratio t ~ U(eps, 1) is drawn, every token is masked with probability t, and the loss is the
 cross-entropy on masked positions weighted by 1/t (LLaDA eq. 3). The LM head runs on masked positions
 only. A share of rows keeps a random prefix unmasked, as a prompt would be at generation time.
+
+Block diffusion (`block_sizes`, as SDAR and BD3-LM train): the row is cut into blocks of W tokens from its
+position 0, and each block draws its own mask ratio. The network sees the row twice, clean then noisy,
+with the same positions (`block_causal_mask`): a clean token sees the clean blocks up to its own (what a
+decoder's cache of committed blocks holds), a noisy token sees the clean blocks before its own and its
+own noisy block, nothing else. The loss is the 1/t-weighted cross-entropy on the noisy copy's masked
+tokens. Each row draws W from `block_sizes`, so one model serves each of those block lengths.
 
 All randomness at step s comes from a generator seeded with (seed, s), so a resumed run draws the
 same batches and masks and continues the same loss curve.
@@ -55,6 +63,8 @@ class TrainConfig:
     device: str = "cpu"
     bf16: bool = True
     tie_weights: bool = True
+    block_sizes: list[int] = field(default_factory=list)  # empty: bidirectional (no blocks)
+    init: str | None = None  # a model folder whose weights the run starts from
     special: dict[str, int] = field(default_factory=dict)
 
 
@@ -79,7 +89,8 @@ def prepare_data(corpus: Path, tokenizer_model: Path, out: Path) -> dict[str, in
             out / f"{split}.pt",
         )
         sizes[split] = len(flat)
-    shutil.copy(tokenizer_model, out / "tokenizer.model")
+    if tokenizer_model.resolve() != (out / "tokenizer.model").resolve():
+        shutil.copy(tokenizer_model, out / "tokenizer.model")
     return sizes
 
 
@@ -105,15 +116,68 @@ def mask_batch(
     return torch.where(mask, mask_id, x), mask, p
 
 
+def block_mask_batch(
+    x: torch.Tensor, mask_id: int, g: torch.Generator, prefix_prob: float, sizes: list[int], eps: float = 1e-3
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward process per block: returns (noisy ids, mask, p_mask per position, block length per row).
+    Each row draws its block length from `sizes` and each of its blocks its own mask ratio."""
+    B, L = x.shape
+    width = torch.tensor(sizes)[torch.randint(len(sizes), (B,), generator=g)]
+    block = torch.arange(L)[None, :] // width[:, None]  # (B, L) block index of each position
+    t = torch.rand(B, L // min(sizes) + 1, generator=g)
+    p = ((1 - eps) * t + eps).gather(1, block)
+    mask = torch.rand(B, L, generator=g) < p
+    keep = torch.randint(1, max(2, L // 4), (B,), generator=g)
+    keep = torch.where(torch.rand(B, generator=g) < prefix_prob, keep, torch.zeros_like(keep))
+    mask &= torch.arange(L)[None, :] >= keep[:, None]
+    return torch.where(mask, mask_id, x), mask, p, width
+
+
+def block_causal_mask(width: torch.Tensor, L: int) -> torch.Tensor:
+    """(B, 1, 2L, 2L) bool, True = may attend, over [clean copy; noisy copy] of rows of L tokens cut into
+    blocks of `width` (B,). Clean query in block b: clean keys in blocks <= b. Noisy query in block b: clean
+    keys in blocks < b and noisy keys in block b."""
+    blk = torch.arange(L, device=width.device)[None, :] // width[:, None]  # (B, L)
+    b2 = torch.cat([blk, blk], 1)  # (B, 2L)
+    noisy = torch.arange(2 * L, device=width.device) >= L  # (2L,)
+    qb, kb = b2[:, :, None], b2[:, None, :]
+    qn, kn = noisy[None, :, None], noisy[None, None, :]
+    clean_key = ~kn & ((kb < qb) | (~qn & (kb == qb)))
+    noisy_key = kn & qn & (kb == qb)
+    return (clean_key | noisy_key)[:, None]
+
+
 def diffusion_loss(
-    model: LLaDAModel, x: torch.Tensor, noisy: torch.Tensor, mask: torch.Tensor, p: torch.Tensor
+    model: LLaDAModel,
+    x: torch.Tensor,
+    noisy: torch.Tensor,
+    mask: torch.Tensor,
+    p: torch.Tensor,
+    width: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sum over masked positions of CE / p, divided by the number of tokens (an upper bound on NLL)."""
-    h, _ = model.hidden(noisy)
+    """Sum over masked positions of CE / p, divided by the number of tokens (an upper bound on NLL).
+    p: (B,) per row, or (B, L) per position. With `width` (B,), block diffusion over [clean; noisy]."""
+    if width is None:
+        h, _ = model.hidden(noisy)
+    else:
+        L = x.shape[1]
+        pos = torch.arange(L, device=x.device).repeat(2).expand(x.shape[0], 2 * L)
+        h, _ = model.hidden(torch.cat([x, noisy], 1), pos, block_causal_mask(width, L))
+        h = h[:, L:]
     logits = model.head(h[mask]).float()  # only masked positions reach the LM head
     ce = F.cross_entropy(logits, x[mask], reduction="none")
-    weight = (1.0 / p)[:, None].expand_as(mask)[mask]
+    weight = (1.0 / p if p.dim() == 2 else (1.0 / p)[:, None]).expand_as(mask)[mask]
     return (ce * weight).sum() / x.numel()
+
+
+def noise_batch(
+    x: torch.Tensor, mask_id: int, g: torch.Generator, prefix_prob: float, sizes: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The forward process of the run's objective: (noisy, mask, p, block widths or None)."""
+    if sizes:
+        return block_mask_batch(x, mask_id, g, prefix_prob, sizes)
+    noisy, mask, p = mask_batch(x, mask_id, g, prefix_prob)
+    return noisy, mask, p, None
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -132,17 +196,25 @@ def nll_bound(
     draws: int = 4,
     use_bf16: bool = False,
     rows: int = 64,
+    sizes: list[int] | None = None,
 ) -> float:
     """Monte-Carlo estimate of the diffusion NLL upper bound per token of the rows of `x` (CPU tensors,
-    moved to the model's device a slice of `rows` at a time)."""
+    moved to the model's device a slice of `rows` at a time). `sizes`: block diffusion's block lengths."""
     device = next(model.parameters()).device
     total = 0.0
     for _ in range(draws):
         for i in range(0, len(x), rows):
             xb = x[i : i + rows]
-            noisy, mask, p = mask_batch(xb, mask_id, g, prefix_prob=0.0)
+            noisy, mask, p, width = noise_batch(xb, mask_id, g, 0.0, sizes or [])
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                loss = diffusion_loss(model, xb.to(device), noisy.to(device), mask.to(device), p.to(device))
+                loss = diffusion_loss(
+                    model,
+                    xb.to(device),
+                    noisy.to(device),
+                    mask.to(device),
+                    p.to(device),
+                    None if width is None else width.to(device),
+                )
             total += loss.item() * xb.numel()
     return total / (draws * x.numel())
 
@@ -155,10 +227,11 @@ def heldout_nll(
     rows: int = 64,
     draws: int = 4,
     use_bf16: bool = False,
+    sizes: list[int] | None = None,
 ) -> float:
     """The NLL bound on a fixed held-out batch, for the training log."""
     g = torch.Generator().manual_seed(1234)
-    return nll_bound(model, get_batch(data, rows, seq_len, g), mask_id, g, draws, use_bf16, rows)
+    return nll_bound(model, get_batch(data, rows, seq_len, g), mask_id, g, draws, use_bf16, rows, sizes)
 
 
 def _step_generator(seed: int, step: int) -> torch.Generator:
@@ -192,11 +265,18 @@ def train(
         bos_token_id=sp.get("bos_token_id"),
         weight_tying=cfg.tie_weights,
         rope_theta=10000.0,
+        block_causal=bool(cfg.block_sizes),
     )
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
     model = LLaDAModel(mcfg)
     model.init_weights(generator=torch.Generator().manual_seed(cfg.seed))
+    ckpt = out / "ckpt.pt"
+    resuming = resume and ckpt.is_file()
+    if resuming:
+        _check_same_objective(out, cfg)
+    elif cfg.init:  # a resumed run's weights come from its checkpoint
+        _load_init(model, Path(cfg.init))
     model.to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -206,8 +286,7 @@ def train(
         betas=(0.9, 0.95),
     )
     step = 0
-    ckpt = out / "ckpt.pt"
-    if resume and ckpt.is_file():
+    if resuming:
         state = torch.load(ckpt, weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
@@ -245,13 +324,14 @@ def train(
         while step < cfg.steps:
             g = _step_generator(cfg.seed, step)
             x = get_batch(train_data, cfg.batch_size, cfg.seq_len, g)
-            noisy, mask, p = mask_batch(x, mcfg.mask_token_id, g, cfg.prefix_prob)
+            noisy, mask, p, width = noise_batch(x, mcfg.mask_token_id, g, cfg.prefix_prob, cfg.block_sizes)
             x, noisy, mask, p = x.to(device), noisy.to(device), mask.to(device), p.to(device)
+            width = None if width is None else width.to(device)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg)
             model.train()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                loss = diffusion_loss(model, x, noisy, mask, p)
+                loss = diffusion_loss(model, x, noisy, mask, p, width)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
@@ -270,7 +350,10 @@ def train(
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 model.eval()
                 rec["heldout_nll"] = round(
-                    heldout_nll(model, held_data, mcfg.mask_token_id, cfg.seq_len, use_bf16=use_bf16), 4
+                    heldout_nll(
+                        model, held_data, mcfg.mask_token_id, cfg.seq_len, use_bf16=use_bf16, sizes=cfg.block_sizes
+                    ),
+                    4,
                 )
             records.append(rec)
             logf.write(json.dumps(rec) + "\n")
@@ -290,6 +373,32 @@ def train(
     return records
 
 
+def _check_same_objective(out: Path, cfg: TrainConfig) -> None:
+    """A run resumes with the block sizes it started with: another objective mid-curve (or a block-trained
+    model exported as bidirectional) is a mistake, not a resume."""
+    saved = out / "train_config.json"
+    if not saved.is_file():
+        return
+    before = sorted(json.loads(saved.read_text(encoding="utf-8")).get("block_sizes", []))
+    if before != sorted(cfg.block_sizes):
+        raise UsageError(
+            f"{out} was trained with block sizes {before or 'none (bidirectional)'}; resume it with the same "
+            f"--block-size, or train into a new --out"
+        )
+
+
+def _load_init(model: LLaDAModel, folder: Path) -> None:
+    """Start from a model folder's weights (same shape; its attention pattern may differ)."""
+    from ..arch.checkpoint import load_model
+
+    try:
+        src = load_model(folder)
+        model.load_state_dict(src.state_dict())
+    except RuntimeError as e:  # shapes differ
+        raise UsageError(f"{folder}: its weights do not fit this run's model ({str(e).splitlines()[0]})") from None
+    log.info("started from the weights in %s", folder)
+
+
 def _step_of(line: str) -> int:
     try:
         return int(json.loads(line)["step"])
@@ -305,6 +414,18 @@ def run_recipe(corpus: Path, out: Path, **overrides: Any) -> list[dict]:
     tok = data / "tokenizer.model"
     if not (corpus / "train.txt").is_file():
         raise UsageError(f"{corpus}: no train.txt; build the corpus first (celeris corpus)")
+    if overrides.get("init"):  # a run that starts from a model keeps that model's tokenizer
+        from ..engine import model_dir
+
+        init = model_dir(overrides["init"])
+        overrides["init"] = str(init)
+        if not (init / "tokenizer.model").is_file():
+            raise UsageError(f"{init}: no tokenizer.model to start from")
+        if not tok.is_file():
+            data.mkdir(parents=True, exist_ok=True)
+            shutil.copy(init / "tokenizer.model", tok)
+        elif tok.read_bytes() != (init / "tokenizer.model").read_bytes():
+            raise UsageError(f"{data} holds another tokenizer than {init}'s; use a new --out to start from it")
     if not tok.is_file():
         fold_path = corpus / "t2s.json"
         fold = json.loads(fold_path.read_text(encoding="utf-8")) if fold_path.is_file() else None
@@ -334,7 +455,7 @@ def save_checkpoint(model: LLaDAModel, opt: torch.optim.Optimizer, step: int, ou
     shutil.rmtree(old, ignore_errors=True)
 
 
-def plot_log(log_path: Path, png: Path) -> None:
+def plot_log(log_path: Path, png: Path, title: str = "celeris-tiny training curve") -> None:
     """Training loss and held-out NLL bound against tokens seen, as a PNG (needs matplotlib)."""
     try:
         import matplotlib
@@ -366,7 +487,7 @@ def plot_log(log_path: Path, png: Path) -> None:
     )
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("nats per token")
-    ax.set_title("celeris-tiny training curve")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

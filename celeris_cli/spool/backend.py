@@ -2,15 +2,19 @@
 put a fake at this boundary.
 
 `prepare` validates one request (its parameters, its length) and says which requests may share a batch;
-`run` decodes one batch of prepared requests into OpenAI-style response bodies.
+`run` decodes one batch of prepared requests into OpenAI-style response bodies. `Preparer` is `prepare`
+without the weights (tokenizer, context length and the model's default settings), for a daemon whose
+batches run elsewhere (Ray actors).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import CelerisError, ConfigError
+from ..errors import CelerisError, ConfigError, PromptTooLong, UsageError
+from ..params import script_of
 from .formats import Request
 
 
@@ -32,6 +36,76 @@ class Backend(Protocol):
         ...
 
 
+class Preparer:
+    """Requests to Prepared rows with a tokenizer, a context length and settings over the model's defaults;
+    what the engine's own encode_prompt and check_fits do, so the queue's rows are the same with or
+    without the weights loaded here."""
+
+    def __init__(
+        self, tokenizer: Any, max_length: int, base: Any, arch: Any = None, by_script: dict | None = None
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.base = base  # GenerationParams: the config's `generation:` over the model's defaults
+        self.arch = arch  # the model's architecture: which strategies it runs (None: any)
+        self.by_script = by_script or {}  # the model's presets per script of the prompt, under the user's layers
+
+    @classmethod
+    def load(cls, model: str | None, generation: dict[str, Any]) -> Preparer:
+        """From a model folder without its weights (they are only checked to be there)."""
+
+        from ..arch.checkpoint import read_folder, weight_files
+        from ..arch.tokenizer import load_tokenizer
+        from ..engine import model_dir, read_generation_config, read_script_layers
+        from ..params import GenerationParams
+
+        folder = model_dir(model)
+        arch, cfg = read_folder(folder)
+        tokenizer = load_tokenizer(folder, cfg)
+        weight_files(folder)
+        defaults, _ = read_generation_config(folder, arch)
+        base = _settings(lambda: GenerationParams.from_mapping(generation, defaults))
+        _settings(lambda: arch.check_strategy(base.strategy))
+        return cls(tokenizer, cfg.max_sequence_length, base, arch, read_script_layers(folder))
+
+    def prepare(self, request: Request) -> Prepared:
+        params = self.base.with_(**request.params)
+        if self.arch is not None:
+            self.arch.check_strategy(params.strategy)
+        if request.messages is not None:
+            if self.tokenizer.chat_template:
+                ids = self.tokenizer.encode(self.tokenizer.render_chat(request.messages))
+            else:  # a completion model: the conversation's text is the prompt
+                ids = self._encode("\n".join(m["content"] for m in request.messages))
+            text = request.messages[-1]["content"]
+        else:
+            assert request.prompt is not None
+            ids, text = self._encode(request.prompt), request.prompt
+        preset = self.by_script.get(script_of(text) or "")
+        params = params.under(preset) if preset else params  # packed with the rows that run the same settings
+        if len(ids) + params.gen_length > self.max_length:
+            raise PromptTooLong(
+                f"prompt of {len(ids)} tokens plus gen-length {params.gen_length} exceeds the "
+                f"model's context of {self.max_length} tokens"
+            )
+        # requests that differ only in their seed share a batch: each row draws from its own seed
+        return Prepared(request, params.batch_key(), len(ids) + params.gen_length, (text, ids, params.seed))
+
+    def _encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text)
+        if not ids:
+            raise UsageError("empty prompt")
+        return ids
+
+
+def _settings(build: Callable[[], Any]) -> Any:
+    """The config's `generation:` over the model's defaults; a bad combination is the config's error."""
+    try:
+        return build()
+    except CelerisError as e:
+        raise ConfigError(f"generation: {e}") from None
+
+
 class EngineBackend:
     """The real backend over `celeris_cli.engine` (imported here, lazily, not by the queue)."""
 
@@ -41,25 +115,13 @@ class EngineBackend:
         from ..engine import load_engine
 
         self.engine = load_engine(model, device, dtype, threads)
-        try:
-            self.base = self.engine.params(generation)
-        except CelerisError as e:
-            raise ConfigError(f"generation: {e}") from None
+        self.base = _settings(lambda: self.engine.params(generation))
 
     def prepare(self, request: Request) -> Prepared:
-        params = self.base.with_(**request.params)
-        if request.messages is not None:
-            if self.engine.tokenizer.chat_template:
-                ids = self.engine.tokenizer.encode(self.engine.tokenizer.render_chat(request.messages))
-            else:  # a completion model: the conversation's text is the prompt
-                ids = self.engine.encode_prompt("\n".join(m["content"] for m in request.messages))
-            text = request.messages[-1]["content"]
-        else:
-            assert request.prompt is not None
-            ids, text = self.engine.encode_prompt(request.prompt), request.prompt
-        self.engine.check_fits(len(ids), params)
-        # requests that differ only in their seed share a batch: each row draws from its own seed
-        return Prepared(request, params.batch_key(), len(ids) + params.gen_length, (text, ids, params.seed))
+        # built per request (cheap): measure.bench sets `engine` and `base` on a bare EngineBackend
+        return Preparer(
+            self.engine.tokenizer, self.engine.max_length, self.base, self.engine.arch, self.engine.by_script
+        ).prepare(request)
 
     def run(self, batch: list[Prepared]) -> list[dict[str, Any]]:
         params = batch[0].group

@@ -87,6 +87,14 @@ def deadline(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+def describe(e: BaseException) -> tuple[str, bool, str]:
+    """A batch's exception as a failure: (code, retryable, message). The exception's type carries the code;
+    anything but a CelerisError is the engine's (`engine_error`, retryable: out of memory, a lost worker)."""
+    if isinstance(e, CelerisError):
+        return e.code, e.retryable, str(e)
+    return "engine_error", True, f"{type(e).__name__}: {e}"
+
+
 def run_bisecting(
     backend: Backend,
     batch: list[T],
@@ -101,11 +109,7 @@ def run_bisecting(
             bodies = backend.run([prepared(item) for item in batch])
         return [Decided(item, body) for item, body in zip(batch, bodies)]
     except Exception as e:  # one failing request must not stop the daemon nor sink its batch
-        if isinstance(e, CelerisError):
-            code, retryable = e.code, e.retryable
-        else:
-            code, retryable = "engine_error", True
-        message = str(e) if isinstance(e, CelerisError) else f"{type(e).__name__}: {e}"
+        code, retryable, message = describe(e)
         if len(batch) == 1:
             return [Decided(batch[0], None, code, message, retryable)]
         log("bisect", size=len(batch), error=message)

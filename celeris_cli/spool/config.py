@@ -35,6 +35,23 @@ class Folders:
 
 
 @dataclass(frozen=True)
+class RaySettings:
+    """`engine: {ray: {...}}`: the queue's batches run on a pool of Ray actors, each loading the model once."""
+
+    address: str | None = None  # None: a local Ray started with the daemon; "auto" or "ray://host:10001"
+    actors: int = 1  # batches in flight at once, one per actor
+    cpus_per_actor: float | None = None  # None: min(1, cluster CPUs / actors)
+    gpus_per_actor: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Where the queue's batches run: in the daemon's own process (`ray` None), or on Ray."""
+
+    ray: RaySettings | None = None
+
+
+@dataclass(frozen=True)
 class BatchConfig:
     folders: Folders
     model: str | None = None
@@ -42,6 +59,7 @@ class BatchConfig:
     dtype: str = "auto"
     threads: int | None = None
     generation: dict[str, Any] = field(default_factory=dict)
+    engine: EngineSettings = field(default_factory=EngineSettings)
     batch_size: int = 16
     token_budget: int = 16384
     batch_window_s: float = 0.5
@@ -70,6 +88,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "dtype": (str,),
     "threads": (int, type(None)),
     "generation": (dict,),
+    "engine": (dict, type(None)),
     "batch_size": (int,),
     "token_budget": (int,),
     "batch_window_s": (int, float),
@@ -97,6 +116,40 @@ _POSITIVE = (
     "publish_retry_s",
 )
 _NON_NEGATIVE = ("batch_window_s", "settle_s", "shutdown_grace_s")
+_RAY_TYPES: dict[str, tuple[type, ...]] = {
+    "address": (str, type(None)),
+    "actors": (int,),
+    "cpus_per_actor": (int, float, type(None)),
+    "gpus_per_actor": (int, float),
+}
+
+
+def parse_engine(raw: dict[str, Any] | None) -> EngineSettings:
+    """`engine:` null or {} (the in-process engine), or `engine: {ray: {...}}` (see RaySettings)."""
+    for key in raw or {}:
+        if key != "ray":
+            raise ConfigError(f"engine.{key}: unknown key (known: ray)")
+    ray = (raw or {}).get("ray")
+    if ray is None:
+        return EngineSettings()
+    if not isinstance(ray, dict):
+        raise ConfigError(f"engine.ray: must be a mapping, got {ray!r}")
+    for key, value in ray.items():
+        types = _RAY_TYPES.get(key)
+        if types is None:
+            raise ConfigError(f"engine.ray.{key}: unknown key (known: {', '.join(_RAY_TYPES)})")
+        if not isinstance(value, types) or isinstance(value, bool):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ConfigError(f"engine.ray.{key}: must be {names}, got {value!r}")
+    if ray.get("actors", 1) < 1:
+        raise ConfigError(f"engine.ray.actors: must be positive, got {ray['actors']!r}")
+    if ray.get("cpus_per_actor") is not None and ray["cpus_per_actor"] <= 0:
+        raise ConfigError(f"engine.ray.cpus_per_actor: must be positive or null, got {ray['cpus_per_actor']!r}")
+    if ray.get("gpus_per_actor", 0) < 0:
+        raise ConfigError(f"engine.ray.gpus_per_actor: must be >= 0, got {ray['gpus_per_actor']!r}")
+    if ray.get("address") == "":
+        raise ConfigError("engine.ray.address: must be null (a local Ray), auto or an address, got ''")
+    return EngineSettings(ray=RaySettings(**ray))
 
 
 def load_config(path: Path) -> BatchConfig:
@@ -150,6 +203,7 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
     for key in values.get("generation", {}):
         if not isinstance(key, str):
             raise ConfigError(f"generation: keys must be names, got {key!r}")
+    values["engine"] = parse_engine(values.get("engine"))
     try:  # each setting on its own, now; how they combine with the model's defaults, when the model loads
         check_values(values.get("generation", {}))
     except UsageError as e:

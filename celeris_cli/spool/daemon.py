@@ -5,6 +5,10 @@ claim number, with a journal of its finished batches, until its results are publ
 resumed there, and only its undecided requests are decoded. Watchdog events only wake the loop; the loop
 also rescans every `rescan_s`. This module runs the loop; intake (claims), journal and poison (resuming),
 batching (bisecting, timeouts), finish and publish (commit order, full disks) and signals have their own.
+
+Batches run on a pool (`pool`): the in-process engine keeps one in flight, a Ray actor pool one per actor.
+Each batch is journaled, and its finished files published, as it completes, in whatever order; claiming,
+journals, publishing and the lock stay here, in this one process.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import stat
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,13 +27,14 @@ from typing import Any
 from ..errors import CelerisError, ConfigError
 from . import finish, poison, signals
 from .backend import Backend
-from .batching import Decided, Item, pack, run_bisecting
+from .batching import Decided, Item, describe, pack
 from .config import BatchConfig
 from .formats import FileRejected, parse_file
 from .fsutil import FolderLocks, crashpoint
 from .intake import Inbox, Job
 from .ledger import EventLog, FailureLog
 from .metrics import Metrics, output_tokens
+from .pool import Done, Pool, as_pool
 from .publish import Publisher, line_failure, request_failure
 from .status import Heartbeat
 
@@ -45,12 +51,15 @@ def queue_lock(cfg: BatchConfig) -> FolderLocks:
 
 class Spool:
     def __init__(
-        self, cfg: BatchConfig, backend_factory: Callable[[], Backend], progress: Callable[[str], None] | None = None
+        self,
+        cfg: BatchConfig,
+        backend_factory: Callable[[], Backend | Pool],
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.f = cfg.folders
         self.backend_factory = backend_factory
-        self.backend: Backend | None = None
+        self.pool: Pool | None = None
         self.progress = progress
         self.events = EventLog(self.f.logs / "events.jsonl")
         self.lock = queue_lock(cfg)
@@ -60,7 +69,7 @@ class Spool:
         self.wake = threading.Event()
         self.stopping = False
         self.claimed: dict[int, Job] = {}  # claim number -> job in progress (resumed, decoding or deferred)
-        self.in_flight: list[Item] = []
+        self.flight: dict[int, tuple[list[Item], float]] = {}  # pool ticket -> (batch, start time)
         self.failed_this_run = 0
         self.done_this_run = 0
         self.files_this_run = 0
@@ -79,12 +88,22 @@ class Spool:
             for folder in (self.f.outputs, self.f.logs):  # our temp files of a publish cut short
                 for tmp in folder.glob(".*.tmp"):
                     tmp.unlink(missing_ok=True)
-            self.backend = self.backend_factory()  # a missing model or bad `generation:` fails now
+            self.pool = as_pool(self.backend_factory(), self.cfg.request_timeout_s)  # a bad model fails now
             for job in self.inbox.open(self.failures.max_claim):
                 self.claimed[job.seq] = job
         except BaseException:
+            self.close_pool()
             self.lock.release()
             raise
+
+    def close_pool(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    @property
+    def in_flight(self) -> list[Item]:
+        return [item for batch, _ in list(self.flight.values()) for item in batch]
 
     def run(self, once: bool) -> int:
         """Serve the queue. Returns the exit code: 0; 1 in --once mode when failures were recorded; 75 in
@@ -120,6 +139,7 @@ class Spool:
                 self.wake.clear()
         finally:
             self.stop_claims([])
+            self.close_pool()
             if observer is not None:
                 observer.stop()
                 observer.join(timeout=5)
@@ -184,16 +204,26 @@ class Spool:
         self.drain(work)
 
     def drain(self, work: list[Item]) -> None:
+        """Run `work`, up to `pool.slots` batches at once. On a stop nothing new starts (not even the
+        halves of a failed batch) and the batches in flight are finished."""
+        assert self.pool is not None
+        queue = deque(self.pack(work))
         first = True
-        while work and not self.stopping:
-            batches, work = pack(work, self.cfg.batch_size, self.cfg.token_budget), []
-            for batch in batches:
-                if self.stopping:
-                    break
-                work += self.run_batch(batch)
+        while (queue and not self.stopping) or self.flight:
+            while queue and not self.stopping and len(self.flight) < self.pool.slots:
+                self.submit(queue.popleft())
+            if not self.flight:
+                break
+            for done in self.pool.wait():
+                halves, new = self.finished(done)
+                queue.extendleft(reversed(halves))  # bisection first: it holds decided work back
+                queue.extend(self.pack(new))
                 if first:
-                    crashpoint("mid_batch")
+                    crashpoint("mid_batch")  # other batches may still be in flight
                     first = False
+
+    def pack(self, work: list[Item]) -> list[list[Item]]:
+        return pack(work, self.cfg.batch_size, self.cfg.token_budget) if work else []
 
     def load(self, job: Job) -> bool:
         """Parse a claimed file (and, for a resumed one, its journal). Unreadable files are quarantined."""
@@ -228,13 +258,13 @@ class Spool:
         return True
 
     def prepare(self, job: Job, requests: list[Any]) -> list[Item]:
-        assert self.backend is not None
+        assert self.pool is not None
         out = []
         for req in requests:
             if req.line in job.outcomes:
                 continue  # decided by an earlier claim
             try:
-                out.append((job, self.backend.prepare(req)))
+                out.append((job, self.pool.prepare(req)))
             except CelerisError as e:  # the exception's type carries the code
                 code, retryable, message = e.code, e.retryable, str(e)
             except Exception as e:  # any other error preparing one request is still only that request's
@@ -245,21 +275,37 @@ class Spool:
         job.pending += len(out)
         return out
 
-    def run_batch(self, batch: list[Item]) -> list[Item]:
-        """Decode one batch; returns new work (lines appended to a file meanwhile)."""
-        assert self.backend is not None
-        t0 = time.perf_counter()
-        jobs = {id(j): j for j, _ in batch}
-        for job in jobs.values():
+    def submit(self, batch: list[Item]) -> None:
+        """Start one batch on the pool, after journaling which lines are in flight."""
+        assert self.pool is not None
+        for job in {id(j): j for j, _ in batch}.values():
             mine = [p.request.line for j, p in batch if j is job]
             if job.journal.exists or job.pending > len(mine) or job.suspects is None or job.suspects:
                 job.journal.append({"try": mine})  # so a death here can be blamed on these lines
-        self.in_flight = batch
+        ticket = self.pool.submit([p for _, p in batch])
+        self.flight[ticket] = (batch, time.perf_counter())
+        self.events("submit", ticket=ticket, size=len(batch), in_flight=len(self.flight))
         self.beat.write("decoding", self)
-        outcomes = run_bisecting(
-            self.backend, batch, lambda item: item[1], self.cfg.request_timeout_s, lambda: self.stopping, self.events
-        )
-        self.in_flight = []
+
+    def finished(self, done: Done) -> tuple[list[list[Item]], list[Item]]:
+        """A batch is back: a failed batch of several is halved (returns the halves, to run first, so the
+        request at fault fails alone); otherwise its outcomes are recorded. Also returns new work (lines
+        appended to a file meanwhile)."""
+        batch, t0 = self.flight.pop(done.ticket)
+        if done.error is not None:
+            code, retryable, message = describe(done.error)
+            if len(batch) > 1:
+                self.events("bisect", ticket=done.ticket, size=len(batch), error=message)
+                mid = len(batch) // 2
+                return [batch[:mid], batch[mid:]], []
+            outcomes = [Decided(batch[0], None, code, message, retryable)]
+        else:
+            assert done.bodies is not None and len(done.bodies) == len(batch)
+            outcomes = [Decided(item, body) for item, body in zip(batch, done.bodies)]
+        return [], self.record_batch(done.ticket, batch, outcomes, t0)
+
+    def record_batch(self, ticket: int, batch: list[Item], outcomes: list[Decided[Item]], t0: float) -> list[Item]:
+        jobs = {id(j): j for j, _ in batch}
         wall = time.perf_counter() - t0
         failed = [o for o in outcomes if o.body is None]
         tokens = sum(o.item[1].cost for o in outcomes)
@@ -267,6 +313,7 @@ class Spool:
         self.metrics.batch(out_tokens, wall)
         self.events(
             "batch",
+            ticket=ticket,
             size=len(batch),
             tokens=tokens,
             wall_s=round(wall, 4),

@@ -1,0 +1,149 @@
+"""The fast decoder's prediction, computed only where it is used: the masked positions of the active rows,
+and for sampling only the tokens that top-k, top-p and min-p leave.
+
+Gumbel-max over the survivors alone samples the same distribution as Gumbel-max over the whole vocabulary
+with the others at -inf, so the float64 noise LLaDA's note asks for (Zheng et al. 2024: low-precision
+Gumbel noise lowers the effective temperature) is drawn for the survivors only: a few per position instead
+of the vocabulary. Each row draws from its own stream, and how many numbers it draws depends only on its
+own positions and logits (README, "Reproducible answers").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+from ..params import Confidence, Sampling
+
+
+def candidates(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """For logits (N, V): token ids (N, K) by falling logit (min-p alone: by token id) and their float64
+    scores (logit / temperature) with the tokens that top-k, top-p and min-p exclude at -inf, as
+    `sampling.filtered_scores` decides over the whole vocabulary. Positions whose last candidate survives
+    are redone with four times as many, until it does not: every filter keeps a prefix of the tokens
+    sorted by score, so then no survivor is left out."""
+    if s.min_p > 0 and s.top_k == 0 and s.top_p == 1.0:
+        return _min_p_candidates(logits, s)
+    V = logits.shape[-1]
+    K = min(V, s.top_k + 1 if s.top_k > 0 else 16)  # top-k: one past the k-th, so a tie there shows
+    ids, scores = _sorted_candidates(logits, s, K)
+    redo = torch.nonzero(scores[:, -1] > float("-inf")).flatten()
+    while redo.numel() and K < V:
+        K = min(V, K * 4)
+        more_ids, more_scores = _sorted_candidates(logits[redo], s, K)
+        width = more_ids.shape[1] - ids.shape[1]
+        ids = torch.cat([ids, ids.new_zeros(ids.shape[0], width)], 1).index_copy(0, redo, more_ids)
+        scores = torch.cat([scores, scores.new_full((scores.shape[0], width), float("-inf"))], 1)
+        scores = scores.index_copy(0, redo, more_scores)
+        redo = redo[more_scores[:, -1] > float("-inf")]
+    return ids, scores
+
+
+def _min_p_candidates(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """min-p alone keeps the tokens within log(min_p) of the top score: found by one comparison over the
+    vocabulary (a float32 superset, then the exact float64 test on it), no top-k. Candidates come in
+    token-id order, padded with -inf: an order that does not depend on the batch either."""
+    top = logits.amax(-1, keepdim=True)
+    rows, cols = torch.nonzero(logits >= top + s.temperature * math.log(s.min_p) - 1e-3, as_tuple=True)
+    N = logits.shape[0]
+    count = torch.bincount(rows, minlength=N)
+    slot = torch.arange(rows.numel(), device=rows.device) - (count.cumsum(0) - count)[rows]
+    width = int(count.max())
+    ids = rows.new_zeros(N, width)
+    ids[rows, slot] = cols
+    scores = torch.full((N, width), float("-inf"), dtype=torch.float64, device=logits.device)
+    scores[rows, slot] = logits[rows, cols].double() / s.temperature
+    floor = top.double() / s.temperature + math.log(s.min_p)  # as filtered_scores: max score + log(min_p)
+    return ids, scores.masked_fill(scores < floor, float("-inf"))
+
+
+def _sorted_candidates(logits: torch.Tensor, s: Sampling, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top K of each row in a canonical order (falling logit, then rising id, so that ties rank alike
+    whatever K and the batch are), with their filtered float64 scores."""
+    values, ids = logits.topk(K, dim=-1)
+    ids, perm = ids.sort(-1)
+    values, perm = values.gather(-1, perm).sort(dim=-1, descending=True, stable=True)
+    return ids.gather(-1, perm), _filter_sorted(values.double() / s.temperature, logits, s)
+
+
+def _filter_sorted(scores: torch.Tensor, logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """`filtered_scores` on the top-K scores (N, K) sorted falling; `logits` (N, V) give top-p its mass."""
+    kth = None
+    if 0 < s.top_k < logits.shape[-1]:
+        kth = scores[:, s.top_k - 1 : s.top_k]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if s.top_p < 1.0:  # the mass is that of the whole (top-k filtered) vocabulary, in float64
+        full = logits.double() / s.temperature
+        if kth is not None:
+            full = full.masked_fill(full < kth, float("-inf"))
+        probs = (scores - full.logsumexp(-1, keepdim=True)).exp()
+        drop = probs.cumsum(-1) - probs >= s.top_p  # mass before this token already reaches top_p
+        scores = scores.masked_fill(drop, float("-inf"))
+    if s.min_p > 0:
+        scores = scores.masked_fill(scores < scores[:, :1] + math.log(s.min_p), float("-inf"))
+    return scores
+
+
+def survivors(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The tokens sampling may pick and their float64 scores (logit / temperature, excluded ones at
+    -inf): `candidates`, or with no filter every token id (ids None: a score's column is its id)."""
+    if s.top_k == 0 and s.top_p == 1.0 and s.min_p == 0:
+        return None, logits.double() / s.temperature
+    return candidates(logits, s)
+
+
+def gumbel_pick(scores: torch.Tensor, counts: list[int], gens: list[torch.Generator]) -> torch.Tensor:
+    """The column (N,) Gumbel-max picks among scores (N, K), rows' positions contiguous in order (row b has
+    counts[b] of them). Row b draws (counts[b], its own most survivors at any of its positions) float64
+    uniforms from gens[b]."""
+    alive = (scores > float("-inf")).sum(-1).tolist()
+    u = torch.full_like(scores, 0.5)  # where a row draws nothing, the candidate is excluded anyway
+    start = 0
+    for n, gen in zip(counts, gens):
+        if n:
+            width = max(alive[start : start + n])
+            u[start : start + n, :width] = torch.rand((n, width), dtype=u.dtype, device=u.device, generator=gen)
+        start += n
+    noise = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
+    return (scores + noise).argmax(-1)
+
+
+def sample_masked(logits: torch.Tensor, s: Sampling, counts: list[int], gens: list[torch.Generator]) -> torch.Tensor:
+    """x0 (N,) for the logits (N, V) of the masked positions, rows' positions contiguous in order (row b
+    has counts[b] of them): argmax at temperature 0, else Gumbel-max over the survivors (`gumbel_pick`)."""
+    assert sum(counts) == logits.shape[0] or s.temperature == 0
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    ids, scores = survivors(logits, s)
+    choice = gumbel_pick(scores, counts, gens)
+    return choice if ids is None else ids.gather(-1, choice[:, None]).squeeze(-1)
+
+
+def sample_with_probability(
+    logits: torch.Tensor, s: Sampling, counts: list[int], gens: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x0 (N,) as `sample_masked`, and its probability under the filtered distribution (the survivors
+    renormalised; at temperature 0 the filters apply at temperature 1), from the same candidates."""
+    t = s.temperature if s.temperature > 0 else 1.0
+    ids, scores = survivors(logits, s if s.temperature > 0 else replace(s, temperature=t))
+    col = scores.argmax(-1) if s.temperature == 0 else gumbel_pick(scores, counts, gens)
+    prob = (scores.gather(-1, col[:, None]).squeeze(-1) - scores.logsumexp(-1)).exp().float()
+    return (col if ids is None else ids.gather(-1, col[:, None]).squeeze(-1)), prob
+
+
+def confidence_masked(logits: torch.Tensor, x0: torch.Tensor, kind: Confidence) -> torch.Tensor:
+    """`fast.confidence_of` for logits (N, V) and x0 (N,), from a log-normaliser and a top-2 instead of a
+    softmax over the vocabulary (entropy alone needs the full distribution)."""
+    logp = logits.float().log_softmax(-1)  # of the whole vocabulary, as the confidence is defined
+    if kind == "entropy":
+        return (logp.exp() * logp).sum(-1).exp()
+    chosen = logp.gather(-1, x0[:, None]).squeeze(-1).exp()
+    if kind == "prob":
+        return chosen
+    top2 = logp.topk(2, dim=-1)
+    first, second = top2.values.exp().unbind(-1)
+    if kind == "margin":
+        return first - second
+    return chosen - torch.where(x0 == top2.indices[:, 0], second, first)  # lead: p(x0) minus its best rival

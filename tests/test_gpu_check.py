@@ -1,0 +1,34 @@
+"""`scripts/gpu-check` runs end to end on CPU at a tiny shape: parity rows for each family, one speed cell per
+batch size, one JSON (issue #12; the GPU figures need a GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).parents[1]
+
+
+def test_gpu_check_runs_end_to_end_on_cpu_at_a_tiny_shape(tmp_path: Path) -> None:
+    out = tmp_path / "gpu-check.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu-check"), "--device", "cpu", "--tiny", "--no-install",
+         "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    report = json.loads(out.read_text())
+    assert json.loads(p.stdout) == report
+    assert [r["architecture"] for r in report["parity"]] == ["llada", "dream", "llada2_moe"]
+    assert all(r["logits_ok"] and r["greedy_identical"] == "3/3" for r in report["parity"])  # CPU against CPU
+    speed = report["speed"]
+    assert speed["dtype"] == "bfloat16" and speed["workload"]["batches"] == [1, 2]
+    for cell, batch in zip(speed["cells"], [1, 2]):
+        assert cell["batch"] == batch and cell["output_tokens_per_s"] > 0
+        assert cell["tokens_per_forward"] == batch  # early exit off, random weights: one token per row per step
+        for key in ("positions_per_output_token", "peak_mem_mb", "of_ar_limit", "autoregressive_limit_tokens_per_s"):
+            assert key in cell
