@@ -52,14 +52,19 @@ class Recorder(Net):
         self.canvases: list[torch.Tensor] = []
         self.row_passes = 0
         self.cached_calls = 0
+        self.kept: list[int] = []  # layers' keys/values returned by each full-canvas forward
 
-    def hidden(self, ids, positions, key_mask, cache=None, start=0):  # type: ignore[no-untyped-def]
+    def hidden(self, ids, positions, key_mask, cache=None, start=0, keep_kv=True):  # type: ignore[no-untyped-def]
         if cache is None:
             self.canvases.append(ids.clone())
+            h, kv = super().hidden(ids, positions, key_mask, cache, start, keep_kv)
+            self.kept.append(len(kv))
+            self.row_passes += ids.shape[0]
+            return h, kv
         else:
             self.cached_calls += 1
         self.row_passes += ids.shape[0]
-        return super().hidden(ids, positions, key_mask, cache, start)
+        return super().hidden(ids, positions, key_mask, cache, start, keep_kv)
 
 
 def run_fast(engine: Engine, prompts: list[str], params: FastPlan) -> tuple[torch.Tensor, Recorder, int]:
@@ -72,6 +77,19 @@ def run_fast(engine: Engine, prompts: list[str], params: FastPlan) -> tuple[torc
         net, prompt, pmask, params, engine.tokenizer.mask_id, engine.tokenizer.stop_ids, noise(len(prompts))
     )
     return out, net, P
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_a_full_forward_keeps_the_layers_keys_and_values_only_for_a_cache(engine: Engine, cache: str) -> None:
+    """Without a cache nothing uses them, so no forward holds every layer's keys and values at once."""
+    params = plan("fast", gen_length=16, block_length=8, denoise_steps=16, cache=cache, early_exit=False)
+    out, net, _ = run_fast(engine, PROMPTS, params)
+    layers = engine.model.cfg.n_layers
+    assert net.kept and set(net.kept) == ({0} if cache == "none" else {layers})
+    ids = out[:, :12]
+    h, kv = engine.model.hidden(ids)
+    h2, none = engine.model.hidden(ids, keep_kv=False)
+    assert torch.equal(h, h2) and len(kv) == layers and none == []
 
 
 @pytest.mark.parametrize("threshold", [0.0, 0.3, 1.0])
@@ -183,9 +201,9 @@ class RowCounter(Recorder):
         super().__init__(model)
         self.rows: list[int] = []
 
-    def hidden(self, ids, positions, key_mask, cache=None, start=0):  # type: ignore[no-untyped-def]
+    def hidden(self, ids, positions, key_mask, cache=None, start=0, keep_kv=True):  # type: ignore[no-untyped-def]
         self.rows.append(ids.shape[0])
-        return super().hidden(ids, positions, key_mask, cache, start)
+        return super().hidden(ids, positions, key_mask, cache, start, keep_kv)
 
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])

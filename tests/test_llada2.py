@@ -147,9 +147,9 @@ def test_the_cached_decoder_computes_far_fewer_positions(engine) -> None:  # typ
     seen: dict[str, int] = {}
 
     class Counting(Net):
-        def hidden(self, ids, positions, key_mask, cache=None, start=0):  # type: ignore[no-untyped-def]
+        def hidden(self, ids, positions, key_mask, cache=None, start=0, keep_kv=True):  # type: ignore[no-untyped-def]
             seen[self.name] = seen.get(self.name, 0) + ids.numel()
-            return super().hidden(ids, positions, key_mask, cache, start)
+            return super().hidden(ids, positions, key_mask, cache, start, keep_kv)
 
     prompt = _prompts(1)[0]
     unused = SpecialTokens(engine.tokenizer.mask_id, frozenset({REF["ids"]["vocab_size"] - 1}), 0)  # every block runs

@@ -62,6 +62,7 @@ class Model(Protocol):
         attn_mask: torch.Tensor | None = None,
         cache: list[KV] | None = None,
         start: int = 0,
+        keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]: ...
 
     def head(self, h: torch.Tensor) -> torch.Tensor: ...
@@ -208,8 +209,11 @@ class DiffusionLM(nn.Module):
         key_mask: torch.Tensor | None = None,
         cache: list[KV] | None = None,
         start: int = 0,
+        keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]:
-        """Final hidden states (after the final norm) for `ids`, and each layer's fresh keys/values.
+        """Final hidden states (after the final norm) for `ids`, and each layer's fresh keys/values (none
+        with keep_kv False, so that each layer's are freed as the next runs: a forward whose caller drops
+        them does not hold every layer's at once).
 
         ids: (B, T). positions: (B, T) RoPE positions (default start..start+T-1; under left padding pass
         cumsum(key_mask)-1 so a row's positions match its unpadded self). key_mask: (B, L) bool, True for
@@ -227,7 +231,8 @@ class DiffusionLM(nn.Module):
         fresh: list[KV] = []
         for i, layer in enumerate(layers):
             x, kv = layer(x, rope, mask, None if cache is None else cache[i], start, self.upcast)
-            fresh.append(kv)
+            if keep_kv:
+                fresh.append(kv)
         return norm(x), fresh
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -252,5 +257,5 @@ class DiffusionLM(nn.Module):
         self, ids: torch.Tensor, key_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Full-canvas logits (B, T, vocab_size), unshifted (as each family's own forward returns them)."""
-        h, _ = self.hidden(ids, positions, key_mask)
+        h, _ = self.hidden(ids, positions, key_mask, keep_kv=False)
         return self.head(h)

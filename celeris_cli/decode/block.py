@@ -52,6 +52,7 @@ class BlockNet(Protocol):
         key_mask: torch.Tensor,
         cache: list[KV] | None = None,
         start: int = 0,
+        keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]: ...
 
     def head(self, h: torch.Tensor) -> torch.Tensor: ...
@@ -195,7 +196,7 @@ def generate_block(
             if rows.numel() == 0 or not (cv.x[rows, s:e] == mask_id).any():
                 break
             mask = block_mask(cv.real[rows], 0, e, e, W)
-            h, _ = net.hidden(cv.x[rows, :e], cv.pos[rows, :e], mask)
+            h, _ = net.hidden(cv.x[rows, :e], cv.pos[rows, :e], mask, keep_kv=False)
             gens, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id)
             cv.x[rows, s:e] = commit_step(cv.x[rows, s:e], h[:, s:e], net, plan, k, mask_id, gens, answer, stop)
         rows = rows[~finished(cv, rows, e, mask_id, stop)]

@@ -59,6 +59,7 @@ class CachedNet(Protocol):
         cache: list[KV] | None = None,
         end: int | None = None,
         select: torch.Tensor | None = None,
+        keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]: ...
 
     def cache_of(self, kv: list[KV]) -> list[KV]: ...
@@ -118,7 +119,7 @@ class _View:
         # model's window starts at s-1, which may be the prompt's last token
         canvas = x if self.prompt_part is None else torch.cat([self.prompt_part, x[:, self.prompt_part.shape[1] :]], 1)
         if mode == "none" or refresh:
-            logits, kv = net.span_logits(canvas, pos, km, s, e, select=select)
+            logits, kv = net.span_logits(canvas, pos, km, s, e, select=select, keep_kv=mode != "none")
             if mode != "none":
                 self.cache = net.cache_of(kv)
             return logits

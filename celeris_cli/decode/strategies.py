@@ -62,10 +62,11 @@ class Net:
         key_mask: torch.Tensor,
         cache: list[KV] | None = None,
         start: int = 0,
+        keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]:
         self.nfe += 1
         self.positions_computed += ids.numel()
-        return self.model.hidden(ids, positions, key_mask, cache, start)
+        return self.model.hidden(ids, positions, key_mask, cache, start, keep_kv)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.head(h)
@@ -91,14 +92,16 @@ class Net:
         cache: list[KV] | None = None,
         end: int | None = None,
         select: torch.Tensor | None = None,
+        keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]:
         """Logits predicting positions [s, e) of the canvas `ids` (B, L), s >= 1: a full-canvas forward
-        (no cache; returns every layer's keys/values), or the window [s, end) recomputed against `cache`
-        (end defaults to e). With a logit shift the window starts one position earlier. `select` (B, e - s)
-        bool: the LM head runs on those positions only, and the logits come flat, (N, V) in row order."""
+        (no cache; returns every layer's keys/values unless keep_kv is False), or the window [s, end)
+        recomputed against `cache` (end defaults to e; its fresh keys/values are the window's only). With a
+        logit shift the window starts one position earlier. `select` (B, e - s) bool: the LM head runs on
+        those positions only, and the logits come flat, (N, V) in row order."""
         lo = s - self.shift
         if cache is None:
-            h, kv = self.hidden(ids, positions, key_mask)
+            h, kv = self.hidden(ids, positions, key_mask, keep_kv=keep_kv)
             h = h[:, lo : e - self.shift]
         else:
             end = e if end is None else end
