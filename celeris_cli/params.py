@@ -151,6 +151,10 @@ class Shaping:
     presence_penalty: float
     min_tokens: int
 
+    @property
+    def active(self) -> bool:
+        return self.presence_penalty > 0 or self.min_tokens > 0
+
 
 @dataclass(frozen=True)
 class Timeline:

@@ -117,7 +117,7 @@ def commit_step(
     k: int,
     mask_id: int,
     gens: list[torch.Generator],
-    answer: tuple[torch.Tensor, torch.Tensor],
+    answer: tuple[torch.Tensor, torch.Tensor] | None,
     stop: torch.Tensor,
 ) -> torch.Tensor:
     """The block (B, W) after one step, from its hidden states h (B, W, d): the k most confident masked
@@ -128,7 +128,9 @@ def commit_step(
     filtering keeps these options meaningful, as Dream's generate does). The presence penalty and
     min_tokens shape the logits first, from the rows' answers so far."""
     masked = block == mask_id
-    logits = shape_masked(net.head(h[masked]), masked, *answer, plan.shaping, mask_id, stop)
+    logits = net.head(h[masked])
+    if answer is not None:
+        logits = shape_masked(logits, masked, *answer, plan.shaping, mask_id, stop)
     x0, conf = sample_with_probability(logits, plan.sampling, masked.sum(1).tolist(), gens)
     rank = torch.full(block.shape, float("-inf"), device=block.device)
     rank[masked] = conf
@@ -156,9 +158,14 @@ def _noise(noise: RowNoise, cv: Canvas, rows: torch.Tensor, j: int, step: int) -
     return [noise.at([r], blk, step)[0] for r, blk in zip(rows.tolist(), own)]
 
 
-def _answer(cv: Canvas, rows: torch.Tensor, s: int, e: int, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _answer(
+    cv: Canvas, rows: torch.Tensor, s: int, e: int, mask_id: int, shaping: Shaping
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """For `shape_masked`: the rows' canvas up to e with everything before their answers masked out, and the
-    answer position of the block's first column (negative where the block still holds the prompt's tail)."""
+    answer position of the block's first column (negative where the block still holds the prompt's tail);
+    None when no rule needs them (the decoder's hot path skips the work)."""
+    if not shaping.active:
+        return None
     gen = cv.gen[rows]
     x = cv.x[rows, :e]
     answer = torch.where(torch.arange(e, device=x.device)[None, :] >= gen[:, None], x, mask_id)
@@ -197,7 +204,7 @@ def generate_block(
                 break
             mask = block_mask(cv.real[rows], 0, e, e, W)
             h, _ = net.hidden(cv.x[rows, :e], cv.pos[rows, :e], mask, keep_kv=False)
-            gens, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id)
+            gens, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id, plan.shaping)
             cv.x[rows, s:e] = commit_step(cv.x[rows, s:e], h[:, s:e], net, plan, k, mask_id, gens, answer, stop)
         rows = rows[~finished(cv, rows, e, mask_id, stop)]
     return _result(cv, prompt, plan.blocks.gen_length, mask_id)
@@ -241,7 +248,7 @@ def generate_block_cached(
             if cache is None:
                 cache = [_grow(k_, v_, cv.num_blocks * W) for k_, v_ in kv]
             pending = s
-            gens, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id)
+            gens, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id, plan.shaping)
             block = commit_step(cv.x[rows, s:e], h[:, s - lo :], net, plan, k, mask_id, gens, answer, stop)
             cv.x[rows, s:e] = block
             done = finished(cv, rows, e, mask_id, stop)

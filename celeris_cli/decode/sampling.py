@@ -127,7 +127,7 @@ def shape_masked(
     so far (b, A; mask_id where nothing is committed or outside the answer) and the answer position of
     each row's first block column (offset: (b,)): minus presence_penalty on every token the row has
     committed in its answer, and no stop token at an answer position below min_tokens."""
-    if s.presence_penalty == 0 and s.min_tokens == 0:
+    if not s.active:
         return logits
     where = masked.nonzero()  # (N, 2): row and column of each logit row, row-major as the logits are
     V = logits.shape[-1]
