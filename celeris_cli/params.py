@@ -62,7 +62,7 @@ KNOBS: dict[str, Knob] = {
     "confidence": Knob(str, "prob", choices=("prob", "margin", "lead", "entropy")),
     "early_exit": Knob(bool, True),
     "suffix_window": Knob(int, 0, lambda v: v >= 0, "an integer >= 0 (0 = the whole canvas)"),
-    # shaping (fast only): rules on the logits that look at the answer as a whole
+    # shaping (the fast and block decoders): rules on the logits that look at the answer as a whole
     "presence_penalty": Knob(float, 0.0, _finite(0.0), "a finite number >= 0 (0 = off)"),
     "min_tokens": Knob(int, 0, lambda v: v >= 0, "an integer >= 0 (0 = off)"),
     # Dream's own decoding: time schedule and unmasking rule
