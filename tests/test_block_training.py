@@ -120,12 +120,15 @@ def test_training_from_init_starts_from_its_weights(
     base.steps = 3
     train(base, show_progress=False)
     src = load_model(tmp_path / "base" / "model")
+    settings = '{"gen_length": 16, "temperature": 0.7}'
+    (tmp_path / "base" / "model" / "generation_config.json").write_text(settings)
     cfg = _block_config(data_dir, tmp_path / "block", tiny_tokenizer)
     cfg.init, cfg.steps, cfg.lr = str(tmp_path / "base" / "model"), 1, 0.0
     train(cfg, show_progress=False)
     out = load_model(tmp_path / "block" / "model")
     for (name, a), (_, b) in zip(src.state_dict().items(), out.state_dict().items()):
         assert torch.equal(a, b), name  # lr 0: the weights are the init's
+    assert (tmp_path / "block" / "model" / "generation_config.json").read_text() == settings  # and its settings
     wrong = _block_config(data_dir, tmp_path / "wrong", tiny_tokenizer)
     wrong.init, wrong.d_model = str(tmp_path / "base" / "model"), 64
     with pytest.raises(UsageError, match="do not fit"):

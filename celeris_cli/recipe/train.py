@@ -363,7 +363,7 @@ def train(
             elif step % 20 == 0:
                 log.info("step %d loss %.4f %.0f tok/s", step, rec["loss"], rate)
             if step % cfg.ckpt_every == 0 or step == cfg.steps or step == stop_after:
-                save_checkpoint(model, opt, step, out, data_dir)
+                save_checkpoint(model, opt, step, out, data_dir, Path(cfg.init) if cfg.init else None)
             if step == stop_after:  # an interruption, for the resume test
                 break
     finally:
@@ -436,8 +436,12 @@ def run_recipe(corpus: Path, out: Path, **overrides: Any) -> list[dict]:
     return train(cfg)
 
 
-def save_checkpoint(model: LLaDAModel, opt: torch.optim.Optimizer, step: int, out: Path, data_dir: Path) -> None:
-    """Training state (resumable) and an exported model folder, each replaced atomically."""
+def save_checkpoint(
+    model: LLaDAModel, opt: torch.optim.Optimizer, step: int, out: Path, data_dir: Path, init: Path | None = None
+) -> None:
+    """Training state (resumable) and an exported model folder, each replaced atomically. A run started
+    from a model folder (--init) exports that folder's generation settings with it, so the model decodes
+    as its parent did rather than with the built-in defaults."""
     tmp = out / "ckpt.pt.tmp"
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
     tmp.replace(out / "ckpt.pt")
@@ -445,6 +449,8 @@ def save_checkpoint(model: LLaDAModel, opt: torch.optim.Optimizer, step: int, ou
     shutil.rmtree(export, ignore_errors=True)
     save_model(model, export)
     shutil.copy(data_dir / "tokenizer.model", export / "tokenizer.model")
+    if init is not None and (init / "generation_config.json").is_file():
+        shutil.copy(init / "generation_config.json", export / "generation_config.json")
     (export / "train_step.txt").write_text(f"{step}\n")
     final = out / "model"
     old = out / "model.old"
