@@ -144,3 +144,17 @@ def test_the_shipped_generation_config_is_valid() -> None:
     assert {k: getattr(params, k) for k in raw} == raw
     for layer in presets.values():
         assert {k: getattr(params.as_defaults().under(layer), k) for k in layer} == layer
+
+
+@pytest.mark.parametrize("model", ["celeris-tiny", "celeris-block"])
+def test_the_readme_english_prompts_get_answers_without_a_word_three_times_in_a_row(model: str) -> None:
+    """Issue #14's acceptance at each embedded model's shipped defaults (seed 0, this machine's dtype, as
+    `celeris generate` runs them): a non-empty answer, no word repeated more than twice in a row."""
+    import re
+
+    engine = load_engine(model)
+    prompts = ["The jury said it", "Shall I compare thee to a summer's day?"]
+    for r in engine.generate(prompts, engine.params({})):
+        words = re.findall(r"\w+", r.text.lower())
+        assert words, (model, r.prompt)
+        assert not any(a == b == c for a, b, c in zip(words, words[1:], words[2:])), (model, r.text)
