@@ -148,11 +148,11 @@ def test_the_shipped_generation_config_is_valid() -> None:
 
 @pytest.mark.parametrize("model", ["celeris-tiny", "celeris-block"])
 def test_the_readme_english_prompts_get_answers_without_a_word_three_times_in_a_row(model: str) -> None:
-    """Issue #14's acceptance at each embedded model's shipped defaults (seed 0, this machine's dtype, as
-    `celeris generate` runs them): a non-empty answer, no word repeated more than twice in a row."""
+    """Issue #14's acceptance at each embedded model's shipped defaults (seed 0; float32, so that the check
+    does not depend on the machine's bf16 support): a non-empty answer, no word more than twice in a row."""
     import re
 
-    engine = load_engine(model)
+    engine = load_engine(model, device="cpu", dtype="float32")
     prompts = ["The jury said it", "Shall I compare thee to a summer's day?"]
     for r in engine.generate(prompts, engine.params({})):
         words = re.findall(r"\w+", r.text.lower())
