@@ -190,10 +190,15 @@ class Engine:
         encoded: Sequence[list[int]],
         params: GenerationParams,
         seeds: Sequence[int] | None = None,
+        presets: bool = True,
     ) -> list[Result]:
         """Decode prompts (already encoded and checked) as one batch; one Result per prompt. Rows whose
-        script presets give them different settings are decoded as separate sub-batches."""
+        script presets give them different settings are decoded as separate sub-batches. presets=False:
+        `params` are final for every row (the queue's rows, whose presets were applied as they were
+        prepared, each under its own request's settings)."""
         seeds = list(seeds) if seeds is not None else [params.seed] * len(encoded)
+        if not presets:
+            return self._decode_group(prompts, encoded, params, seeds)
         groups: dict[GenerationParams, list[int]] = {}
         for i, prompt in enumerate(prompts):
             groups.setdefault(self.params_for(prompt, params), []).append(i)

@@ -128,7 +128,17 @@ def test_training_from_init_starts_from_its_weights(
     out = load_model(tmp_path / "block" / "model")
     for (name, a), (_, b) in zip(src.state_dict().items(), out.state_dict().items()):
         assert torch.equal(a, b), name  # lr 0: the weights are the init's
-    assert (tmp_path / "block" / "model" / "generation_config.json").read_text() == settings  # and its settings
+    # a bidirectional parent's settings (its strategy) would not run on the block model: not copied
+    assert not (tmp_path / "block" / "model" / "generation_config.json").exists()
+    child = _block_config(data_dir, tmp_path / "child", tiny_tokenizer)
+    child.init, child.steps, child.lr = str(tmp_path / "block" / "model"), 1, 0.0
+    settings = '{"strategy": "block", "gen_length": 16, "temperature": 0.7}'
+    (tmp_path / "block" / "model" / "generation_config.json").write_text(settings)
+    train(child, show_progress=False)
+    assert (tmp_path / "child" / "model" / "generation_config.json").read_text() == settings  # a block parent's are
+    from celeris_cli import load_engine
+
+    assert load_engine(tmp_path / "child" / "model", device="cpu").params({}).strategy == "block"
     wrong = _block_config(data_dir, tmp_path / "wrong", tiny_tokenizer)
     wrong.init, wrong.d_model = str(tmp_path / "base" / "model"), 64
     with pytest.raises(UsageError, match="do not fit"):

@@ -110,3 +110,16 @@ def test_sampled_token_s_probability_is_that_of_the_filtered_distribution(kw: di
     assert torch.equal(x0, sample_masked(logits, s, counts, gens))
     full = filtered_scores(logits, sampling(**{**kw, "temperature": temperature or 1.0})).softmax(-1)
     assert torch.allclose(prob, full.gather(-1, x0[:, None]).squeeze(-1).float(), atol=1e-6)
+
+
+def test_entropy_confidence_is_finite_where_tokens_are_banned() -> None:
+    """min_tokens bans stop tokens with a logit of -inf; exp(-H) must treat their p log p as 0, not NaN."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 10, generator=g)
+    banned = logits.clone()
+    banned[:, 7] = float("-inf")
+    x0 = torch.tensor([0, 1, 2])
+    got = confidence_masked(banned, x0, "entropy")
+    assert torch.isfinite(got).all()
+    kept = torch.cat([logits[:, :7], logits[:, 8:]], 1)
+    assert torch.allclose(got, confidence_masked(kept, x0, "entropy"))  # as if the token were not there

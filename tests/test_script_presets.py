@@ -125,3 +125,30 @@ def test_the_batch_command_gives_each_request_its_scripts_preset(tmp_path: Path,
     assert [b["timing"]["batch_size"] for b in bodies] == [4] * 8 + [1]  # not mixed batches split in two
     e = load_engine(folder, device="cpu", dtype="float32")
     assert [b["text"] for b in bodies[:8]] == [r.text for r in e.generate(prompts, batch_size=4)]
+
+
+def test_a_request_that_sets_the_presets_knobs_keeps_them_whatever_its_batch_mates(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """A Latin request that sets every knob of its preset runs the verse settings, so it packs with a Han
+    request; the batch is decoded with its rows' final settings, not with the preset applied again under
+    the first row's layers."""
+    from .test_batch import celeris
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    config = {"gen_length": 16, "block_length": 16, "denoise_steps": 16, "temperature": 1.0}
+    preset = {"latin": {"block_length": 4, "presence_penalty": 1.0, "min_tokens": 3}}
+    (folder / "generation_config.json").write_text(json.dumps({**config, "by_script": preset}))
+    own = {"block_length": 16, "presence_penalty": 0.0, "min_tokens": 0}
+    latin = "The quick brown fox jumps over the lazy dog, and then"  # longer: the short Han row leads the batch
+    lines = [json.dumps({"id": "han", "prompt": "白"}), json.dumps({"id": "en", "prompt": latin, **own})]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    p = celeris("batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--model",
+                str(folder), "--device", "cpu", "--dtype", "float32")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    bodies = [json.loads(x)["response"]["body"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [b["timing"]["batch_size"] for b in bodies] == [2, 2]  # one batch: the same final settings
+    assert {k: bodies[1]["settings"][k] for k in own} == own
+    e = load_engine(folder, device="cpu", dtype="float32")
+    assert bodies[1]["text"] == e.generate([latin], e.params(own))[0].text

@@ -137,8 +137,8 @@ def confidence_masked(logits: torch.Tensor, x0: torch.Tensor, kind: Confidence) 
     """`fast.confidence_of` for logits (N, V) and x0 (N,), from a log-normaliser and a top-2 instead of a
     softmax over the vocabulary (entropy alone needs the full distribution)."""
     logp = logits.float().log_softmax(-1)  # of the whole vocabulary, as the confidence is defined
-    if kind == "entropy":
-        return (logp.exp() * logp).sum(-1).exp()
+    if kind == "entropy":  # p log p is 0 where p is 0 (a token banned by min_tokens has logit -inf)
+        return torch.special.xlogy(logp.exp(), logp.exp()).sum(-1).exp()
     chosen = logp.gather(-1, x0[:, None]).squeeze(-1).exp()
     if kind == "prob":
         return chosen

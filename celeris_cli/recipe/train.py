@@ -449,7 +449,7 @@ def save_checkpoint(
     shutil.rmtree(export, ignore_errors=True)
     save_model(model, export)
     shutil.copy(data_dir / "tokenizer.model", export / "tokenizer.model")
-    if init is not None and (init / "generation_config.json").is_file():
+    if init is not None and (init / "generation_config.json").is_file() and _same_kind(init, model):
         shutil.copy(init / "generation_config.json", export / "generation_config.json")
     (export / "train_step.txt").write_text(f"{step}\n")
     final = out / "model"
@@ -459,6 +459,16 @@ def save_checkpoint(
         final.rename(old)
     export.rename(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _same_kind(init: Path, model: LLaDAModel) -> bool:
+    """Whether the init folder's model is bidirectional or block-causal as `model` is: a bidirectional
+    model's settings (its strategy) would not run on a block model, nor the other way round."""
+    try:
+        block = bool(json.loads((init / "config.json").read_text(encoding="utf-8")).get("block_causal", False))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+    return block == bool(model.cfg.block_causal)
 
 
 def plot_log(log_path: Path, png: Path, title: str = "celeris-tiny training curve") -> None:

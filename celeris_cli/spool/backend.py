@@ -124,9 +124,13 @@ class EngineBackend:
         ).prepare(request)
 
     def run(self, batch: list[Prepared]) -> list[dict[str, Any]]:
-        params = batch[0].group
+        params = batch[0].group  # final: the rows' presets were applied as each was prepared
         results = self.engine.decode_batch(
-            [p.payload[0] for p in batch], [p.payload[1] for p in batch], params, [p.payload[2] for p in batch]
+            [p.payload[0] for p in batch],
+            [p.payload[1] for p in batch],
+            params,
+            [p.payload[2] for p in batch],
+            presets=False,
         )
         return [
             {
