@@ -43,7 +43,8 @@ def test_generate_help_shows_the_embedded_models_defaults() -> None:
     presets = config.pop("by_script", {})
     for name, value in config.items():
         shown = ("on" if value else "off") if isinstance(value, bool) else str(value)
-        assert f"[default: {shown}" in (params[name].help or ""), name
+        help_text = params[name].help or ""
+        assert f"[default: {shown}]" in help_text or f"[default: {shown};" in help_text, name  # the whole value
     for script, layer in presets.items():  # a script's preset is shown beside the default it replaces
         for name, value in layer.items():
             shown = ("on" if value else "off") if isinstance(value, bool) else str(value)
