@@ -117,7 +117,7 @@ def commit_step(
     k: int,
     mask_id: int,
     gens: list[torch.Generator],
-    answer: tuple[torch.Tensor, torch.Tensor] | None,
+    answer: tuple[torch.Tensor | None, torch.Tensor] | None,
     stop: torch.Tensor,
 ) -> torch.Tensor:
     """The block (B, W) after one step, from its hidden states h (B, W, d): the k most confident masked
@@ -160,13 +160,15 @@ def _noise(noise: RowNoise, cv: Canvas, rows: torch.Tensor, j: int, step: int) -
 
 def _answer(
     cv: Canvas, rows: torch.Tensor, s: int, e: int, mask_id: int, shaping: Shaping
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """For `shape_masked`: the rows' canvas up to e with everything before their answers masked out, and the
-    answer position of the block's first column (negative where the block still holds the prompt's tail);
-    None when no rule needs them (the decoder's hot path skips the work)."""
+) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """For `shape_masked`: the rows' canvas up to e with everything before their answers masked out (only
+    the presence penalty reads it), and the answer position of the block's first column (negative where
+    the block still holds the prompt's tail); None when no rule is on (the hot path skips the work)."""
     if not shaping.active:
         return None
     gen = cv.gen[rows]
+    if shaping.presence_penalty == 0:
+        return None, s - gen
     x = cv.x[rows, :e]
     answer = torch.where(torch.arange(e, device=x.device)[None, :] >= gen[:, None], x, mask_id)
     return answer, s - gen

@@ -162,13 +162,15 @@ def generate_fast(
         s, e = P + bs, P + be
         w = x.shape[1] if par.suffix_window == 0 else min(x.shape[1], e + par.suffix_window)  # bounded canvas
         schedule = num_transfer_tokens((xa[:, s:e] == mask_id).sum(1), steps)
-        offset = torch.tensor([bs], device=x.device)  # the block's first answer position
+        shaping = plan.shaping if plan.shaping.active else None
+        offset = torch.tensor([bs], device=x.device) if shaping else None  # the block's first answer position
         for i in range(steps):
             block = xa[:, s:e]
             masked = block == mask_id  # (b, T): the only positions predicted
             logits = [v.logits(net, xa[:, :w], pos[:, :w], km[:, :w], s, e, par.cache, i == 0, masked) for v in views]
             flat = guide(logits[0], logits[1], plan.guidance.cfg_scale) if len(logits) > 1 else logits[0]
-            flat = shape_masked(flat, masked, xa[:, P:], offset.expand(len(xa)), plan.shaping, mask_id, stop)
+            if shaping is not None and offset is not None:
+                flat = shape_masked(flat, masked, xa[:, P:], offset.expand(len(xa)), shaping, mask_id, stop)
             gens = noise.at(active, j, i)
             x0 = sample_masked(flat, plan.sampling, masked.sum(1).tolist(), gens)  # (N,) in row order
             conf = block.new_zeros(block.shape, dtype=torch.float32).masked_scatter(

@@ -117,21 +117,23 @@ def order_scores(
 def shape_masked(
     logits: torch.Tensor,
     masked: torch.Tensor,
-    answer: torch.Tensor,
+    answer: torch.Tensor | None,
     offset: torch.Tensor,
     s: Shaping,
     mask_id: int,
     stop: torch.Tensor,
 ) -> torch.Tensor:
     """logits (N, V) of a block's masked positions in row order (masked: (b, T)), given each row's answer
-    so far (b, A; mask_id where nothing is committed or outside the answer) and the answer position of
-    each row's first block column (offset: (b,)): minus presence_penalty on every token the row has
-    committed in its answer, and no stop token at an answer position below min_tokens."""
+    so far (b, A; mask_id where nothing is committed or outside the answer; needed only for the penalty)
+    and the answer position of each row's first block column (offset: (b,)): minus presence_penalty on
+    every token the row has committed in its answer, and no stop token at an answer position below
+    min_tokens."""
     if not s.active:
         return logits
     where = masked.nonzero()  # (N, 2): row and column of each logit row, row-major as the logits are
     V = logits.shape[-1]
     if s.presence_penalty > 0:
+        assert answer is not None, "the presence penalty needs the answer so far"
         committed = torch.where(answer == mask_id, V, answer).clamp_max(V)  # masks land in a spare column
         seen = torch.zeros(answer.shape[0], V + 1, device=logits.device).scatter_(1, committed, 1.0)[:, :V]
         logits = logits.float() - s.presence_penalty * seen[where[:, 0]]
