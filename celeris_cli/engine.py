@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -158,9 +158,21 @@ class Engine:
         seeds = seeds if seeds is not None else [params.seed] * len(batch)
         noise = RowNoise([request_seed(s, ids) for s, ids in zip(seeds, batch)], self.device)
         net = Net(self.model)
-        out = decode(net, prompt, prompt_mask, params, self.special, noise)
+        out = decode(net, prompt, prompt_mask, params, self._special(params), noise)
         self.positions_computed += net.positions_computed
         return out[:, P:].tolist(), net.nfe
+
+    def _special(self, params: GenerationParams) -> SpecialTokens:
+        """The special tokens, with the word-continuing pieces when subword_min_p needs them (found once,
+        on first use: a large vocabulary takes a moment)."""
+        if params.subword_min_p == 0:
+            return self.special
+        if not self.tokenizer.word_pieces:
+            raise UsageError(
+                "subword_min_p: this model's tokenizer marks no word starts (▁, Ġ) or continuations (##), "
+                "so the pieces that continue a word cannot be told apart"
+            )
+        return replace(self.special, word_pieces=self.tokenizer.word_pieces)
 
     def finish(self, ids: list[int], stop: Sequence[str] = ()) -> tuple[str, int, str]:
         """(text, output tokens, finish reason): cut at the first stop token, then at the first stop string

@@ -65,6 +65,7 @@ KNOBS: dict[str, Knob] = {
     # shaping (the fast and block decoders): rules on the logits that look at the answer as a whole
     "presence_penalty": Knob(float, 0.0, _finite(0.0), "a finite number >= 0 (0 = off)"),
     "min_tokens": Knob(int, 0, lambda v: v >= 0, "an integer >= 0 (0 = off)"),
+    "subword_min_p": Knob(float, 0.0, _finite(0.0, 1.0, hi_open=True), "in [0, 1) (0 = off)"),
     # Dream's own decoding: time schedule and unmasking rule
     "eps": Knob(float, 1e-3, lambda v: math.isfinite(v) and 0 < v < 1, "in (0, 1)"),
     "alg": Knob(str, "maskgit_plus", choices=("maskgit_plus", "topk_margin", "entropy", "origin")),
@@ -146,14 +147,18 @@ class Parallel:
 class Shaping:
     """presence_penalty: subtracted from the logit of every token already committed in the answer (OpenAI's
     presence penalty, over the answer, not the prompt); min_tokens: no stop token among the answer's first
-    min_tokens positions (vLLM's min_tokens), so a prompt that ends a sentence still gets an answer."""
+    min_tokens positions (vLLM's min_tokens), so a prompt that ends a sentence still gets an answer;
+    subword_min_p: when sampling, a piece that continues a word (the tokenizer marks no word start on it) is
+    dropped when less likely than subword_min_p times the likeliest token, a stricter min-p for the pieces
+    that glue into invented words (`uncilication`), while the choice of words keeps min_p's spread."""
 
     presence_penalty: float
     min_tokens: int
+    subword_min_p: float
 
     @property
     def active(self) -> bool:
-        return self.presence_penalty > 0 or self.min_tokens > 0
+        return self.presence_penalty > 0 or self.min_tokens > 0 or self.subword_min_p > 0
 
 
 @dataclass(frozen=True)
@@ -245,6 +250,7 @@ class GenerationParams:
     suffix_window: int = KNOBS["suffix_window"].default
     presence_penalty: float = KNOBS["presence_penalty"].default
     min_tokens: int = KNOBS["min_tokens"].default
+    subword_min_p: float = KNOBS["subword_min_p"].default
     eps: float = KNOBS["eps"].default
     alg: DreamAlg = KNOBS["alg"].default
     alg_temp: float = KNOBS["alg_temp"].default

@@ -42,6 +42,7 @@ CHANGES = {
     "suffix_window": 1,
     "presence_penalty": 2.0,
     "min_tokens": 8,
+    "subword_min_p": 0.9,
     "seed": 1,
 }
 

@@ -204,3 +204,18 @@ def test_block_decoders_honour_presence_penalty_and_min_tokens(engine, strategy,
     assert ended[0][0] == first
     held, _ = engine.decode_ids(prompts, engine.params({**base, "min_tokens": 5}))
     assert all(first not in a[:5] for a in held)
+
+
+@pytest.mark.parametrize("strategy", ["block", "block-fast"])
+def test_block_decoders_honour_subword_min_p(engine, strategy) -> None:  # type: ignore[no-untyped-def]
+    """Sampled, one commit per step: with the rule strict, every committed piece that continues a word was
+    within the bound of its position's likeliest token, so such pieces become rarer; the rest changes too."""
+    prompts = [engine.encode_prompt(p) for p in ("The quick brown", "To be, or not", "Once upon a", "It was")]
+    base = {"strategy": strategy, "gen_length": 32, "block_length": 8, "block_steps": 8, "threshold": 1.0}
+    base |= {"temperature": 1.0, "seed": 3}
+    plain, _ = engine.decode_ids(prompts, engine.params(base))
+    strict, _ = engine.decode_ids(prompts, engine.params({**base, "subword_min_p": 0.9}))
+    assert strict != plain
+    pieces = engine.tokenizer.word_pieces
+    share = [sum(t in pieces for a in out for t in a) / sum(map(len, out)) for out in (plain, strict)]
+    assert share[1] < share[0]

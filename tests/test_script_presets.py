@@ -152,3 +152,54 @@ def test_a_request_that_sets_the_presets_knobs_keeps_them_whatever_its_batch_mat
     assert {k: bodies[1]["settings"][k] for k in own} == own
     e = load_engine(folder, device="cpu", dtype="float32")
     assert bodies[1]["text"] == e.generate([latin], e.params(own))[0].text
+
+
+def test_subword_min_p_drops_only_unlikely_word_continuing_pieces() -> None:
+    """The rule on the logits: a piece that continues a word is dropped below subword_min_p times the
+    likeliest token's probability at the sampling temperature; a piece that starts a word is not, nor is the
+    likeliest token, and nothing changes when decoding is greedy."""
+    import math
+
+    import torch
+
+    from celeris_cli.decode.sampling import shape_masked
+    from celeris_cli.params import Shaping
+
+    T = 0.8
+    probs = torch.tensor([0.40, 0.30, 0.05, 0.25])  # the sampled distribution: ids 0..3
+    logits = (T * probs.log())[None, :]  # p ∝ exp(logit / T)
+    masked, offset, stop = torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long), torch.tensor([])
+    pieces = torch.tensor([1, 2])  # 1 and 2 continue a word; 0 and 3 start one
+    rule = Shaping(presence_penalty=0.0, min_tokens=0, subword_min_p=0.5)
+    out = shape_masked(logits, masked, None, offset, rule, 9, stop, T, pieces)
+    kept = out[0] > float("-inf")
+    assert kept.tolist() == [True, True, False, True]  # 0.30 >= 0.5 * 0.40 > 0.05; id 3 starts a word
+    assert torch.allclose(out[0, kept], logits[0, kept])
+    strict = shape_masked(logits, masked, None, offset, Shaping(0.0, 0, 0.8), 9, stop, T, pieces)
+    assert (strict[0] > float("-inf")).tolist() == [True, False, False, True]  # 0.30 < 0.8 * 0.40
+    top = shape_masked(logits, masked, None, offset, Shaping(0.0, 0, 0.99), 9, stop, T, torch.tensor([0, 1]))
+    assert top[0, 0] == logits[0, 0]  # the likeliest token stays, even a continuing one
+    greedy = shape_masked(logits, masked, None, offset, rule, 9, stop, 0.0, pieces)
+    assert torch.equal(greedy, logits)
+    assert math.isclose(float(logits[0, 1] - logits[0, 0]), T * math.log(0.75), rel_tol=1e-5)
+
+
+def test_word_pieces_are_the_pieces_without_a_word_start_mark(engine: Engine) -> None:
+    """sentencepiece marks a word's first piece with ▁: the rest of the Latin pieces continue words."""
+    sp = engine.tokenizer.backend
+    pieces = engine.tokenizer.word_pieces
+    assert pieces and all(sp.piece(i).isalpha() and sp.piece(i).isascii() for i in pieces)  # type: ignore[union-attr]
+    starts = {i for i in range(sp.size()) if (sp.piece(i) or "").startswith("▁")}
+    assert starts and not pieces & starts
+    word = engine.tokenizer.encode(" understanding")  # more than one piece: the first starts the word
+    assert len(word) > 1 and word[0] not in pieces and set(word[1:]) <= pieces
+
+
+def test_subword_min_p_needs_a_tokenizer_that_marks_word_starts(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(engine.tokenizer.__dict__, "word_pieces", frozenset())  # a vocabulary with no marks
+    params = engine.params({"gen_length": 8, "block_length": 8, "denoise_steps": 8, "temperature": 1.0})
+    engine.generate(["To be"], params)  # without the rule it runs
+    with pytest.raises(UsageError, match="subword_min_p: this model's tokenizer marks no word starts"):
+        engine.generate(["To be"], params.with_(subword_min_p=0.5))

@@ -70,7 +70,8 @@ def test_building_the_record_directly_is_validated_too() -> None:
 def test_every_strategy_declares_what_it_honours() -> None:
     dream, block = {"eps", "alg", "alg_temp"}, {"block_steps"}
     assert set(KNOBS) - set(honoured("fast")) == dream | block  # the fast decoder honours the rest
-    fast_only = {"threshold", "cache", "confidence", "early_exit", "suffix_window", "presence_penalty", "min_tokens"}
+    shaping = {"presence_penalty", "min_tokens", "subword_min_p"}
+    fast_only = {"threshold", "cache", "confidence", "early_exit", "suffix_window"} | shaping
     assert set(KNOBS) - set(honoured("reference")) == fast_only | dream | block
     assert set(honoured("dream")) == {
         "gen_length",
@@ -83,8 +84,7 @@ def test_every_strategy_declares_what_it_honours() -> None:
     for strategy in ("block", "block-fast"):
         assert set(honoured(strategy)) == {
             "gen_length", "block_length", "temperature", "min_p", "top_p", "top_k", "threshold",
-            "presence_penalty", "min_tokens",
-        } | block | set(PER_REQUEST)  # fmt: skip
+        } | shaping | block | set(PER_REQUEST)  # fmt: skip
     for strategy in STRATEGY_PARTS:
         assert set(PER_REQUEST) <= set(honoured(strategy))
 

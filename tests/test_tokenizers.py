@@ -50,6 +50,15 @@ def test_hf_tokenizer_folder_loads_and_generates(hf_model: Path) -> None:
     assert r.prompt_tokens == len(engine.tokenizer.encode("To be"))
 
 
+def test_byte_level_bpe_word_pieces_are_the_letter_pieces_without_g_dot(hf_model: Path) -> None:
+    """Byte-level BPE marks a word's first piece with Ġ (a space before it): the rest continue a word."""
+    tok = load_engine(hf_model, device="cpu", dtype="float32").tokenizer
+    pieces = {tok.backend.piece(i) or "" for i in tok.word_pieces}
+    assert pieces and all(p.isalpha() and p.isascii() for p in pieces)
+    starts = {tok.backend.piece(i) for i in range(tok.backend.size()) if (tok.backend.piece(i) or "").startswith("Ġ")}
+    assert starts and not pieces & starts
+
+
 def test_chat_mode_renders_the_template(hf_model: Path) -> None:
     engine = load_engine(hf_model, device="cpu", dtype="float32")
     text = engine.tokenizer.render_chat("hello")

@@ -8,7 +8,9 @@ garbage. Chat templates from `tokenizer_config.json` are rendered in a sandboxed
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +30,9 @@ class _Backend(Protocol):
 # (LLaDA-8B-Instruct's config has no eot id; its tokenizer has <|eot_id|>).
 END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|role_end|>", "<|end|>")
 MASKS = ("<|mask|>", "<|mdm_mask|>", "[MASK]")  # for folders whose config.json names no mask id
+LETTERS = re.compile(r"[A-Za-z]+")
+STARTED = re.compile(r"[▁Ġ][A-Za-z]+")  # a word's first piece, as sentencepiece and byte-level BPE mark it
+CONTINUED = re.compile(r"##[A-Za-z]+")  # WordPiece marks the pieces after a word's first instead
 
 
 class _SentencePiece:
@@ -172,6 +177,18 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode([i for i in ids if i != self.mask_id])
+
+    @functools.cached_property
+    def word_pieces(self) -> frozenset[int]:
+        """The pieces that continue a word: Latin letters only, without the word-start marker of
+        sentencepiece (▁) or byte-level BPE (Ġ), or with WordPiece's continuation mark (##). Empty when
+        the vocabulary marks neither word starts nor continuations, so the two cannot be told apart."""
+        pieces = [(i, self.backend.piece(i) or "") for i in range(self.backend.size())]
+        if any(CONTINUED.fullmatch(p) for _, p in pieces):  # WordPiece: a bare piece starts a word
+            return frozenset(i for i, p in pieces if CONTINUED.fullmatch(p))
+        if any(STARTED.fullmatch(p) for _, p in pieces):
+            return frozenset(i for i, p in pieces if LETTERS.fullmatch(p))
+        return frozenset()
 
     def render_chat(self, prompt: str | list[dict[str, Any]]) -> str:
         """Apply the chat template; `prompt` is a user message or an OpenAI-style message list."""

@@ -156,6 +156,18 @@ def generate(
         metavar="N",
         help=knob_help("min_tokens", "fast, block: no end of text among the answer's first N tokens."),
     ),
+    subword_min_p: float = typer.Option(
+        None,
+        "--subword-min-p",
+        min=0.0,
+        max=1.0,
+        metavar="X",
+        help=knob_help(
+            "subword_min_p",
+            "fast, block: when sampling, drop a piece that continues a word when less likely than X times the "
+            "likeliest token.",
+        ),
+    ),
     alg: AlgOpt = typer.Option(None, "--alg", help=knob_help("alg", "dream: which positions unmask first.")),
     alg_temp: float = typer.Option(
         None,
@@ -222,6 +234,7 @@ def generate(
                 suffix_window=suffix_window,
                 presence_penalty=presence_penalty,
                 min_tokens=min_tokens,
+                subword_min_p=subword_min_p,
                 alg=alg.value if alg else None,
                 alg_temp=alg_temp,
                 eps=eps,

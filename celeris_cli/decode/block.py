@@ -119,6 +119,7 @@ def commit_step(
     gens: list[torch.Generator],
     answer: tuple[torch.Tensor | None, torch.Tensor] | None,
     stop: torch.Tensor,
+    pieces: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The block (B, W) after one step, from its hidden states h (B, W, d): the k most confident masked
     positions, and every masked one above the threshold, take their predicted tokens. The LM head and the
@@ -130,7 +131,7 @@ def commit_step(
     masked = block == mask_id
     logits = net.head(h[masked])
     if answer is not None:
-        logits = shape_masked(logits, masked, *answer, plan.shaping, mask_id, stop)
+        logits = shape_masked(logits, masked, *answer, plan.shaping, mask_id, stop, plan.sampling.temperature, pieces)
     x0, conf = sample_with_probability(logits, plan.sampling, masked.sum(1).tolist(), gens)
     rank = torch.full(block.shape, float("-inf"), device=block.device)
     rank[masked] = conf
@@ -192,10 +193,13 @@ def generate_block(
     mask_id: int,
     stop_ids: frozenset[int],
     noise: RowNoise,
+    word_pieces: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
-    """LLaDA2's reference block decoding. prompt: (B, P) left-padded; returns (B, P + gen_length)."""
+    """LLaDA2's reference block decoding. prompt: (B, P) left-padded; returns (B, P + gen_length).
+    word_pieces: the tokenizer's pieces that continue a word (for subword_min_p)."""
     cv = _canvas(prompt, prompt_mask, plan, mask_id)
     stop = torch.tensor(sorted(stop_ids), device=prompt.device)
+    pieces = torch.tensor(sorted(word_pieces), device=prompt.device, dtype=torch.long)
     rows = torch.arange(prompt.shape[0], device=prompt.device)
     W, transfers = cv.width, plan.blocks.transfers()
     for j in range(cv.start_block, cv.num_blocks):
@@ -207,7 +211,7 @@ def generate_block(
             mask = block_mask(cv.real[rows], 0, e, e, W)
             h, _ = net.hidden(cv.x[rows, :e], cv.pos[rows, :e], mask, keep_kv=False)
             gens, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id, plan.shaping)
-            cv.x[rows, s:e] = commit_step(cv.x[rows, s:e], h[:, s:e], net, plan, k, mask_id, gens, answer, stop)
+            cv.x[rows, s:e] = commit_step(cv.x[rows, s:e], h[:, s:e], net, plan, k, mask_id, gens, answer, stop, pieces)
         rows = rows[~finished(cv, rows, e, mask_id, stop)]
     return _result(cv, prompt, plan.blocks.gen_length, mask_id)
 
@@ -221,10 +225,12 @@ def generate_block_cached(
     mask_id: int,
     stop_ids: frozenset[int],
     noise: RowNoise,
+    word_pieces: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """Block decoding over an exact cache of committed blocks; rows leave at the step they finish."""
     cv = _canvas(prompt, prompt_mask, plan, mask_id)
     stop = torch.tensor(sorted(stop_ids), device=prompt.device)
+    pieces = torch.tensor(sorted(word_pieces), device=prompt.device, dtype=torch.long)
     rows = torch.arange(prompt.shape[0], device=prompt.device)
     W, transfers = cv.width, plan.blocks.transfers()
     s0 = cv.start_block * W
@@ -251,7 +257,7 @@ def generate_block_cached(
                 cache = [_grow(k_, v_, cv.num_blocks * W) for k_, v_ in kv]
             pending = s
             gens, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id, plan.shaping)
-            block = commit_step(cv.x[rows, s:e], h[:, s - lo :], net, plan, k, mask_id, gens, answer, stop)
+            block = commit_step(cv.x[rows, s:e], h[:, s - lo :], net, plan, k, mask_id, gens, answer, stop, pieces)
             cv.x[rows, s:e] = block
             done = finished(cv, rows, e, mask_id, stop)
             if done.any():  # finished rows leave at once; the batch and its cache shrink

@@ -143,8 +143,10 @@ def generate_fast(
     mask_id: int,
     stop_ids: frozenset[int],
     noise: RowNoise,
+    word_pieces: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
-    """prompt: (B, P) left-padded; prompt_mask: (B, P). Returns the canvas (B, P + gen_length)."""
+    """prompt: (B, P) left-padded; prompt_mask: (B, P). Returns the canvas (B, P + gen_length).
+    word_pieces: the tokenizer's pieces that continue a word (for subword_min_p)."""
     B, P = prompt.shape
     G, par = plan.schedule.gen_length, plan.parallel
     x = torch.cat([prompt, prompt.new_full((B, G), mask_id)], dim=1)
@@ -154,6 +156,7 @@ def generate_fast(
     if plan.guidance.cfg_scale > 0:
         views.append(_View(unconditional(x, key_mask, P, mask_id)[:, :P]))
     stop = torch.tensor(sorted(stop_ids), device=x.device, dtype=x.dtype)
+    pieces = torch.tensor(sorted(word_pieces), device=x.device, dtype=torch.long)
     active = torch.arange(B, device=x.device)  # rows still decoding, as indices of the original batch
     xa, km, pos = x.clone(), key_mask, positions  # the active rows' canvas; a row is written back as it leaves
     for j, ((bs, be), steps) in enumerate(zip(plan.schedule.block_spans, plan.schedule.steps_per_block)):
@@ -170,7 +173,8 @@ def generate_fast(
             logits = [v.logits(net, xa[:, :w], pos[:, :w], km[:, :w], s, e, par.cache, i == 0, masked) for v in views]
             flat = guide(logits[0], logits[1], plan.guidance.cfg_scale) if len(logits) > 1 else logits[0]
             if shaping is not None and offset is not None:
-                flat = shape_masked(flat, masked, xa[:, P:], offset.expand(len(xa)), shaping, mask_id, stop)
+                t = plan.sampling.temperature
+                flat = shape_masked(flat, masked, xa[:, P:], offset.expand(len(xa)), shaping, mask_id, stop, t, pieces)
             gens = noise.at(active, j, i)
             x0 = sample_masked(flat, plan.sampling, masked.sum(1).tolist(), gens)  # (N,) in row order
             conf = block.new_zeros(block.shape, dtype=torch.float32).masked_scatter(

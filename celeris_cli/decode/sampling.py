@@ -122,12 +122,15 @@ def shape_masked(
     s: Shaping,
     mask_id: int,
     stop: torch.Tensor,
+    temperature: float = 0.0,
+    word_pieces: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits (N, V) of a block's masked positions in row order (masked: (b, T)), given each row's answer
     so far (b, A; mask_id where nothing is committed or outside the answer; needed only for the penalty)
     and the answer position of each row's first block column (offset: (b,)): minus presence_penalty on
-    every token the row has committed in its answer, and no stop token at an answer position below
-    min_tokens."""
+    every token the row has committed in its answer, no stop token at an answer position below
+    min_tokens, and, when sampling at `temperature`, no piece of `word_pieces` (the ids of the pieces that
+    continue a word) less likely than subword_min_p times the likeliest token."""
     if not s.active:
         return logits
     where = masked.nonzero()  # (N, 2): row and column of each logit row, row-major as the logits are
@@ -142,4 +145,10 @@ def shape_masked(
         banned = torch.zeros(V, dtype=torch.bool, device=logits.device)
         banned[stop[stop < V]] = True
         logits = logits.masked_fill(early[:, None] & banned[None, :], float("-inf"))
+    if s.subword_min_p > 0 and temperature > 0 and word_pieces is not None and word_pieces.numel():
+        # min-p's test on the sampled distribution: p / p_max < m  <=>  logit < max + temperature * log(m)
+        piece = torch.zeros(V, dtype=torch.bool, device=logits.device)
+        piece[word_pieces[word_pieces < V]] = True
+        floor = logits.float().amax(-1, keepdim=True) + temperature * math.log(s.subword_min_p)
+        logits = logits.masked_fill(piece[None, :] & (logits.float() < floor), float("-inf"))
     return logits

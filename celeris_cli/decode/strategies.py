@@ -29,6 +29,7 @@ class SpecialTokens:
     mask_id: int
     stop_ids: frozenset[int]
     pad_id: int
+    word_pieces: frozenset[int] = frozenset()  # pieces that continue a word (Tokenizer.word_pieces)
 
 
 class Net:
@@ -138,7 +139,7 @@ def _fast(
     noise: RowNoise,
 ) -> torch.Tensor:
     plan = _plan(FastPlan, params)
-    return generate_fast(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise)
+    return generate_fast(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces)
 
 
 def _dream(
@@ -161,7 +162,8 @@ def _block(
     noise: RowNoise,
 ) -> torch.Tensor:
     decode = generate_block_cached if params.strategy == "block-fast" else generate_block
-    return decode(net, prompt, prompt_mask, _plan(BlockPlan, params), tokens.mask_id, tokens.stop_ids, noise)
+    plan = _plan(BlockPlan, params)
+    return decode(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces)
 
 
 STRATEGIES: dict[str, Strategy] = {
