@@ -211,7 +211,8 @@ def test_the_shipped_block_model_loads_by_name_and_decodes_with_its_defaults() -
     [a, b] = engine.generate(["床前明月光，", "床前明月光，"], params, batch_size=2, seeds=[0, 1])
     assert a.output_tokens > 0 and a.text != b.text  # sampled: the seed matters
     [en] = engine.generate(["The jury said it"], params)  # English runs the model's Latin-script preset
-    assert (en.settings["block_length"], en.settings["block_steps"], en.settings["presence_penalty"]) == (4, 4, 1.0)
+    assert (en.settings["block_length"], en.settings["block_steps"], en.settings["presence_penalty"]) == (4, 4, 1.2)
+    assert en.settings["subword_min_p"] == 0.8
     assert en.settings["min_tokens"] == 4 and en.output_tokens >= 4
     with pytest.raises(UsageError, match="does not run on the llada_block architecture"):
         engine.params({"strategy": "reference"})
