@@ -29,7 +29,7 @@ from .params import GenerationParams, model_layer, script_layers, script_of
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "celeris-tiny"
+DEFAULT_MODEL = "celeris-block"
 GENERATION_CONFIG = "generation_config.json"  # the model's own default settings
 
 

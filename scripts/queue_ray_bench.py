@@ -31,10 +31,14 @@ def requests(n: int) -> str:
     return "".join(json.dumps({"id": f"p{i}", "prompt": pool[i % len(pool)], "seed": i}) + "\n" for i in range(n))
 
 
-def serve(root: Path, source: str, batch_size: int, dtype: str, actors: int | None) -> dict[str, Any]:
+def serve(
+    root: Path, source: str, batch_size: int, dtype: str, actors: int | None, model: str | None = None
+) -> dict[str, Any]:
     for d in ("batch_inputs", "batch_outputs", "batch_processed", "logs", "configs"):
         (root / d).mkdir(parents=True)
     cfg: dict[str, Any] = {"root": "..", "device": "cpu", "dtype": dtype, "batch_size": batch_size, "settle_s": 0}
+    if model:
+        cfg["model"] = model
     if actors:
         cfg["engine"] = {"ray": {"actors": actors}}
     (root / "configs" / "batch.yaml").write_text(json.dumps(cfg))
@@ -65,13 +69,14 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--actors", type=int, nargs="*", default=[1, 2])
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--model", default=None, help="a model folder or an embedded model's name (default: the default)")
     args = ap.parse_args()
     source = requests(args.prompts)
     runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for actors in [None, *args.actors]:
             name = f"ray-actors-{actors}" if actors else "local"
-            runs[name] = serve(Path(tmp) / name, source, args.batch_size, args.dtype, actors)
+            runs[name] = serve(Path(tmp) / name, source, args.batch_size, args.dtype, actors, args.model)
     texts = {name: run.pop("texts") for name, run in runs.items()}
     local = runs["local"]
     for name, run in runs.items():

@@ -38,7 +38,7 @@ def test_closed_sets_list_their_choices_from_the_knobs() -> None:
 
 
 def test_generate_help_shows_the_embedded_models_defaults() -> None:
-    config = json.loads((ROOT / "celeris_cli/models/celeris-tiny/generation_config.json").read_text())
+    config = json.loads((ROOT / "celeris_cli/models/celeris-block/generation_config.json").read_text())
     params = {p.name: p for p in typer.main.get_command(app).commands["generate"].params}  # type: ignore[attr-defined]
     presets = config.pop("by_script", {})
     for name, value in config.items():

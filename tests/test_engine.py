@@ -130,14 +130,15 @@ def test_model_generation_config_sets_defaults(tmp_path: Path, tiny_model: Path)
     assert e.params().denoise_steps == 5 and e.params({"temperature": 0}).temperature == 0.0
 
 
-def test_the_shipped_generation_config_is_valid() -> None:
-    """The embedded model's defaults parse (no unknown key, no wrong type, every range rule holds)."""
+@pytest.mark.parametrize("model", ["celeris-block", "celeris-tiny"])
+def test_the_shipped_generation_config_is_valid(model: str) -> None:
+    """Each embedded model's defaults parse (no unknown key, no wrong type, every range rule holds)."""
     import json
 
-    from celeris_cli.engine import default_model_dir
+    from celeris_cli.engine import embedded_models
     from celeris_cli.params import script_layers
 
-    raw = json.loads((default_model_dir() / "generation_config.json").read_text(encoding="utf-8"))
+    raw = json.loads((embedded_models()[model] / "generation_config.json").read_text(encoding="utf-8"))
     presets = script_layers(raw)  # each script's settings checked too
     raw.pop("by_script", None)
     params = GenerationParams.from_mapping(raw)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from celeris_cli.engine import Engine, default_model_dir
+from celeris_cli.engine import Engine, embedded_models
 from celeris_cli.params import PER_REQUEST, honoured
 
 PROMPTS = ["床前明月光，", "To be, or not to be", "白日依山尽，黄河入海流。", "The quick"]
@@ -126,9 +126,9 @@ def test_guidance_changes_greedy_text_in_the_default_strategy(engine: Engine) ->
 
 
 def shipped(e: Engine) -> Engine:
-    """A tiny model with the embedded model's shipped generation defaults (temperature 1.2, order noise,
-    lead confidence, dual cache, early exit), in float32."""
-    raw = json.loads((default_model_dir() / "generation_config.json").read_text(encoding="utf-8"))
+    """A tiny model with celeris-tiny's shipped generation defaults (temperature 1.2, order noise, lead
+    confidence, dual cache, early exit), in float32."""
+    raw = json.loads((embedded_models()["celeris-tiny"] / "generation_config.json").read_text(encoding="utf-8"))
     return Engine(e.model, e.tokenizer, e.device, e.dtype, None).with_defaults(raw)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..params import KNOBS, model_layer, script_layers
 
-EMBEDDED_CONFIG = Path(__file__).parents[1] / "models" / "celeris-tiny" / "generation_config.json"
+EMBEDDED_CONFIG = Path(__file__).parents[1] / "models" / "celeris-block" / "generation_config.json"
 
 
 @functools.cache

@@ -230,12 +230,20 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
             raise ConfigError(f"folders.{key}: folder does not exist: {p}")
         folder_paths[key] = p
     if "model" in values and values["model"] is not None:
-        values["model"] = (
-            str((base / values["model"]).resolve()) if not Path(values["model"]).is_absolute() else values["model"]
-        )
+        values["model"] = _model_path(values["model"], base)
     if values.get("metrics_textfile") is not None:
         metrics = (root / values["metrics_textfile"]).resolve()
         if not metrics.parent.is_dir():
             raise ConfigError(f"metrics_textfile: folder does not exist: {metrics.parent}")
         values["metrics_textfile"] = metrics
     return BatchConfig(folders=Folders(**folder_paths), source=path, **values)
+
+
+def _model_path(model: str, base: Path) -> str:
+    """A model folder, relative to the config's folder; or, where no such folder exists, the name of an
+    embedded model (`celeris-tiny`), kept as a name for the engine to find inside the package."""
+    if Path(model).is_absolute():
+        return model
+    folder = (base / model).resolve()
+    embedded = Path(__file__).parents[1] / "models" / model / "config.json"
+    return model if not folder.exists() and "/" not in model and embedded.is_file() else str(folder)
