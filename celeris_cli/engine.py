@@ -127,6 +127,8 @@ class Engine:
         model's architecture supports."""
         params = GenerationParams.from_mapping(overrides or {}, self.defaults)
         self.arch.check_strategy(params.strategy)
+        if params.subword_min_p > 0:
+            self.tokenizer.require_word_pieces()
         return params
 
     # -- token level -------------------------------------------------------------------------------
@@ -167,12 +169,7 @@ class Engine:
         on first use: a large vocabulary takes a moment)."""
         if params.subword_min_p == 0:
             return self.special
-        if not self.tokenizer.word_pieces:
-            raise UsageError(
-                "subword_min_p: this model's tokenizer marks no word starts (▁, Ġ) or continuations (##), "
-                "so the pieces that continue a word cannot be told apart"
-            )
-        return replace(self.special, word_pieces=self.tokenizer.word_pieces)
+        return replace(self.special, word_pieces=self.tokenizer.require_word_pieces())
 
     def finish(self, ids: list[int], stop: Sequence[str] = ()) -> tuple[str, int, str]:
         """(text, output tokens, finish reason): cut at the first stop token, then at the first stop string

@@ -316,6 +316,8 @@ class GenerationParams:
             )
         if self.remasking == "random" and self.order_temperature > 0 and "order_temperature" in self.explicit:
             raise UsageError("order_temperature: random remasking already commits in random order; set it to 0")
+        if self.subword_min_p > 0 and self.temperature == 0 and "subword_min_p" in self.explicit:
+            raise UsageError("subword_min_p: only sampling draws unlikely pieces; at temperature 0 set it to 0")
 
     def _settle(self) -> GenerationParams:
         """Resolve what lower layers left inconsistent, so the settings say what runs: steps capped at the

@@ -37,8 +37,8 @@ def serve(
     for d in ("batch_inputs", "batch_outputs", "batch_processed", "logs", "configs"):
         (root / d).mkdir(parents=True)
     cfg: dict[str, Any] = {"root": "..", "device": "cpu", "dtype": dtype, "batch_size": batch_size, "settle_s": 0}
-    if model:
-        cfg["model"] = model
+    if model:  # a folder as the user named it from here; or an embedded model's name
+        cfg["model"] = str(Path(model).resolve()) if Path(model).exists() else model
     if actors:
         cfg["engine"] = {"ray": {"actors": actors}}
     (root / "configs" / "batch.yaml").write_text(json.dumps(cfg))

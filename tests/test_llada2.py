@@ -208,8 +208,8 @@ def test_block_decoders_honour_presence_penalty_and_min_tokens(engine, strategy,
 
 @pytest.mark.parametrize("strategy", ["block", "block-fast"])
 def test_block_decoders_honour_subword_min_p(engine, strategy) -> None:  # type: ignore[no-untyped-def]
-    """Sampled, one commit per step: with the rule strict, every committed piece that continues a word was
-    within the bound of its position's likeliest token, so such pieces become rarer; the rest changes too."""
+    """Sampled, one commit per step: with the rule strict, the pieces that continue a word (held to 0.9 of
+    their position's likeliest token) become rarer in the answers, and the answers change."""
     prompts = [engine.encode_prompt(p) for p in ("The quick brown", "To be, or not", "Once upon a", "It was")]
     base = {"strategy": strategy, "gen_length": 32, "block_length": 8, "block_steps": 8, "threshold": 1.0}
     base |= {"temperature": 1.0, "seed": 3}

@@ -112,12 +112,17 @@ def test_generation_settings_in_batch_yaml_are_checked_when_the_config_loads(tmp
     assert load_config(make_queue(tmp_path, generation={"denoise_steps": 100})).generation == {"denoise_steps": 100}
 
 
-def test_batch_yaml_names_an_embedded_model_by_its_name_unless_a_folder_of_that_name_is_there(tmp_path: Path) -> None:
+def test_batch_yaml_names_an_embedded_model_by_its_name_unless_a_folder_of_that_name_is_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from celeris_cli.engine import embedded_models, model_dir
     from celeris_cli.spool.config import load_config
 
     cfg = load_config(make_queue(tmp_path, model="celeris-tiny"))  # type: ignore[arg-type]
-    assert cfg.model == "celeris-tiny" and model_dir(cfg.model) == embedded_models()["celeris-tiny"]
+    assert cfg.model is not None and model_dir(cfg.model) == embedded_models()["celeris-tiny"].resolve()
+    (tmp_path / "celeris-tiny").mkdir()  # one in the daemon's working directory is not the config's folder
+    monkeypatch.chdir(tmp_path)
+    assert model_dir(cfg.model) == embedded_models()["celeris-tiny"].resolve()
     (tmp_path / "configs" / "celeris-tiny").mkdir()  # a folder beside the config wins, as any relative path
     assert load_config(tmp_path / "configs" / "batch.yaml").model == str(tmp_path / "configs" / "celeris-tiny")
     assert load_config(make_queue(tmp_path, model="nowhere")).model == str(tmp_path / "configs" / "nowhere")  # type: ignore[arg-type]

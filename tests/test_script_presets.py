@@ -158,22 +158,20 @@ def test_subword_min_p_drops_only_unlikely_word_continuing_pieces() -> None:
     """The rule on the logits: a piece that continues a word is dropped below subword_min_p times the
     likeliest token's probability at the sampling temperature; a piece that starts a word is not, nor is the
     likeliest token, and nothing changes when decoding is greedy."""
-    import math
-
     import torch
 
     from celeris_cli.decode.sampling import shape_masked
     from celeris_cli.params import Shaping
 
-    T = 0.8
-    probs = torch.tensor([0.40, 0.30, 0.05, 0.25])  # the sampled distribution: ids 0..3
+    T = 0.5  # the bound is on the sampled distribution: a rule blind to T would keep id 2 (0.15 / 0.40 > 0.5^2)
+    probs = torch.tensor([0.40, 0.30, 0.15, 0.15])  # the sampled distribution: ids 0..3
     logits = (T * probs.log())[None, :]  # p ∝ exp(logit / T)
     masked, offset, stop = torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long), torch.tensor([])
     pieces = torch.tensor([1, 2])  # 1 and 2 continue a word; 0 and 3 start one
     rule = Shaping(presence_penalty=0.0, min_tokens=0, subword_min_p=0.5)
     out = shape_masked(logits, masked, None, offset, rule, 9, stop, T, pieces)
     kept = out[0] > float("-inf")
-    assert kept.tolist() == [True, True, False, True]  # 0.30 >= 0.5 * 0.40 > 0.05; id 3 starts a word
+    assert kept.tolist() == [True, True, False, True]  # 0.30 >= 0.5 * 0.40 > 0.15; id 3 starts a word
     assert torch.allclose(out[0, kept], logits[0, kept])
     strict = shape_masked(logits, masked, None, offset, Shaping(0.0, 0, 0.8), 9, stop, T, pieces)
     assert (strict[0] > float("-inf")).tolist() == [True, False, False, True]  # 0.30 < 0.8 * 0.40
@@ -181,7 +179,32 @@ def test_subword_min_p_drops_only_unlikely_word_continuing_pieces() -> None:
     assert top[0, 0] == logits[0, 0]  # the likeliest token stays, even a continuing one
     greedy = shape_masked(logits, masked, None, offset, rule, 9, stop, 0.0, pieces)
     assert torch.equal(greedy, logits)
-    assert math.isclose(float(logits[0, 1] - logits[0, 0]), T * math.log(0.75), rel_tol=1e-5)
+    with pytest.raises(UsageError, match="subword_min_p: only sampling"):  # so greedy refuses it when asked
+        GenerationParams.from_mapping({"temperature": 0.0, "subword_min_p": 0.5})
+
+
+def test_a_vocabulary_marked_wordpiece_style_continues_words_with_its_hash_pieces() -> None:
+    """Which scheme a vocabulary follows is decided by most of its pieces, not by one stray piece."""
+    from celeris_cli.arch.tokenizer import Tokenizer
+
+    class Vocab:
+        def __init__(self, pieces: list[str]) -> None:
+            self.pieces = pieces
+
+        def size(self) -> int:
+            return len(self.pieces)
+
+        def piece(self, i: int) -> str:
+            return self.pieces[i]
+
+    def word_pieces(pieces: list[str]) -> set[str]:
+        tok = object.__new__(Tokenizer)
+        tok.backend = Vocab(pieces)  # type: ignore[assignment]
+        return {pieces[i] for i in tok.word_pieces}
+
+    assert word_pieces(["[MASK]", "play", "##ing", "##ed", "un", "##til", ","]) == {"##ing", "##ed", "##til"}
+    assert word_pieces(["▁play", "ing", "▁un", "til", "##x", ","]) == {"ing", "til"}  # ▁ wins; ##x is not letters
+    assert word_pieces(["play", "ing", ","]) == set()  # no marks at all: nothing can be told
 
 
 def test_word_pieces_are_the_pieces_without_a_word_start_mark(engine: Engine) -> None:
@@ -202,4 +225,24 @@ def test_subword_min_p_needs_a_tokenizer_that_marks_word_starts(
     params = engine.params({"gen_length": 8, "block_length": 8, "denoise_steps": 8, "temperature": 1.0})
     engine.generate(["To be"], params)  # without the rule it runs
     with pytest.raises(UsageError, match="subword_min_p: this model's tokenizer marks no word starts"):
+        engine.params({"subword_min_p": 0.5, "temperature": 1.0})  # when the settings are made, before decoding
+    with pytest.raises(UsageError, match="subword_min_p: this model's tokenizer marks no word starts"):
         engine.generate(["To be"], params.with_(subword_min_p=0.5))
+
+
+def test_the_queue_refuses_subword_min_p_at_startup_and_per_request_on_a_vocabulary_without_marks(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celeris_cli.arch.tokenizer import Tokenizer
+    from celeris_cli.errors import ConfigError
+    from celeris_cli.spool.backend import Preparer
+    from celeris_cli.spool.formats import Request
+
+    sampled = {"gen_length": 8, "block_length": 8, "denoise_steps": 8, "temperature": 1.0}
+    request = Request(custom_id="a", line=1, prompt="To be", params={"subword_min_p": 0.5})
+    Preparer.load(str(tiny_model), sampled).prepare(request)  # a vocabulary with ▁ marks takes it
+    monkeypatch.setattr(Tokenizer, "word_pieces", frozenset())  # one without any
+    with pytest.raises(ConfigError, match="generation: subword_min_p: this model's tokenizer marks no word"):
+        Preparer.load(str(tiny_model), {**sampled, "subword_min_p": 0.5})
+    with pytest.raises(UsageError, match="subword_min_p: this model's tokenizer marks no word"):
+        Preparer.load(str(tiny_model), sampled).prepare(request)

@@ -181,14 +181,27 @@ class Tokenizer:
     @functools.cached_property
     def word_pieces(self) -> frozenset[int]:
         """The pieces that continue a word: Latin letters only, without the word-start marker of
-        sentencepiece (▁) or byte-level BPE (Ġ), or with WordPiece's continuation mark (##). Empty when
-        the vocabulary marks neither word starts nor continuations, so the two cannot be told apart."""
+        sentencepiece (▁) or byte-level BPE (Ġ), or with WordPiece's continuation mark (##), whichever
+        scheme most of the vocabulary follows. Empty when the vocabulary marks neither, so the two cannot be
+        told apart. A piece is judged by its form alone: the first word after a newline or an opening quote
+        carries no ▁ either, so it counts as continuing too."""
         pieces = [(i, self.backend.piece(i) or "") for i in range(self.backend.size())]
-        if any(CONTINUED.fullmatch(p) for _, p in pieces):  # WordPiece: a bare piece starts a word
+        started = sum(bool(STARTED.fullmatch(p)) for _, p in pieces)
+        continued = sum(bool(CONTINUED.fullmatch(p)) for _, p in pieces)
+        if continued > started:  # WordPiece: a bare piece starts a word
             return frozenset(i for i, p in pieces if CONTINUED.fullmatch(p))
-        if any(STARTED.fullmatch(p) for _, p in pieces):
+        if started:  # a stray `##x` in a ▁/Ġ vocabulary does not make it WordPiece
             return frozenset(i for i, p in pieces if LETTERS.fullmatch(p))
         return frozenset()
+
+    def require_word_pieces(self) -> frozenset[int]:
+        """word_pieces, or a usage error naming subword_min_p where the vocabulary cannot tell them."""
+        if not self.word_pieces:
+            raise UsageError(
+                "subword_min_p: this model's tokenizer marks no word starts (▁, Ġ) or continuations (##), "
+                "so the pieces that continue a word cannot be told apart"
+            )
+        return self.word_pieces
 
     def render_chat(self, prompt: str | list[dict[str, Any]]) -> str:
         """Apply the chat template; `prompt` is a user message or an OpenAI-style message list."""

@@ -66,12 +66,16 @@ class Preparer:
         defaults, _ = read_generation_config(folder, arch)
         base = _settings(lambda: GenerationParams.from_mapping(generation, defaults))
         _settings(lambda: arch.check_strategy(base.strategy))
+        if base.subword_min_p > 0:  # the daemon refuses it at startup, not batch by batch
+            _settings(tokenizer.require_word_pieces)
         return cls(tokenizer, cfg.max_sequence_length, base, arch, read_script_layers(folder))
 
     def prepare(self, request: Request) -> Prepared:
         params = self.base.with_(**request.params)
         if self.arch is not None:
             self.arch.check_strategy(params.strategy)
+        if params.subword_min_p > 0:
+            self.tokenizer.require_word_pieces()
         if request.messages is not None:
             if self.tokenizer.chat_template:
                 ids = self.tokenizer.encode(self.tokenizer.render_chat(request.messages))

@@ -241,9 +241,12 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
 
 def _model_path(model: str, base: Path) -> str:
     """A model folder, relative to the config's folder; or, where no such folder exists, the name of an
-    embedded model (`celeris-tiny`), kept as a name for the engine to find inside the package."""
+    embedded model (`celeris-tiny`), as the path of its folder inside the package (so that a folder of that
+    name in the daemon's working directory is not taken instead)."""
     if Path(model).is_absolute():
         return model
     folder = (base / model).resolve()
-    embedded = Path(__file__).parents[1] / "models" / model / "config.json"
-    return model if not folder.exists() and "/" not in model and embedded.is_file() else str(folder)
+    embedded = Path(__file__).parents[1] / "models" / model
+    if not folder.exists() and "/" not in model and (embedded / "config.json").is_file():
+        return str(embedded.resolve())
+    return str(folder)
