@@ -226,3 +226,23 @@ def test_json_reports_the_steps_that_ran(tiny_model: Path) -> None:
     rec = json.loads(r.stdout)
     assert rec["steps_per_block"] == [1] * 16 and rec["denoise_steps"] == 16
     assert rec["settings"]["strategy"] == "fast" and rec["nfe"] <= 16
+
+
+def test_every_flag_of_the_fast_strategy_lands_in_the_settings_that_ran(tiny_model: Path) -> None:
+    """Each knob's command-line flag reaches the decoder: the answer's settings carry the value given (a flag
+    left out of the overrides would show the model's default instead)."""
+    from celeris_cli.params import PER_REQUEST, honoured
+
+    given: dict[str, object] = {
+        "gen_length": 12, "block_length": 4, "denoise_steps": 6, "temperature": 0.7, "min_p": 0.05,
+        "top_p": 0.9, "top_k": 5, "remasking": "low_confidence", "order_temperature": 0.5, "cfg_scale": 0.5,
+        "threshold": 0.8, "cache": "prefix", "confidence": "margin", "early_exit": False, "suffix_window": 4,
+        "presence_penalty": 0.3, "min_tokens": 2, "subword_min_p": 0.4,
+    }  # fmt: skip
+    assert set(given) == set(honoured("fast")) - set(PER_REQUEST)  # a new knob must be added here
+    flags = [f"--{k.replace('_', '-')}" if v is not False else f"--no-{k.replace('_', '-')}" for k, v in given.items()]
+    args = [a for f, v in zip(flags, given.values()) for a in ([f] if isinstance(v, bool) else [f, str(v)])]
+    r = run("--model", str(tiny_model), "--prompt", "To be", "--json", "--device", "cpu", "--seed", "7", *args)
+    assert r.exit_code == 0, r.output
+    settings = json.loads(r.stdout)["settings"]
+    assert {k: settings[k] for k in given} == given and settings["seed"] == 7
