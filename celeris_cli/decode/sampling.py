@@ -149,6 +149,7 @@ def shape_masked(
         # min-p's test on the sampled distribution: p / p_max < m  <=>  logit < max + temperature * log(m)
         piece = torch.zeros(V, dtype=torch.bool, device=logits.device)
         piece[word_pieces[word_pieces < V]] = True
-        floor = logits.float().amax(-1, keepdim=True) + temperature * math.log(s.subword_min_p)
-        logits = logits.masked_fill(piece[None, :] & (logits.float() < floor), float("-inf"))
+        scores = logits.float()  # one cast: the floor and the test read the same values
+        floor = scores.amax(-1, keepdim=True) + temperature * math.log(s.subword_min_p)
+        logits = scores.masked_fill(piece[None, :] & (scores < floor), float("-inf"))
     return logits
