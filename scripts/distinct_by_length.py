@@ -29,11 +29,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="celeris-tiny")
     ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--gen-length", type=int, default=256)
+    ap.add_argument("--block-length", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=256, help="denoising steps over the whole canvas")
     ap.add_argument("--out", default=None, help="also write both decoders' answers here (JSON)")
     args = ap.parse_args()
     engine = load_engine(args.model)
     prompts = [r["prompt"] for r in EvalSet.load().poems[: args.prompts]]
-    canvas = {"gen_length": 256, "block_length": 32, "denoise_steps": 256}
+    canvas = {"gen_length": args.gen_length, "block_length": args.block_length, "denoise_steps": args.steps}
     texts = {
         mode: [r.text for r in engine.generate(prompts, engine.params({**canvas, **over}), batch_size=16)]
         for mode, over in (("dual-cache", {"cache": "dual"}), ("reference", {"strategy": "reference"}))
