@@ -1,10 +1,16 @@
-"""What a distinct-2 gap between two decoders is made of: pooled distinct-2 falls as the pooled text grows,
-so a decoder that writes longer poems reads lower. Decodes `celeris bench`'s poem openings with the
-reference decoder and the default fast mode (celeris-tiny's settings, as the issue #12 command runs them),
-then reports distinct-2 pooled as is, with each pair of answers cut to the shorter one's length, and over
-each answer's first k lines, with the answers' line counts. About 10 minutes on 2 CPU cores (the reference).
+"""What a distinct-2 gap between decoders is made of, over several seeds. Pooled distinct-2 falls as the
+pooled text grows, so a decoder that writes longer poems reads lower, and on 64 prompts one run's figure
+moves by about 2 points from seed to seed. Decodes `celeris bench`'s poem openings with the reference
+decoder, the model's default decoding and any `--mode NAME=JSON` (settings over the model's), for seeds
+0..N-1, then reports per mode: distinct-2 pooled (each seed and the mean); with each answer and the reference's for the
+same prompt and seed both cut to the shorter one (this mode's figure and the reference's so cut), over
+each answer's first k lines; the
+characters, and how many answers have 3 / 5 / 7 line marks after the prompt (4-, 6- and 8-line poems).
+The reference costs about 10 minutes per seed on 2 CPU cores; `--answers FILE` keeps every (mode, seed)'s
+answers there and decodes only those it does not hold yet.
 
-    python scripts/distinct_by_length.py --prompts 64 --out texts.json
+    python scripts/distinct_by_length.py --seeds 4 --mode dual-cache='{"cache": "dual", "suffix_window": 0}' \
+        --answers answers.json
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import argparse
 import collections
 import json
 import re
+from pathlib import Path
+from typing import Any
 
 from celeris_cli.engine import load_engine
 from celeris_cli.measure.evaluate import EvalSet, distinct_2
@@ -25,38 +33,71 @@ def first_lines(text: str, k: int) -> str:
     return "".join(re.split(r"(?<=[，。])", text)[:k])
 
 
+def mode_arg(text: str) -> tuple[str, dict[str, Any]]:
+    name, sep, settings = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=JSON, got {text!r}")
+    return name, json.loads(settings)
+
+
+def summary(runs: list[list[str]], refs: list[list[str]]) -> dict[str, Any]:
+    """One mode's figures over its seeds (`runs[i]`: seed i's answers; `refs[i]`: the reference's)."""
+    n = len(runs)
+    d2 = [distinct_2(a) for a in runs]
+    # each answer and the reference's for the same prompt and seed, both cut to the shorter of the two
+    cut = [[min(len(t), len(r)) for t, r in zip(a, ref)] for a, ref in zip(runs, refs)]
+    matched = [distinct_2([t[:c] for t, c in zip(a, cs)]) for a, cs in zip(runs, cut)]
+    ref_matched = [distinct_2([r[:c] for r, c in zip(ref, cs)]) for ref, cs in zip(refs, cut)]
+    marks = collections.Counter(len(MARKS.findall(t)) for a in runs for t in a)
+    return {
+        "distinct_2": round(sum(d2) / n, 4),
+        "distinct_2_per_seed": [round(x, 4) for x in d2],
+        "distinct_2_length_matched": round(sum(matched) / n, 4),
+        "reference_length_matched": round(sum(ref_matched) / n, 4),
+        **{
+            f"distinct_2_first_{k}_lines": round(sum(distinct_2([first_lines(t, k) for t in a]) for a in runs) / n, 4)
+            for k in KS
+        },
+        "characters_per_seed": round(sum(len(t) for a in runs for t in a) / n, 1),
+        "line_marks_per_seed": {m: round(marks[m] / n, 2) for m in (3, 5, 7)},
+        "other_line_marks_per_seed": round(sum(c for m, c in marks.items() if m not in (3, 5, 7)) / n, 2),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="celeris-tiny")
     ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1, each decoded by every mode")
     ap.add_argument("--gen-length", type=int, default=256)
     ap.add_argument("--block-length", type=int, default=32)
     ap.add_argument("--steps", type=int, default=256, help="denoising steps over the whole canvas")
-    ap.add_argument("--out", default=None, help="also write both decoders' answers here (JSON)")
+    ap.add_argument("--set", type=json.loads, default={}, help="settings for every mode, as JSON")
+    ap.add_argument("--mode", type=mode_arg, action="append", default=[], help="another mode: NAME=JSON settings")
+    ap.add_argument("--answers", type=Path, default=None, help="keep the answers here; reuse those it holds")
     args = ap.parse_args()
     engine = load_engine(args.model)
     prompts = [r["prompt"] for r in EvalSet.load().poems[: args.prompts]]
-    canvas = {"gen_length": args.gen_length, "block_length": args.block_length, "denoise_steps": args.steps}
-    texts = {
-        mode: [r.text for r in engine.generate(prompts, engine.params({**canvas, **over}), batch_size=16)]
-        for mode, over in (("dual-cache", {"cache": "dual"}), ("reference", {"strategy": "reference"}))
-    }
-    ref, fast = texts["reference"], texts["dual-cache"]
-    cut = [min(len(a), len(b)) for a, b in zip(ref, fast)]
-    report = {
-        mode: {
-            "characters": sum(map(len, answers)),
-            "distinct_2": round(distinct_2(answers), 4),
-            "distinct_2_length_matched": round(distinct_2([t[:n] for t, n in zip(answers, cut)]), 4),
-            **{f"distinct_2_first_{k}_lines": round(distinct_2([first_lines(t, k) for t in answers]), 4) for k in KS},
-            "line_marks": dict(sorted(collections.Counter(len(MARKS.findall(t)) for t in answers).items())),
-        }
-        for mode, answers in texts.items()
-    }
+    canvas = {"gen_length": args.gen_length, "block_length": args.block_length, "denoise_steps": args.steps, **args.set}
+    modes = {"reference": {"strategy": "reference"}, "default": {}, **dict(args.mode)}
+    # answers are keyed by everything they depend on, so a file never serves another run's answers
+    key = json.dumps({"model": str(engine.model_dir), "prompts": prompts, **canvas}, ensure_ascii=False)
+    kept = json.loads(args.answers.read_text(encoding="utf-8")) if args.answers and args.answers.exists() else {}
+    store = kept.get(key, {})
+    texts: dict[str, list[list[str]]] = {}
+    for name, over in modes.items():
+        slot = store.setdefault(json.dumps(over, sort_keys=True), {})
+        for seed in range(args.seeds):
+            if str(seed) not in slot:
+                params = engine.params({**canvas, **over, "seed": seed})
+                slot[str(seed)] = [r.text for r in engine.generate(prompts, params, batch_size=16)]
+                if args.answers:  # after each run, so an interrupted sweep keeps what it decoded
+                    tmp = args.answers.with_suffix(".tmp")
+                    tmp.write_text(json.dumps({**kept, key: store}, ensure_ascii=False), encoding="utf-8")
+                    tmp.replace(args.answers)
+        texts[name] = [slot[str(seed)] for seed in range(args.seeds)]
+    report = {name: summary(runs, texts["reference"]) for name, runs in texts.items()}
     print(json.dumps(report, ensure_ascii=False, indent=1))
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(texts, f, ensure_ascii=False)
 
 
 if __name__ == "__main__":

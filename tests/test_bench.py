@@ -158,3 +158,34 @@ def test_an_embedded_model_is_named_by_its_folder_name(tmp_path: Path, monkeypat
     assert model_dir("celeris-tiny") == embedded_models()["celeris-tiny"] != default_model_dir()
     assert model_dir(None) == default_model_dir()
     assert model_dir(str(tmp_path)) == tmp_path  # a folder that exists is a folder
+
+
+def test_the_default_mode_is_the_row_with_the_models_own_cache(tiny_model: Path, tmp_path: Path) -> None:
+    """A model whose generation config says `cache: prefix` and a suffix window is benched with prefix-cache
+    as its default mode (the sweep and the greedy comparison run it), the window in every row's settings,
+    and the table marks that row."""
+    import shutil
+
+    from celeris_cli import load_engine
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    config = {"cache": "prefix", "suffix_window": 4}
+    (folder / "generation_config.json").write_text(json.dumps(config), encoding="utf-8")
+    engine = load_engine(folder, device="cpu", dtype="float32")
+    canvas = {"n_prompts": 2, "batch_size": 2, "gen_length": 16, "block_length": 4}
+    report = bench(engine, **canvas, modes=["reference", "prefix-cache"], sweep=[4])  # type: ignore[arg-type]
+    assert report["default_mode"] == "prefix-cache"
+    assert set(report["sweep"]) == {"reference@4", "prefix-cache@4"}
+    assert set(report["greedy_agreement_with_reference"]) == {"prefix-cache"}
+    assert report["settings"]["suffix_window"] == 4
+    modes = "reference,prefix-cache,dual-cache"
+    r = CliRunner().invoke(app, ["bench", "--model", str(folder), "--prompts", "2", "--batch-size", "2",
+                                 "--gen-length", "16", "--block-length", "4", "--modes", modes,
+                                 "--no-agreement", "--device", "cpu"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "prefix-cache (default)" in r.output and "dual-cache (default)" not in r.output
+    assert "suffix window 4" in r.output
+    plain = load_engine(tiny_model, device="cpu", dtype="float32")
+    tiny = bench(plain, **canvas, modes=["reference"], cache_agreement=False)  # type: ignore[arg-type]
+    assert tiny["default_mode"] == "dual-cache"  # the built-in default cache

@@ -1,5 +1,6 @@
-"""scripts/distinct_by_length.py, end to end on the tiny test model: both decoders' answers are kept, and
-the length-matched figure is distinct-2 over each pair cut to the shorter answer."""
+"""scripts/distinct_by_length.py, end to end on the tiny test model: every mode's answers for every seed are
+kept, the figures are computed from them (the length-matched ones with each answer and the reference's for the
+same prompt and seed cut to the shorter), and a second run reuses the kept answers instead of decoding again."""
 
 from __future__ import annotations
 
@@ -11,24 +12,53 @@ from pathlib import Path
 from celeris_cli.measure.evaluate import distinct_2
 
 ROOT = Path(__file__).resolve().parents[1]
+ARGS = ["--prompts", "6", "--gen-length", "24", "--block-length", "8", "--steps", "24", "--seeds", "2"]
+ARGS += ["--set", '{"temperature": 1.0}']  # the test model decodes greedily by default
+DUAL = '{"cache": "dual", "suffix_window": 0}'
 
 
-def test_distinct_by_length_reports_pooled_and_length_matched_distinct_2(tiny_model: Path, tmp_path: Path) -> None:
-    out = tmp_path / "texts.json"
-    args = ["--model", str(tiny_model), "--prompts", "6", "--gen-length", "24", "--block-length", "8", "--steps", "24"]
+def run(model: Path, answers: Path, *extra: str) -> dict:
     p = subprocess.run(
-        [sys.executable, "scripts/distinct_by_length.py", *args, "--out", str(out)],
+        [sys.executable, "scripts/distinct_by_length.py", "--model", str(model), *ARGS, "--answers", str(answers),
+         *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
-    report, texts = json.loads(p.stdout), json.loads(out.read_text(encoding="utf-8"))
-    assert set(report) == set(texts) == {"reference", "dual-cache"}
-    ref, fast = texts["reference"], texts["dual-cache"]
-    assert len(ref) == len(fast) == 6 and ref != fast  # two decoders, the same prompts
-    cut = [min(len(a), len(b)) for a, b in zip(ref, fast)]
-    for mode, answers in texts.items():
-        row = report[mode]
-        assert row["characters"] == sum(map(len, answers))
-        assert row["distinct_2"] == round(distinct_2(answers), 4)
-        assert row["distinct_2_length_matched"] == round(distinct_2([t[:n] for t, n in zip(answers, cut)]), 4)
-        assert sum(row["line_marks"].values()) == 6
+    return json.loads(p.stdout)
+
+
+def test_distinct_by_length_reports_modes_over_seeds_from_kept_answers(tiny_model: Path, tmp_path: Path) -> None:
+    answers = tmp_path / "answers.json"
+    report = run(tiny_model, answers, "--mode", f"dual={DUAL}")
+    assert set(report) == {"reference", "default", "dual"}
+    (store,) = json.loads(answers.read_text(encoding="utf-8")).values()
+    keys = {
+        "reference": '{"strategy": "reference"}',
+        "default": "{}",
+        "dual": json.dumps(json.loads(DUAL), sort_keys=True),
+    }
+    texts = {name: [store[over][s] for s in ("0", "1")] for name, over in keys.items()}
+    assert texts["reference"][0] != texts["reference"][1]  # two seeds, two draws
+    assert texts["reference"][0] != texts["dual"][0]  # two decoders
+    for name, runs in texts.items():
+        row = report[name]
+        assert all(len(a) == 6 for a in runs)
+        assert row["distinct_2_per_seed"] == [round(distinct_2(a), 4) for a in runs]
+        assert row["distinct_2"] == round(sum(distinct_2(a) for a in runs) / 2, 4)
+        pairs = [list(zip(a, ref)) for a, ref in zip(runs, texts["reference"])]
+        cut = [distinct_2([t[: min(len(t), len(r))] for t, r in p]) for p in pairs]
+        ref_cut = [distinct_2([r[: min(len(t), len(r))] for t, r in p]) for p in pairs]
+        assert row["distinct_2_length_matched"] == round(sum(cut) / 2, 4)
+        assert row["reference_length_matched"] == round(sum(ref_cut) / 2, 4)
+        assert row["characters_per_seed"] == sum(len(t) for a in runs for t in a) / 2
+        assert sum(row["line_marks_per_seed"].values()) + row["other_line_marks_per_seed"] == 6
+
+    # the kept answers are used as they are: an edited one shows in the next report, nothing is decoded again
+    whole = json.loads(answers.read_text(encoding="utf-8"))
+    (key,) = whole
+    whole[key]["{}"]["0"] = ["春风明月春风明月"] * 6
+    answers.write_text(json.dumps(whole, ensure_ascii=False), encoding="utf-8")
+    again = run(tiny_model, answers)
+    assert set(again) == {"reference", "default"}
+    assert again["default"]["distinct_2_per_seed"][0] == round(distinct_2(["春风明月春风明月"] * 6), 4)
+    assert again["reference"] == report["reference"]

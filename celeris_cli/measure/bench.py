@@ -30,16 +30,19 @@ MODES: dict[str, dict[str, Any]] = {
     "prefix-cache": {"strategy": "fast", "cache": "prefix", "early_exit": True},
     "dual-cache": {"strategy": "fast", "cache": "dual", "early_exit": True},
 }
-DEFAULT_MODE = "dual-cache"
+# the default mode is the row that decodes as the model does by default: the one with the model's own cache
+BY_CACHE = {"none": "threshold+exit", "prefix": "prefix-cache", "dual": "dual-cache"}
 # block-diffusion families (LLaDA2): the reference recomputes the prefix at every step; block-fast caches it
 BLOCK_MODES: dict[str, dict[str, Any]] = {"block": {"strategy": "block"}, "block-fast": {"strategy": "block-fast"}}
 
 
 def modes_for(engine: Engine) -> tuple[dict[str, dict[str, Any]], str]:
-    """The modes a model's architecture runs, the first being the baseline, and the default mode."""
+    """The modes a model's architecture runs, the first being the baseline, and the default mode (for a
+    masked-diffusion model, the fast row with the model's own cache; its other settings, the suffix window
+    among them, are the model's in every row)."""
     if "block" in engine.arch.strategies:
         return BLOCK_MODES, "block-fast"
-    return MODES, DEFAULT_MODE
+    return MODES, BY_CACHE[engine.params({}).cache]
 
 
 class PeakRSS:
@@ -240,6 +243,7 @@ def bench(
         "denoise_steps": base.steps_per_block[0] if table is BLOCK_MODES else base.denoise_steps,
         "architecture": engine.arch.name,
         "settings": {k: v for k, v in base.report().items() if k not in ("strategy", "cache", "early_exit")},
+        "default_mode": default_mode,
         "modes": {},
     }
     canvas = max(lengths) + gen_length
@@ -390,10 +394,12 @@ def render(report: dict[str, Any]) -> None:
         f"[bold]celeris bench[/] {hw['cpu']} ({hw['cores']} cores, {hw['threads']} threads), torch "
         f"{hw['torch']}, {report['device']} {report['dtype']}"
     )
+    window = report["settings"].get("suffix_window")
     console.print(
         f"prompts {report['prompts']} (tokens {report['prompt_tokens']}), batch {report['batch_size']}, "
         f"gen_length {report['gen_length']}, block_length {report['block_length']}, steps "
-        f"{report['denoise_steps']}; raw forward {report['raw_forward_tokens_per_s']:,.0f} tokens/s"
+        f"{report['denoise_steps']}{f', suffix window {window}' if window else ''}; "
+        f"raw forward {report['raw_forward_tokens_per_s']:,.0f} tokens/s"
     )
     cols = [
         "mode",
@@ -420,7 +426,7 @@ def render(report: dict[str, Any]) -> None:
         rows += [(f"{Path(versus['model']).name}: {n}", m) for n, m in versus["modes"].items()]
     for name, m in rows:
         cells = [
-            name,
+            f"{name} (default)" if name == report["default_mode"] else name,
             f"{m['tokens_per_s']:.1f}",
             f"{m.get('speedup', '')}",
             f"{m['wall_s']:.2f}",
