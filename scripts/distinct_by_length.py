@@ -33,11 +33,20 @@ def first_lines(text: str, k: int) -> str:
     return "".join(re.split(r"(?<=[，。])", text)[:k])
 
 
+def settings_arg(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def mode_arg(text: str) -> tuple[str, dict[str, Any]]:
     name, sep, settings = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=JSON, got {text!r}")
-    return name, json.loads(settings)
+    if not sep or not name or name in ("reference", "default"):
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=JSON with a NAME other than reference and default, got {text!r}"
+        )
+    return name, settings_arg(settings)
 
 
 def summary(runs: list[list[str]], refs: list[list[str]]) -> dict[str, Any]:
@@ -68,11 +77,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="celeris-tiny")
     ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1, each decoded by every mode")
+    ap.add_argument(
+        "--seeds", type=lambda v: max(1, int(v)), default=1, help="seeds 0..N-1, each decoded by every mode"
+    )
     ap.add_argument("--gen-length", type=int, default=256)
     ap.add_argument("--block-length", type=int, default=32)
     ap.add_argument("--steps", type=int, default=256, help="denoising steps over the whole canvas")
-    ap.add_argument("--set", type=json.loads, default={}, help="settings for every mode, as JSON")
+    ap.add_argument("--set", type=settings_arg, default={}, help="settings for every mode, as JSON")
     ap.add_argument("--mode", type=mode_arg, action="append", default=[], help="another mode: NAME=JSON settings")
     ap.add_argument("--answers", type=Path, default=None, help="keep the answers here; reuse those it holds")
     args = ap.parse_args()
@@ -80,13 +91,17 @@ def main() -> None:
     prompts = [r["prompt"] for r in EvalSet.load().poems[: args.prompts]]
     canvas = {"gen_length": args.gen_length, "block_length": args.block_length, "denoise_steps": args.steps, **args.set}
     modes = {"reference": {"strategy": "reference"}, "default": {}, **dict(args.mode)}
-    # answers are keyed by everything they depend on, so a file never serves another run's answers
-    key = json.dumps({"model": str(engine.model_dir), "prompts": prompts, **canvas}, ensure_ascii=False)
+    # answers are keyed by the model, dtype and prompts, and each mode's by its settings as resolved over the
+    # model's defaults, so a file never serves answers decoded with other settings (the weights and the
+    # decoders' code are not in the key: start a new file when they change)
+    key = json.dumps(
+        {"model": str(engine.model_dir), "dtype": str(engine.dtype), "prompts": prompts}, ensure_ascii=False
+    )
     kept = json.loads(args.answers.read_text(encoding="utf-8")) if args.answers and args.answers.exists() else {}
     store = kept.get(key, {})
     texts: dict[str, list[list[str]]] = {}
     for name, over in modes.items():
-        slot = store.setdefault(json.dumps(over, sort_keys=True), {})
+        slot = store.setdefault(json.dumps(engine.params({**canvas, **over}).report(), sort_keys=True), {})
         for seed in range(args.seeds):
             if str(seed) not in slot:
                 params = engine.params({**canvas, **over, "seed": seed})

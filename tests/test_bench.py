@@ -179,6 +179,8 @@ def test_the_default_mode_is_the_row_with_the_models_own_cache(tiny_model: Path,
     assert set(report["sweep"]) == {"reference@4", "prefix-cache@4"}
     assert set(report["greedy_agreement_with_reference"]) == {"prefix-cache"}
     assert report["settings"]["suffix_window"] == 4
+    dual = bench(engine, **canvas, modes=["dual-cache"], settings={"cache": "dual"}, cache_agreement=False)  # type: ignore[arg-type]
+    assert dual["default_mode"] == "dual-cache"  # --set's cache over the model's
     modes = "reference,prefix-cache,dual-cache"
     r = CliRunner().invoke(app, ["bench", "--model", str(folder), "--prompts", "2", "--batch-size", "2",
                                  "--gen-length", "16", "--block-length", "4", "--modes", modes,

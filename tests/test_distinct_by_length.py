@@ -14,7 +14,7 @@ from celeris_cli.measure.evaluate import distinct_2
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--prompts", "6", "--gen-length", "24", "--block-length", "8", "--steps", "24", "--seeds", "2"]
 ARGS += ["--set", '{"temperature": 1.0}']  # the test model decodes greedily by default
-DUAL = '{"cache": "dual", "suffix_window": 0}'
+ALT = '{"cache": "prefix", "suffix_window": 4}'
 
 
 def run(model: Path, answers: Path, *extra: str) -> dict:
@@ -29,17 +29,24 @@ def run(model: Path, answers: Path, *extra: str) -> dict:
 
 def test_distinct_by_length_reports_modes_over_seeds_from_kept_answers(tiny_model: Path, tmp_path: Path) -> None:
     answers = tmp_path / "answers.json"
-    report = run(tiny_model, answers, "--mode", f"dual={DUAL}")
-    assert set(report) == {"reference", "default", "dual"}
+    report = run(tiny_model, answers, "--mode", f"alt={ALT}")
+    assert set(report) == {"reference", "default", "alt"}
     (store,) = json.loads(answers.read_text(encoding="utf-8")).values()
-    keys = {
-        "reference": '{"strategy": "reference"}',
-        "default": "{}",
-        "dual": json.dumps(json.loads(DUAL), sort_keys=True),
-    }
-    texts = {name: [store[over][s] for s in ("0", "1")] for name, over in keys.items()}
+    assert len(store) == 3  # a slot per mode, keyed by its settings as they resolved
+
+    def mode_of(key: str) -> str:
+        settings = json.loads(key)
+        return (
+            "reference"
+            if settings["strategy"] == "reference"
+            else "alt"
+            if settings["cache"] == "prefix"
+            else "default"
+        )
+
+    texts = {mode_of(key): [slot[s] for s in ("0", "1")] for key, slot in store.items()}
     assert texts["reference"][0] != texts["reference"][1]  # two seeds, two draws
-    assert texts["reference"][0] != texts["dual"][0]  # two decoders
+    assert texts["reference"][0] != texts["alt"][0]  # two decoders
     for name, runs in texts.items():
         row = report[name]
         assert all(len(a) == 6 for a in runs)
@@ -56,9 +63,13 @@ def test_distinct_by_length_reports_modes_over_seeds_from_kept_answers(tiny_mode
     # the kept answers are used as they are: an edited one shows in the next report, nothing is decoded again
     whole = json.loads(answers.read_text(encoding="utf-8"))
     (key,) = whole
-    whole[key]["{}"]["0"] = ["春风明月春风明月"] * 6
+    (default,) = [k for k in whole[key] if mode_of(k) == "default"]
+    whole[key][default]["0"] = ["春风明月春风明月"] * 6
     answers.write_text(json.dumps(whole, ensure_ascii=False), encoding="utf-8")
     again = run(tiny_model, answers)
     assert set(again) == {"reference", "default"}
     assert again["default"]["distinct_2_per_seed"][0] == round(distinct_2(["春风明月春风明月"] * 6), 4)
     assert again["reference"] == report["reference"]
+    # other settings are other answers: the edited slot is not served to them
+    other = run(tiny_model, answers, "--set", '{"temperature": 0.9}')
+    assert other["default"]["distinct_2_per_seed"][0] != again["default"]["distinct_2_per_seed"][0]

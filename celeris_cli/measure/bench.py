@@ -36,13 +36,13 @@ BY_CACHE = {"none": "threshold+exit", "prefix": "prefix-cache", "dual": "dual-ca
 BLOCK_MODES: dict[str, dict[str, Any]] = {"block": {"strategy": "block"}, "block-fast": {"strategy": "block-fast"}}
 
 
-def modes_for(engine: Engine) -> tuple[dict[str, dict[str, Any]], str]:
+def modes_for(engine: Engine, settings: dict[str, Any] | None = None) -> tuple[dict[str, dict[str, Any]], str]:
     """The modes a model's architecture runs, the first being the baseline, and the default mode (for a
-    masked-diffusion model, the fast row with the model's own cache; its other settings, the suffix window
-    among them, are the model's in every row)."""
+    masked-diffusion model, the fast row with the cache of the model's settings, `settings` over its
+    defaults; their other knobs, the suffix window among them, hold in every row)."""
     if "block" in engine.arch.strategies:
         return BLOCK_MODES, "block-fast"
-    return MODES, BY_CACHE[engine.params({}).cache]
+    return MODES, BY_CACHE[engine.params(settings or {}).cache]
 
 
 class PeakRSS:
@@ -222,7 +222,7 @@ def bench(
     a multiple of that model's baseline (`x_versus_baseline`)."""
     evalset = EvalSet.load()
     prompts = [r["prompt"] for r in evalset.poems[:n_prompts]]
-    table, default_mode = modes_for(engine)
+    table, default_mode = modes_for(engine, settings)
     baseline = next(iter(table))
     if table is BLOCK_MODES:
         steps_knob = {"block_steps": steps} if steps else {}
