@@ -246,3 +246,22 @@ def test_the_queue_refuses_subword_min_p_at_startup_and_per_request_on_a_vocabul
         Preparer.load(str(tiny_model), {**sampled, "subword_min_p": 0.5})
     with pytest.raises(UsageError, match="subword_min_p: this model's tokenizer marks no word"):
         Preparer.load(str(tiny_model), sampled).prepare(request)
+
+
+def test_celeris_tinys_shipped_settings_window_poems_and_leave_english_its_whole_canvas(engine: Engine) -> None:
+    """celeris-tiny's folder: poems decode with the prefix cache and a suffix window of 16, English (its
+    Latin preset) with the dual cache over the whole canvas; a user's own cache or window wins over both."""
+    from celeris_cli.engine import embedded_models
+
+    raw = json.loads((embedded_models()["celeris-tiny"] / "generation_config.json").read_text(encoding="utf-8"))
+    e = Engine(engine.model, engine.tokenizer, engine.device, engine.dtype, None).with_defaults(raw)
+    poem, english = "床前明月光，", "The sea at night is"
+
+    def cache_of(prompt: str, overrides: dict[str, object]) -> tuple[str, int]:
+        p = e.params_for(prompt, e.params(overrides))
+        return p.cache, p.suffix_window
+
+    assert cache_of(poem, {}) == ("prefix", 16)
+    assert cache_of(english, {}) == ("dual", 0)
+    assert cache_of(poem, {"cache": "dual"}) == ("dual", 16)  # the window is the model's until set
+    assert cache_of(english, {"cache": "prefix", "suffix_window": 8}) == ("prefix", 8)
