@@ -2,12 +2,12 @@
 pooled text grows, so a decoder that writes longer poems reads lower, and on 64 prompts one run's figure
 moves by about 2 points from seed to seed. Decodes `celeris bench`'s poem openings with the reference
 decoder, the model's default decoding and any `--mode NAME=JSON` (settings over the model's), for seeds
-0..N-1, then reports per mode: distinct-2 pooled (each seed and the mean); with each answer and the reference's for the
-same prompt and seed both cut to the shorter one (this mode's figure and the reference's so cut), over
-each answer's first k lines; the
-characters, and how many answers have 3 / 5 / 7 line marks after the prompt (4-, 6- and 8-line poems).
-The reference costs about 10 minutes per seed on 2 CPU cores; `--answers FILE` keeps every (mode, seed)'s
-answers there and decodes only those it does not hold yet.
+0..N-1, then reports per mode, as means over the seeds: distinct-2 pooled (and each seed's); distinct-2
+with each answer and the reference's for the same prompt and seed both cut to the shorter one (this mode's
+figure and the reference's so cut); over each answer's first k lines; the characters; and how many answers
+have 3 / 5 / 7 line marks after the prompt (4-, 6- and 8-line poems). The reference costs about 10 minutes
+per seed on 2 CPU cores; `--answers FILE` keeps every (mode, seed)'s answers there and decodes only those
+it does not hold yet.
 
     python scripts/distinct_by_length.py --seeds 4 --mode dual-cache='{"cache": "dual", "suffix_window": 0}' \
         --answers answers.json
@@ -31,6 +31,12 @@ KS = (2, 4)  # first lines compared
 
 def first_lines(text: str, k: int) -> str:
     return "".join(re.split(r"(?<=[，。])", text)[:k])
+
+
+def seeds_arg(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of seeds, 1 or more, got {text!r}")
+    return int(text)
 
 
 def settings_arg(text: str) -> dict[str, Any]:
@@ -77,9 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="celeris-tiny")
     ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument(
-        "--seeds", type=lambda v: max(1, int(v)), default=1, help="seeds 0..N-1, each decoded by every mode"
-    )
+    ap.add_argument("--seeds", type=seeds_arg, default=1, help="seeds 0..N-1, each decoded by every mode")
     ap.add_argument("--gen-length", type=int, default=256)
     ap.add_argument("--block-length", type=int, default=32)
     ap.add_argument("--steps", type=int, default=256, help="denoising steps over the whole canvas")
@@ -101,7 +105,8 @@ def main() -> None:
     store = kept.get(key, {})
     texts: dict[str, list[list[str]]] = {}
     for name, over in modes.items():
-        slot = store.setdefault(json.dumps(engine.params({**canvas, **over}).report(), sort_keys=True), {})
+        settings = {k: v for k, v in engine.params({**canvas, **over}).report().items() if k != "seed"}
+        slot = store.setdefault(json.dumps(settings, sort_keys=True), {})  # its answers by seed
         for seed in range(args.seeds):
             if str(seed) not in slot:
                 params = engine.params({**canvas, **over, "seed": seed})

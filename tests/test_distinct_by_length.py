@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from celeris_cli.measure.evaluate import distinct_2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,3 +75,20 @@ def test_distinct_by_length_reports_modes_over_seeds_from_kept_answers(tiny_mode
     # other settings are other answers: the edited slot is not served to them
     other = run(tiny_model, answers, "--set", '{"temperature": 0.9}')
     assert other["default"]["distinct_2_per_seed"][0] != again["default"]["distinct_2_per_seed"][0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--mode", 'reference={"cache": "dual"}'], "other than reference and default"),
+        (["--mode", "dual"], "expected NAME=JSON"),
+        (["--mode", "dual=[1]"], "expected a JSON object"),
+        (["--set", '"hot"'], "expected a JSON object"),
+        (["--seeds", "0"], "1 or more"),
+    ],
+)
+def test_distinct_by_length_refuses_bad_arguments_by_name(args: list[str], message: str) -> None:
+    p = subprocess.run(
+        [sys.executable, "scripts/distinct_by_length.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr

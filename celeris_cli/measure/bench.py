@@ -30,7 +30,7 @@ MODES: dict[str, dict[str, Any]] = {
     "prefix-cache": {"strategy": "fast", "cache": "prefix", "early_exit": True},
     "dual-cache": {"strategy": "fast", "cache": "dual", "early_exit": True},
 }
-# the default mode is the row that decodes as the model does by default: the one with the model's own cache
+# the default mode is the fast row with the settings' cache (the model's own unless `--set` names one)
 BY_CACHE = {"none": "threshold+exit", "prefix": "prefix-cache", "dual": "dual-cache"}
 # block-diffusion families (LLaDA2): the reference recomputes the prefix at every step; block-fast caches it
 BLOCK_MODES: dict[str, dict[str, Any]] = {"block": {"strategy": "block"}, "block-fast": {"strategy": "block-fast"}}
