@@ -168,10 +168,10 @@ def test_lead_is_the_margin_of_the_sampled_token_over_its_best_rival() -> None:
 
 def test_order_noise_fades_over_the_block_and_is_off_at_zero() -> None:
     conf = torch.tensor([[0.9, 0.5, 0.2, 0.05]]).expand(2000, -1)
-    assert order_scores(conf, 0.0, 0, 4, []) is conf  # off: the confidence itself, no draw
+    assert order_scores(conf, 0.0, 1.0, []) is conf  # off: the confidence itself, no draw
     gens = [torch.Generator().manual_seed(i) for i in range(2000)]
-    early = order_scores(conf, 2.0, 0, 4, gens).argmax(1)
-    late = order_scores(conf, 2.0, 3, 4, gens).argmax(1)
+    early = order_scores(conf, 2.0, 1.0, gens).argmax(1)
+    late = order_scores(conf, 2.0, 0.25, gens).argmax(1)
 
     # Gumbel-max on log(conf) / tau picks position j first with probability conf_j^(1/tau) / sum: at the
     # block's first step (tau 2) the least confident position still goes first sometimes (MaskGIT) ...

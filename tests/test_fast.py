@@ -239,3 +239,30 @@ def test_a_suffix_window_bounds_every_forward_and_a_wide_one_changes_nothing(eng
     lengths = [c.shape[1] for c in net.canvases]
     assert lengths[0] == P + 8 + 4 and max(lengths) == P + 32 and lengths == sorted(lengths)
     assert not (out == engine.tokenizer.mask_id).any()
+
+
+def test_order_noise_fades_with_the_share_of_the_block_still_masked(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reference's order noise falls to 0 over a block's steps, one commit each; the threshold fills a
+    block in a few of its steps, so the fast decoder fades it by the share still masked instead."""
+    import celeris_cli.decode.fast as fast_module
+
+    seen: list[torch.Tensor] = []
+    real = fast_module.commit_order
+
+    def record(conf, ordering, fade, gens):  # type: ignore[no-untyped-def]
+        seen.append(torch.as_tensor(fade).flatten().clone())
+        return real(conf, ordering, fade, gens)
+
+    monkeypatch.setattr(fast_module, "commit_order", record)
+    mask = engine.tokenizer.mask_id
+    sampled = {"temperature": 1.0, "order_temperature": 1.0, "early_exit": False}
+    params = plan("fast", gen_length=16, block_length=16, denoise_steps=16, threshold=0.2, cache="none", **sampled)
+    out, net, _ = run_fast(engine, PROMPTS, params)
+    assert len(seen) == len(net.canvases) >= 2
+    for fade, canvas in zip(seen, net.canvases):
+        still = (canvas[:, -16:] == mask).sum(1)  # masked before this step, per row
+        assert torch.allclose(fade, still / 16)
+    # the threshold committed several per step: the share masked fell faster than the steps run
+    assert (seen[1] < 1 - 1 / 16).all()

@@ -181,7 +181,10 @@ def generate_fast(
                 masked, confidence_masked(flat, x0, par.confidence)
             )
             proposal = block.masked_scatter(masked, x0)
-            rank = torch.where(masked, commit_order(conf, plan.ordering, i, steps, gens), float("-inf"))
+            # the order noise fades with the share of the block still masked, as the reference's does over its
+            # steps (one commit each): by steps it would stay near full strength while thresholds fill the block
+            fade = masked.sum(1, keepdim=True) / (e - s)
+            rank = torch.where(masked, commit_order(conf, plan.ordering, fade, gens), float("-inf"))
             k = schedule[:, i].clamp_min(1)  # at least one commit per row that still has masks
             commit = select_top_k(rank, k) | (masked & (conf >= par.threshold))
             xa[:, s:e] = torch.where(commit, proposal, block)

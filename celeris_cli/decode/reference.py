@@ -63,13 +63,14 @@ def guide(cond: torch.Tensor, un: torch.Tensor, cfg_scale: float) -> torch.Tenso
 
 
 def commit_order(
-    conf: torch.Tensor, ordering: Ordering, step: int, steps: int, gens: list[torch.Generator]
+    conf: torch.Tensor, ordering: Ordering, fade: float | torch.Tensor, gens: list[torch.Generator]
 ) -> torch.Tensor:
-    """(B, T) scores ranking positions for the scheduled commits: the confidence (with fading order noise),
-    or for `random` remasking a uniform draw from each row's own stream."""
+    """(B, T) scores ranking positions for the scheduled commits: the confidence (with order noise scaled
+    by `fade`, the share of the block still to commit), or for `random` remasking a uniform draw from each
+    row's own stream."""
     if ordering.remasking == "random":
         return uniform(tuple(conf.shape[1:]), gens, torch.float32, conf.device)
-    return order_scores(conf, ordering.order_temperature, step, steps, gens).float()
+    return order_scores(conf, ordering.order_temperature, fade, gens).float()
 
 
 @torch.no_grad()
@@ -99,7 +100,7 @@ def generate_reference(
             gens = noise.at(rows, j, i)
             x0 = sample_tokens(logits, plan.sampling, gens)  # (B, T)
             conf = F.softmax(logits.float(), dim=-1).gather(-1, x0[..., None]).squeeze(-1)
-            rank = commit_order(conf, plan.ordering, i, steps, gens)
+            rank = commit_order(conf, plan.ordering, 1 - i / steps, gens)
             masked = x[:, s:e] == mask_id
             commit = select_top_k(torch.where(masked, rank, float("-inf")), schedule[:, i])
             x[:, s:e] = torch.where(commit, x0, x[:, s:e])

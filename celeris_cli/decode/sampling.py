@@ -101,17 +101,18 @@ def sample_tokens(logits: torch.Tensor, s: Sampling, gens: list[torch.Generator]
 
 
 def order_scores(
-    confidence: torch.Tensor, order_temperature: float, step: int, steps: int, gens: list[torch.Generator]
+    confidence: torch.Tensor, order_temperature: float, fade: float | torch.Tensor, gens: list[torch.Generator]
 ) -> torch.Tensor:
     """Scores that choose which positions a step commits: the confidence itself, or with
-    order_temperature > 0 the log-confidence plus Gumbel noise whose scale falls linearly to 0 over the
-    block's steps (MaskGIT's "choice temperature", Chang et al. 2022). A confidence at or below zero (a
-    `lead` whose sampled token is not the favourite) is floored, so the noise alone orders those."""
+    order_temperature > 0 the log-confidence plus Gumbel noise of scale order_temperature * fade, where
+    `fade` (a number, or one per row as (B, 1)) is the share of the block still to commit, falling from 1
+    to 0 as the block fills (MaskGIT's "choice temperature", Chang et al. 2022). A confidence at or below
+    zero (a `lead` whose sampled token is not the favourite) is floored, so the noise alone orders those."""
     if order_temperature == 0:
         return confidence
-    tau = order_temperature * (1 - step / steps)
     log_conf = torch.log(confidence.float().clamp_min(1e-12))
-    return log_conf + tau * gumbel(tuple(log_conf.shape[1:]), gens, log_conf.dtype, log_conf.device)
+    noise = gumbel(tuple(log_conf.shape[1:]), gens, log_conf.dtype, log_conf.device)
+    return log_conf + order_temperature * fade * noise
 
 
 def shape_masked(
