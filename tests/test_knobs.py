@@ -126,8 +126,9 @@ def test_guidance_changes_greedy_text_in_the_default_strategy(engine: Engine) ->
 
 
 def shipped(e: Engine) -> Engine:
-    """A tiny model with celeris-tiny's shipped generation defaults (temperature 1.2, order noise, lead
-    confidence, prefix cache with a suffix window of 16 for poems, early exit), in float32."""
+    """A tiny model with celeris-tiny's shipped generation defaults (temperature 1.2, order noise, early exit;
+    poems one commit per step with the prefix cache and a suffix window of 16, English threshold commits),
+    in float32."""
     raw = json.loads((embedded_models()["celeris-tiny"] / "generation_config.json").read_text(encoding="utf-8"))
     return Engine(e.model, e.tokenizer, e.device, e.dtype, None).with_defaults(raw)
 

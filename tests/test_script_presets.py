@@ -249,19 +249,20 @@ def test_the_queue_refuses_subword_min_p_at_startup_and_per_request_on_a_vocabul
 
 
 def test_celeris_tinys_shipped_settings_window_poems_and_leave_english_its_whole_canvas(engine: Engine) -> None:
-    """celeris-tiny's folder: poems decode with the prefix cache and a suffix window of 16, English (its
-    Latin preset) with the dual cache over the whole canvas; a user's own cache or window wins over both."""
+    """celeris-tiny's folder: poems decode one position per step (threshold 1.0 on the probability) with the
+    prefix cache and a suffix window of 16, English (its Latin preset) with threshold commits on the lead
+    and the dual cache over the whole canvas; a user's own settings win over both."""
     from celeris_cli.engine import embedded_models
 
     raw = json.loads((embedded_models()["celeris-tiny"] / "generation_config.json").read_text(encoding="utf-8"))
     e = Engine(engine.model, engine.tokenizer, engine.device, engine.dtype, None).with_defaults(raw)
     poem, english = "床前明月光，", "The sea at night is"
 
-    def cache_of(prompt: str, overrides: dict[str, object]) -> tuple[str, int]:
+    def cache_of(prompt: str, overrides: dict[str, object]) -> tuple[str, int, float, str]:
         p = e.params_for(prompt, e.params(overrides))
-        return p.cache, p.suffix_window
+        return p.cache, p.suffix_window, p.threshold, p.confidence
 
-    assert cache_of(poem, {}) == ("prefix", 16)
-    assert cache_of(english, {}) == ("dual", 0)
-    assert cache_of(poem, {"cache": "dual"}) == ("dual", 16)  # the window is the model's until set
-    assert cache_of(english, {"cache": "prefix", "suffix_window": 8}) == ("prefix", 8)
+    assert cache_of(poem, {}) == ("prefix", 16, 1.0, "prob")
+    assert cache_of(english, {}) == ("dual", 0, 0.9, "lead")
+    assert cache_of(poem, {"cache": "dual", "threshold": 0.9}) == ("dual", 16, 0.9, "prob")  # the rest the model's
+    assert cache_of(english, {"cache": "prefix", "suffix_window": 8}) == ("prefix", 8, 0.9, "lead")
