@@ -258,11 +258,11 @@ def test_celeris_tinys_shipped_settings_window_poems_and_leave_english_its_whole
     e = Engine(engine.model, engine.tokenizer, engine.device, engine.dtype, None).with_defaults(raw)
     poem, english = "床前明月光，", "The sea at night is"
 
-    def cache_of(prompt: str, overrides: dict[str, object]) -> tuple[str, int, float, str]:
+    def settings_of(prompt: str, overrides: dict[str, object]) -> tuple[str, int, float, str]:
         p = e.params_for(prompt, e.params(overrides))
         return p.cache, p.suffix_window, p.threshold, p.confidence
 
-    assert cache_of(poem, {}) == ("prefix", 16, 1.0, "prob")
-    assert cache_of(english, {}) == ("dual", 0, 0.9, "lead")
-    assert cache_of(poem, {"cache": "dual", "threshold": 0.9}) == ("dual", 16, 0.9, "prob")  # the rest the model's
-    assert cache_of(english, {"cache": "prefix", "suffix_window": 8}) == ("prefix", 8, 0.9, "lead")
+    assert settings_of(poem, {}) == ("prefix", 16, 1.0, "prob")
+    assert settings_of(english, {}) == ("dual", 0, 0.9, "lead")
+    assert settings_of(poem, {"cache": "dual", "threshold": 0.9}) == ("dual", 16, 0.9, "prob")  # the rest the model's
+    assert settings_of(english, {"cache": "prefix", "suffix_window": 8}) == ("prefix", 8, 0.9, "lead")

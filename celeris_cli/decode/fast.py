@@ -176,14 +176,15 @@ def generate_fast(
                 t = plan.sampling.temperature
                 flat = shape_masked(flat, masked, xa[:, P:], offset.expand(len(xa)), shaping, mask_id, stop, t, pieces)
             gens = noise.at(active, j, i)
-            x0 = sample_masked(flat, plan.sampling, masked.sum(1).tolist(), gens)  # (N,) in row order
+            left = masked.sum(1)  # masked positions per row
+            x0 = sample_masked(flat, plan.sampling, left.tolist(), gens)  # (N,) in row order
             conf = block.new_zeros(block.shape, dtype=torch.float32).masked_scatter(
                 masked, confidence_masked(flat, x0, par.confidence)
             )
             proposal = block.masked_scatter(masked, x0)
             # the order noise fades with the share of the block still masked, as the reference's does over its
             # steps (one commit each): by steps it would stay near full strength while thresholds fill the block
-            fade = masked.sum(1, keepdim=True) / (e - s)
+            fade = left[:, None] / (e - s)
             rank = torch.where(masked, commit_order(conf, plan.ordering, fade, gens), float("-inf"))
             k = schedule[:, i].clamp_min(1)  # at least one commit per row that still has masks
             commit = select_top_k(rank, k) | (masked & (conf >= par.threshold))
