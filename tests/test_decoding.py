@@ -193,3 +193,48 @@ def test_order_noise_fades_over_the_block_and_is_off_at_zero() -> None:
         noise(2),
     )
     assert (plain[:, 2:] != MASK).all()  # every position is still committed
+
+
+@pytest.mark.parametrize("cfg_scale", [0.0, 1.0])
+def test_reference_rows_that_leave_when_finished_keep_their_answers(eos_prone, cfg_scale: float) -> None:
+    """The measurement-only early exit of the reference decoder (`stop_ids`): every answer up to its first
+    stop token is the one decoded to the end of the canvas, and finished rows stop being computed, in later
+    blocks and within one."""
+    from celeris_cli.decode.sampling import RowNoise, request_seed
+    from celeris_cli.decode.strategies import Net
+
+    class Rows(Net):
+        def __init__(self, model) -> None:
+            super().__init__(model)
+            self.rows: list[int] = []
+
+        def __call__(self, ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+            self.rows.append(ids.shape[0])
+            return super().__call__(ids, key_mask)
+
+    prompts = ["春风", "明月", "江南好", "山中", "白日依山尽", "夜来", "床前", "故人"] * 2
+    encoded = [eos_prone.encode_prompt(p) for p in prompts]
+    P = max(map(len, encoded))
+    prompt = torch.tensor([[eos_prone.tokenizer.pad_id] * (P - len(i)) + i for i in encoded])
+    pmask = torch.tensor([[False] * (P - len(i)) + [True] * len(i) for i in encoded])
+    p = plan(
+        gen_length=32, block_length=8, denoise_steps=32, temperature=1.0, order_temperature=1.0, cfg_scale=cfg_scale
+    )
+    stop = eos_prone.special.stop_ids
+    mask = eos_prone.tokenizer.mask_id
+    nets = [Rows(eos_prone.model), Rows(eos_prone.model)]
+    streams = RowNoise([request_seed(3, ids) for ids in encoded], torch.device("cpu"))  # each row its own
+    whole = generate_reference(nets[0], prompt, pmask, p, mask, streams)
+    left = generate_reference(nets[1], prompt, pmask, p, mask, streams, stop)
+    stopped = 0
+    for a, b in zip(left[:, P:].tolist(), whole[:, P:].tolist()):
+        cut = next((i for i, t in enumerate(b) if t in stop), len(b))
+        stopped += cut < len(b)
+        assert a[: cut + 1] == b[: cut + 1]
+    assert 0 < stopped < len(prompts)  # some rows end early, some do not
+    assert set(nets[0].rows) == {len(prompts)}
+    calls_per_step = 2 if cfg_scale else 1
+    assert nets[1].rows[0] == len(prompts) and min(nets[1].rows) < len(prompts)
+    # a row leaves at the step it finishes, not at its block's end: the count changes within a block
+    per_step = nets[1].rows[::calls_per_step]
+    assert any(per_step[k] != per_step[k + 1] for k in range(len(per_step) - 1) if (k + 1) % 8)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from celeris_cli import load_engine
-from celeris_cli.decode.fast import FastPlan, finished_rows, generate_fast
+from celeris_cli.decode.fast import FastPlan, generate_fast
+from celeris_cli.decode.reference import finished_rows
 from celeris_cli.decode.strategies import Net
 from celeris_cli.engine import Engine
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ..arch.layers import KV
 from ..params import Confidence, Guidance, Ordering, Parallel, Sampling, Schedule, Shaping
 from .predict import confidence_masked, sample_masked
-from .reference import commit_order, guide, num_transfer_tokens, select_top_k, unconditional
+from .reference import commit_order, guide, leave_when_finished, num_transfer_tokens, select_top_k, unconditional
 from .sampling import RowNoise, shape_masked
 
 
@@ -81,16 +81,6 @@ def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: Confidence) -> t
         chosen = probs.gather(-1, x0[..., None]).squeeze(-1)  # its best rival: the runner-up or the favourite
         return chosen - torch.where(x0 == top2.indices[..., 0], second, first)
     return torch.exp((probs * torch.log(probs.clamp_min(1e-12))).sum(-1))
-
-
-def finished_rows(gen: torch.Tensor, mask_id: int, stop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows whose generated ids (B, G) hold a committed stop token with no mask before it, and the
-    position of that first stop token (G where there is none)."""
-    G = gen.shape[1]
-    idx = torch.arange(G, device=gen.device).expand_as(gen)
-    first_stop = torch.where(torch.isin(gen, stop), idx, G).min(1).values
-    first_mask = torch.where(gen == mask_id, idx, G).min(1).values
-    return (first_stop < G) & (first_mask > first_stop), first_stop
 
 
 class _View:
@@ -190,12 +180,8 @@ def generate_fast(
             commit = select_top_k(rank, k) | (masked & (conf >= par.threshold))
             xa[:, s:e] = torch.where(commit, proposal, block)
             if par.early_exit:  # a finished row leaves at once; the rest of its canvas is its stop token
-                done, fill = _finished(xa, P, e, mask_id, stop)
-                if done.any():
-                    out = xa[done]
-                    out[:, s:] = torch.where(out[:, s:] == mask_id, fill[done], out[:, s:])
-                    x[active[done]] = out
-                    keep = ~done
+                keep = leave_when_finished(x, xa, active, P, s, e, mask_id, stop)
+                if keep is not None:
                     xa, km, pos, active, schedule = xa[keep], km[keep], pos[keep], active[keep], schedule[keep]
                     for v in views:
                         v.keep(keep)
@@ -205,9 +191,3 @@ def generate_fast(
                 break
     x[active] = xa
     return x
-
-
-def _finished(xa: torch.Tensor, P: int, e: int, mask_id: int, stop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows finished within the generated part decoded so far, and each row's stop token (B, 1)."""
-    done, first_stop = finished_rows(xa[:, P:e], mask_id, stop)
-    return done, xa[:, P:e].gather(1, first_stop.clamp_max(e - P - 1)[:, None])

@@ -62,6 +62,32 @@ def guide(cond: torch.Tensor, un: torch.Tensor, cfg_scale: float) -> torch.Tenso
     return un + (cfg_scale + 1) * (cond - un)
 
 
+def finished_rows(gen: torch.Tensor, mask_id: int, stop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose generated ids (B, G) hold a committed stop token with no mask before it, and the
+    position of that first stop token (G where there is none)."""
+    G = gen.shape[1]
+    idx = torch.arange(G, device=gen.device).expand_as(gen)
+    first_stop = torch.where(torch.isin(gen, stop), idx, G).min(1).values
+    first_mask = torch.where(gen == mask_id, idx, G).min(1).values
+    return (first_stop < G) & (first_mask > first_stop), first_stop
+
+
+def leave_when_finished(
+    x: torch.Tensor, xa: torch.Tensor, active: torch.Tensor, P: int, s: int, e: int, mask_id: int, stop: torch.Tensor
+) -> torch.Tensor | None:
+    """Early exit. xa: the canvas of the rows still decoding (`active`: their indices in x), decoded up to
+    the end of block [s, e). Each of them whose answer is finished is written back into x, its remaining
+    masks filled with its first stop token. Returns which rows of xa stay, or None when none finished."""
+    done, first_stop = finished_rows(xa[:, P:e], mask_id, stop)
+    if not done.any():
+        return None
+    fill = xa[:, P:e].gather(1, first_stop.clamp_max(e - P - 1)[:, None])
+    out = xa[done]
+    out[:, s:] = torch.where(out[:, s:] == mask_id, fill[done], out[:, s:])
+    x[active[done]] = out
+    return ~done
+
+
 def commit_order(
     conf: torch.Tensor, ordering: Ordering, fade: float | torch.Tensor, gens: list[torch.Generator]
 ) -> torch.Tensor:
@@ -81,27 +107,43 @@ def generate_reference(
     plan: ReferencePlan,
     mask_id: int,
     noise: RowNoise,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """LLaDA reference decoding. prompt: (B, P) left-padded ids; prompt_mask: (B, P) True on real tokens.
-    Returns the canvas (B, P + gen_length) with no mask left."""
+    Returns the canvas (B, P + gen_length) with no mask left.
+
+    stop_ids (for measurement, never a user's setting: `celeris bench` times the reference as LLaDA runs
+    it): a row whose answer is finished leaves the batch at once, the rest of its canvas its stop token.
+    Its answer up to that stop token is the one it would have had: nothing before it is masked any more,
+    and every row draws from its own streams."""
     B, P = prompt.shape
     G = plan.schedule.gen_length
     x = torch.cat([prompt, prompt.new_full((B, G), mask_id)], dim=1)
     key_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, G)], dim=1)
-    rows = list(range(B))
+    stop = torch.tensor(sorted(stop_ids), device=x.device, dtype=x.dtype)
+    active = torch.arange(B, device=x.device)  # rows still decoding, as indices of the original batch
+    xa, km = x.clone(), key_mask
     for j, ((bs, be), steps) in enumerate(zip(plan.schedule.block_spans, plan.schedule.steps_per_block)):
+        if active.numel() == 0:
+            break
         s, e = P + bs, P + be
-        schedule = num_transfer_tokens((x[:, s:e] == mask_id).sum(1), steps)
+        schedule = num_transfer_tokens((xa[:, s:e] == mask_id).sum(1), steps)
         for i in range(steps):
-            logits = model_fn(x, key_mask)[:, s:e]
+            logits = model_fn(xa, km)[:, s:e]
             if plan.guidance.cfg_scale > 0:  # a second forward pass, counted as one by the model boundary
-                un = model_fn(unconditional(x, key_mask, P, mask_id), key_mask)[:, s:e]
+                un = model_fn(unconditional(xa, km, P, mask_id), km)[:, s:e]
                 logits = guide(logits, un, plan.guidance.cfg_scale)
-            gens = noise.at(rows, j, i)
+            gens = noise.at(active, j, i)
             x0 = sample_tokens(logits, plan.sampling, gens)  # (B, T)
             conf = F.softmax(logits.float(), dim=-1).gather(-1, x0[..., None]).squeeze(-1)
             rank = commit_order(conf, plan.ordering, 1 - i / steps, gens)
-            masked = x[:, s:e] == mask_id
+            masked = xa[:, s:e] == mask_id
             commit = select_top_k(torch.where(masked, rank, float("-inf")), schedule[:, i])
-            x[:, s:e] = torch.where(commit, x0, x[:, s:e])
+            xa[:, s:e] = torch.where(commit, x0, xa[:, s:e])
+            keep = leave_when_finished(x, xa, active, P, s, e, mask_id, stop) if stop.numel() else None
+            if keep is not None:
+                xa, km, active, schedule = xa[keep], km[keep], active[keep], schedule[keep]
+                if active.numel() == 0:
+                    break
+    x[active] = xa
     return x

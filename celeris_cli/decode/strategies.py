@@ -130,6 +130,22 @@ def _reference(
     return generate_reference(net, prompt, prompt_mask, _plan(ReferencePlan, params), tokens.mask_id, noise)
 
 
+def reference_until_finished(
+    net: Net,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: GenerationParams,
+    tokens: SpecialTokens,
+    noise: RowNoise,
+) -> torch.Tensor:
+    """The reference decoder with each row leaving the batch once its answer is finished: the same answers
+    at a fraction of the cost, for measuring the reference's quality over many seeds
+    (`scripts/distinct_by_length.py`). Not in STRATEGIES: `celeris bench` times the reference as LLaDA
+    runs it, every row to the end of the canvas."""
+    plan = _plan(ReferencePlan, params)
+    return generate_reference(net, prompt, prompt_mask, plan, tokens.mask_id, noise, tokens.stop_ids)
+
+
 def _fast(
     net: Net,
     prompt: torch.Tensor,
