@@ -2,12 +2,13 @@
 pooled text grows, so a decoder that writes longer poems reads lower, and on 64 prompts one run's figure
 moves by about 2 points from seed to seed. Decodes `celeris bench`'s poem openings with the reference
 decoder, the model's default decoding and any `--mode NAME=JSON` (settings over the model's), for seeds
-0..N-1, then reports per mode, as means over the seeds: distinct-2 pooled (and each seed's); distinct-2
+0..N-1, then reports per mode, as means over the seeds: distinct-2 pooled (and each seed's, and its
+difference to the reference's on the same seed, in points, with the standard error of that mean); distinct-2
 with each answer and the reference's for the same prompt and seed both cut to the shorter one (this mode's
 figure and the reference's so cut); over each answer's first k lines; the characters; and how many answers
 have 3 / 5 / 7 line marks after the prompt (4-, 6- and 8-line poems). The reference decodes with each
 row leaving the batch once its answer is finished (`strategies.reference_until_finished`: the same answers,
-about 4 times sooner than the 10 minutes per seed it takes on 2 CPU cores to the end of the canvas);
+about 7 times sooner than the 10 minutes per seed it takes on 2 CPU cores to the end of the canvas);
 `--answers FILE` keeps every (mode, seed)'s answers there and decodes only those it does not hold yet.
 
     python scripts/distinct_by_length.py --seeds 4 --mode dual-cache='{"cache": "dual", "suffix_window": 0}' \
@@ -19,7 +20,9 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import re
+import statistics
 from pathlib import Path
 from typing import Any
 from unittest.mock import patch
@@ -67,9 +70,13 @@ def summary(runs: list[list[str]], refs: list[list[str]]) -> dict[str, Any]:
     matched = [distinct_2([t[:c] for t, c in zip(a, cs)]) for a, cs in zip(runs, cut)]
     ref_matched = [distinct_2([r[:c] for r, c in zip(ref, cs)]) for ref, cs in zip(refs, cut)]
     marks = collections.Counter(len(MARKS.findall(t)) for a in runs for t in a)
+    # paired by seed: this mode's distinct-2 minus the reference's on the same prompts and seed, in points
+    diff = [100 * (x - distinct_2(ref)) for x, ref in zip(d2, refs)]
     return {
         "distinct_2": round(sum(d2) / n, 4),
         "distinct_2_per_seed": [round(x, 4) for x in d2],
+        "minus_reference_points": round(statistics.mean(diff), 2),
+        "its_standard_error": round(statistics.stdev(diff) / math.sqrt(n), 2) if n > 1 else None,
         "distinct_2_length_matched": round(sum(matched) / n, 4),
         "reference_length_matched": round(sum(ref_matched) / n, 4),
         **{

@@ -54,6 +54,9 @@ def test_distinct_by_length_reports_modes_over_seeds_from_kept_answers(tiny_mode
         assert all(len(a) == 6 for a in runs)
         assert row["distinct_2_per_seed"] == [round(distinct_2(a), 4) for a in runs]
         assert row["distinct_2"] == round(sum(distinct_2(a) for a in runs) / 2, 4)
+        diff = [100 * (distinct_2(a) - distinct_2(ref)) for a, ref in zip(runs, texts["reference"])]
+        assert row["minus_reference_points"] == round((diff[0] + diff[1]) / 2, 2)
+        assert row["its_standard_error"] == round(abs(diff[0] - diff[1]) / 2, 2)  # two seeds: |a - b| / 2
         pairs = [list(zip(a, ref)) for a, ref in zip(runs, texts["reference"])]
         cut = [distinct_2([t[: min(len(t), len(r))] for t, r in p]) for p in pairs]
         ref_cut = [distinct_2([r[: min(len(t), len(r))] for t, r in p]) for p in pairs]
