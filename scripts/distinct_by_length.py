@@ -2,14 +2,16 @@
 pooled text grows, so a decoder that writes longer poems reads lower, and on 64 prompts one run's figure
 moves by about 2 points from seed to seed. Decodes `celeris bench`'s poem openings with the reference
 decoder, the model's default decoding and any `--mode NAME=JSON` (settings over the model's), for seeds
-0..N-1, then reports per mode, as means over the seeds: distinct-2 pooled (and each seed's, and its
-difference to the reference's on the same seed, in points, with the standard error of that mean); distinct-2
-with each answer and the reference's for the same prompt and seed both cut to the shorter one (this mode's
-figure and the reference's so cut); over each answer's first k lines; the characters; and how many answers
-have 3 / 5 / 7 line marks after the prompt (4-, 6- and 8-line poems). The reference decodes with each
-row leaving the batch once its answer is finished (`strategies.reference_until_finished`: the same answers,
-about 7 times sooner than the 10 minutes per seed it takes on 2 CPU cores to the end of the canvas);
-`--answers FILE` keeps every (mode, seed)'s answers there and decodes only those it does not hold yet.
+0..N-1, then reports per mode, as means over the seeds: distinct-2 pooled (and each seed's; and, in
+points, the mean of its per-seed differences to the reference's on the same seed, with that mean's
+standard error); distinct-2 with each answer and the reference's for the same prompt and seed both cut to
+the shorter one (this mode's figure and the reference's so cut); over each answer's first k lines; the
+characters; and how many answers have 3 / 5 / 7 line marks after the prompt (4-, 6- and 8-line poems).
+The reference decodes with each row leaving the batch once its answer is finished
+(`strategies.reference_until_finished`: the same answers, exactly so in float32 and on every answer
+checked in bfloat16, about 7 times sooner than the 10 minutes per seed it takes on 2 CPU cores to the end
+of the canvas); `--answers FILE` keeps every (mode, seed)'s answers there and decodes only those it does
+not hold yet.
 
     python scripts/distinct_by_length.py --seeds 4 --mode dual-cache='{"cache": "dual", "suffix_window": 0}' \
         --answers answers.json
@@ -114,19 +116,19 @@ def main() -> None:
     kept = json.loads(args.answers.read_text(encoding="utf-8")) if args.answers and args.answers.exists() else {}
     store = kept.get(key, {})
     texts: dict[str, list[list[str]]] = {}
-    for name, over in modes.items():
-        settings = {k: v for k, v in engine.params({**canvas, **over}).report().items() if k != "seed"}
-        slot = store.setdefault(json.dumps(settings, sort_keys=True), {})  # its answers by seed
-        for seed in range(args.seeds):
-            if str(seed) not in slot:
-                params = engine.params({**canvas, **over, "seed": seed})
-                with patch.dict(STRATEGIES, {"reference": reference_until_finished}):  # the same answers, sooner
+    with patch.dict(STRATEGIES, {"reference": reference_until_finished}):  # the same answers, sooner
+        for name, over in modes.items():
+            settings = {k: v for k, v in engine.params({**canvas, **over}).report().items() if k != "seed"}
+            slot = store.setdefault(json.dumps(settings, sort_keys=True), {})  # its answers by seed
+            for seed in range(args.seeds):
+                if str(seed) not in slot:
+                    params = engine.params({**canvas, **over, "seed": seed})
                     slot[str(seed)] = [r.text for r in engine.generate(prompts, params, batch_size=16)]
-                if args.answers:  # after each run, so an interrupted sweep keeps what it decoded
-                    tmp = args.answers.with_suffix(".tmp")
-                    tmp.write_text(json.dumps({**kept, key: store}, ensure_ascii=False), encoding="utf-8")
-                    tmp.replace(args.answers)
-        texts[name] = [slot[str(seed)] for seed in range(args.seeds)]
+                    if args.answers:  # after each run, so an interrupted sweep keeps what it decoded
+                        tmp = args.answers.with_suffix(".tmp")
+                        tmp.write_text(json.dumps({**kept, key: store}, ensure_ascii=False), encoding="utf-8")
+                        tmp.replace(args.answers)
+            texts[name] = [slot[str(seed)] for seed in range(args.seeds)]
     report = {name: summary(runs, texts["reference"]) for name, runs in texts.items()}
     print(json.dumps(report, ensure_ascii=False, indent=1))
 

@@ -226,6 +226,7 @@ def test_reference_rows_that_leave_when_finished_keep_their_answers(eos_prone, c
     streams = RowNoise([request_seed(3, ids) for ids in encoded], torch.device("cpu"))  # each row its own
     whole = generate_reference(nets[0], prompt, pmask, p, mask, streams)
     left = generate_reference(nets[1], prompt, pmask, p, mask, streams, stop)
+    assert not (left == mask).any()
     stopped = 0
     for a, b in zip(left[:, P:].tolist(), whole[:, P:].tolist()):
         cut = next((i for i, t in enumerate(b) if t in stop), len(b))
@@ -237,4 +238,23 @@ def test_reference_rows_that_leave_when_finished_keep_their_answers(eos_prone, c
     assert nets[1].rows[0] == len(prompts) and min(nets[1].rows) < len(prompts)
     # a row leaves at the step it finishes, not at its block's end: the count changes within a block
     per_step = nets[1].rows[::calls_per_step]
-    assert any(per_step[k] != per_step[k + 1] for k in range(len(per_step) - 1) if (k + 1) % 8)
+    steps = p.schedule.steps_per_block[0]
+    assert any(per_step[k] != per_step[k + 1] for k in range(len(per_step) - 1) if (k + 1) % steps)
+
+
+@pytest.mark.parametrize("remasking", ["low_confidence", "random"])
+def test_reference_stops_computing_when_every_row_has_left(remasking: str) -> None:
+    from celeris_cli.decode.sampling import RowNoise
+
+    prompt = torch.tensor([[3, 3, 11, 12], [13, 14, 15, 16]])
+    pmask = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    p = plan(gen_length=16, block_length=8, denoise_steps=16, temperature=0.7, remasking=remasking)
+    models = [RecordingModel(eos=7, eos_from=6), RecordingModel(eos=7, eos_from=6)]  # every row ends early
+    streams = RowNoise([11, 12], torch.device("cpu"))
+    whole = generate_reference(models[0], prompt, pmask, p, MASK, streams)
+    left = generate_reference(models[1], prompt, pmask, p, MASK, streams, frozenset({7}))
+    assert not (left == MASK).any()
+    for a, b in zip(left[:, 4:].tolist(), whole[:, 4:].tolist()):
+        cut = b.index(7)
+        assert a[: cut + 1] == b[: cut + 1] and cut < 8  # each row ends within the first block
+    assert len(models[0].calls) == 16 and len(models[1].calls) <= 8  # none in the second block: all have left

@@ -122,6 +122,7 @@ def generate_reference(
     key_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, G)], dim=1)
     stop = torch.tensor(sorted(stop_ids), device=x.device, dtype=x.dtype)
     active = torch.arange(B, device=x.device)  # rows still decoding, as indices of the original batch
+    rows = list(range(B))  # the same, on the host: drawing their streams reads no device tensor
     xa, km = x.clone(), key_mask
     for j, ((bs, be), steps) in enumerate(zip(plan.schedule.block_spans, plan.schedule.steps_per_block)):
         if active.numel() == 0:
@@ -133,7 +134,7 @@ def generate_reference(
             if plan.guidance.cfg_scale > 0:  # a second forward pass, counted as one by the model boundary
                 un = model_fn(unconditional(xa, km, P, mask_id), km)[:, s:e]
                 logits = guide(logits, un, plan.guidance.cfg_scale)
-            gens = noise.at(active, j, i)
+            gens = noise.at(rows, j, i)
             x0 = sample_tokens(logits, plan.sampling, gens)  # (B, T)
             conf = F.softmax(logits.float(), dim=-1).gather(-1, x0[..., None]).squeeze(-1)
             rank = commit_order(conf, plan.ordering, 1 - i / steps, gens)
@@ -143,6 +144,7 @@ def generate_reference(
             keep = leave_when_finished(x, xa, active, P, s, e, mask_id, stop) if stop.numel() else None
             if keep is not None:
                 xa, km, active, schedule = xa[keep], km[keep], active[keep], schedule[keep]
+                rows = [r for r, stays in zip(rows, keep.tolist()) if stays]
                 if active.numel() == 0:
                     break
     x[active] = xa

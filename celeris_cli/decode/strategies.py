@@ -126,8 +126,10 @@ def _reference(
     params: GenerationParams,
     tokens: SpecialTokens,
     noise: RowNoise,
+    until_finished: bool = False,
 ) -> torch.Tensor:
-    return generate_reference(net, prompt, prompt_mask, _plan(ReferencePlan, params), tokens.mask_id, noise)
+    stop = tokens.stop_ids if until_finished else frozenset()
+    return generate_reference(net, prompt, prompt_mask, _plan(ReferencePlan, params), tokens.mask_id, noise, stop)
 
 
 def reference_until_finished(
@@ -142,8 +144,7 @@ def reference_until_finished(
     at a fraction of the cost, for measuring the reference's quality over many seeds
     (`scripts/distinct_by_length.py`). Not in STRATEGIES: `celeris bench` times the reference as LLaDA
     runs it, every row to the end of the canvas."""
-    plan = _plan(ReferencePlan, params)
-    return generate_reference(net, prompt, prompt_mask, plan, tokens.mask_id, noise, tokens.stop_ids)
+    return _reference(net, prompt, prompt_mask, params, tokens, noise, until_finished=True)
 
 
 def _fast(
