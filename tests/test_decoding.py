@@ -258,3 +258,16 @@ def test_reference_stops_computing_when_every_row_has_left(remasking: str) -> No
         cut = b.index(7)
         assert a[: cut + 1] == b[: cut + 1] and cut < 8  # each row ends within the first block
     assert len(models[0].calls) == 16 and len(models[1].calls) <= 8  # none in the second block: all have left
+    assert all(len(c) for c in models[1].calls)  # never a forward over no rows
+
+
+def test_reference_stops_mid_block_when_the_last_row_leaves() -> None:
+    from celeris_cli.decode.sampling import RowNoise
+
+    prompt = torch.tensor([[3, 3, 11, 12], [13, 14, 15, 16]])
+    pmask = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    p = plan(gen_length=16, block_length=16, denoise_steps=16, temperature=0.7, remasking="random")
+    model = RecordingModel(eos=7, eos_from=6)
+    left = generate_reference(model, prompt, pmask, p, MASK, RowNoise([11, 12], torch.device("cpu")), frozenset({7}))
+    assert not (left == MASK).any()
+    assert 0 < len(model.calls) < 16 and all(len(c) for c in model.calls)  # one block, left before its end

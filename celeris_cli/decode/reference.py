@@ -121,11 +121,10 @@ def generate_reference(
     x = torch.cat([prompt, prompt.new_full((B, G), mask_id)], dim=1)
     key_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, G)], dim=1)
     stop = torch.tensor(sorted(stop_ids), device=x.device, dtype=x.dtype)
-    active = torch.arange(B, device=x.device)  # rows still decoding, as indices of the original batch
-    rows = list(range(B))  # the same, on the host: drawing their streams reads no device tensor
-    xa, km = x.clone(), key_mask
+    rows = list(range(B))  # rows still decoding (indices of x), on the host: their streams read no device tensor
+    xa, km = x, key_mask  # their canvas: x itself until a row leaves
     for j, ((bs, be), steps) in enumerate(zip(plan.schedule.block_spans, plan.schedule.steps_per_block)):
-        if active.numel() == 0:
+        if not rows:
             break
         s, e = P + bs, P + be
         schedule = num_transfer_tokens((xa[:, s:e] == mask_id).sum(1), steps)
@@ -141,11 +140,13 @@ def generate_reference(
             masked = xa[:, s:e] == mask_id
             commit = select_top_k(torch.where(masked, rank, float("-inf")), schedule[:, i])
             xa[:, s:e] = torch.where(commit, x0, xa[:, s:e])
-            keep = leave_when_finished(x, xa, active, P, s, e, mask_id, stop) if stop.numel() else None
-            if keep is not None:
-                xa, km, active, schedule = xa[keep], km[keep], active[keep], schedule[keep]
-                rows = [r for r, stays in zip(rows, keep.tolist()) if stays]
-                if active.numel() == 0:
-                    break
-    x[active] = xa
+            if stop.numel():
+                keep = leave_when_finished(x, xa, torch.tensor(rows, device=x.device), P, s, e, mask_id, stop)
+                if keep is not None:
+                    xa, km, schedule = xa[keep], km[keep], schedule[keep]
+                    rows = [r for r, stays in zip(rows, keep.tolist()) if stays]
+                    if not rows:
+                        break
+    if xa is not x:
+        x[rows] = xa
     return x

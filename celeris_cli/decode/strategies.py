@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -132,19 +133,11 @@ def _reference(
     return generate_reference(net, prompt, prompt_mask, _plan(ReferencePlan, params), tokens.mask_id, noise, stop)
 
 
-def reference_until_finished(
-    net: Net,
-    prompt: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    params: GenerationParams,
-    tokens: SpecialTokens,
-    noise: RowNoise,
-) -> torch.Tensor:
-    """The reference decoder with each row leaving the batch once its answer is finished: the same answers
-    at a fraction of the cost, for measuring the reference's quality over many seeds
-    (`scripts/distinct_by_length.py`). Not in STRATEGIES: `celeris bench` times the reference as LLaDA
-    runs it, every row to the end of the canvas."""
-    return _reference(net, prompt, prompt_mask, params, tokens, noise, until_finished=True)
+# The reference decoder with each row leaving the batch once its answer is finished: the same answers at
+# a fraction of the cost, for measuring the reference's quality over many seeds
+# (`scripts/distinct_by_length.py`). Not in STRATEGIES: `celeris bench` times the reference as LLaDA runs
+# it, every row to the end of the canvas.
+reference_until_finished: Strategy = partial(_reference, until_finished=True)
 
 
 def _fast(
