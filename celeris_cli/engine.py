@@ -67,7 +67,7 @@ class Result:
     finish_reason: str  # "stop" (EOS / end of turn) or "length"
     prompt_tokens: int
     output_tokens: int
-    denoise_steps: int  # steps scheduled (the sum of steps_per_block); the fast decoder may need fewer
+    denoise_steps: int  # steps scheduled (the sum of steps_per_block); threshold decoders may need fewer
     steps_per_block: list[int]
     nfe: int  # forward passes run for the batch, counted at the model boundary (guidance included)
     wall_s: float
@@ -111,7 +111,7 @@ class Engine:
         """Replace this engine's model-folder layer of defaults with `settings`, a generation_config.json's
         content, script presets included (for tests and tools)."""
         layer, _, _ = model_layer(settings)
-        self.defaults = GenerationParams.defaults_from({**self.arch.layer(), **layer})
+        self.defaults = GenerationParams.defaults_from(self.arch.layer(), layer)
         self.by_script = script_layers(settings)
         return self
 
@@ -227,10 +227,10 @@ class Engine:
         outs, nfe = self.decode_ids(encoded, params, seeds)
         wall = time.perf_counter() - t0
         settings = params.report()
-        steps = params.steps_per_block
         results = []
         for prompt, ids_in, out, seed in zip(prompts, encoded, outs, seeds):
             text, n_out, reason = self.finish(out, params.stop)
+            steps = params.steps_for(len(ids_in))
             results.append(
                 Result(
                     prompt=prompt,
@@ -331,6 +331,6 @@ def read_generation_config(model_dir: Path | None, arch: Architecture) -> tuple[
         settings, stops, ignored = model_layer(raw)
         if ignored:
             log.debug("%s: ignoring %s", path, ", ".join(ignored))
-        return GenerationParams.defaults_from({**arch.layer(), **settings}), stops
+        return GenerationParams.defaults_from(arch.layer(), settings), stops
     except (json.JSONDecodeError, UnicodeDecodeError, UsageError) as e:
         raise ModelError(f"{path}: {e}") from None

@@ -30,53 +30,171 @@ MAX_SEED = 2**63 - 1
 
 @dataclass(frozen=True)
 class Knob:
+    """One setting: its type, built-in default and range rule, and what it means. The command line's flag
+    (`--top-p`), its help, range and choices are made from this declaration (`cli/knobs.py`)."""
+
     kind: type
     default: Any
     rule: Callable[[Any], bool] = lambda v: True
     meaning: str = ""  # what the rule demands, for the error message
     choices: tuple[str, ...] = ()
+    help: str = ""
+    short: str = ""  # a one-letter flag beside the long one (-t)
 
 
 def _finite(lo: float, hi: float = math.inf, hi_open: bool = False) -> Callable[[Any], bool]:
     return lambda v: math.isfinite(v) and lo <= v and (v < hi if hi_open else v <= hi)
 
 
+POSITIVE = "a positive integer"
 KNOBS: dict[str, Knob] = {
     # schedule
-    "gen_length": Knob(int, 64, lambda v: v >= 1, "a positive integer"),
-    "block_length": Knob(int, 32, lambda v: v >= 1, "a positive integer"),
-    "denoise_steps": Knob(int, 64, lambda v: v >= 1, "a positive integer"),
+    "gen_length": Knob(int, 64, lambda v: v >= 1, POSITIVE, help="Tokens to generate (the canvas)."),
+    "block_length": Knob(
+        int, 32, lambda v: v >= 1, POSITIVE, help="Block size: blocks are decoded left to right (at most gen-length)."
+    ),
+    "denoise_steps": Knob(
+        int,
+        64,
+        lambda v: v >= 1,
+        POSITIVE,
+        help="Denoising steps in total over the answer, on every model. They are spread over the blocks: equal "
+        "shares, the remainder to the first blocks, at least one step per block and at most one per token "
+        "(more than gen-length is an error). More steps commit fewer tokens per step: better quality, more time.",
+    ),
     # sampling
-    "temperature": Knob(float, 0.0, _finite(0.0), "a finite number >= 0"),
-    "min_p": Knob(float, 0.0, _finite(0.0, 1.0, hi_open=True), "in [0, 1)"),
-    "top_p": Knob(float, 1.0, lambda v: math.isfinite(v) and 0 < v <= 1, "in (0, 1]"),
-    "top_k": Knob(int, 0, lambda v: v >= 0, "an integer >= 0 (0 = off)"),
+    "temperature": Knob(
+        float,
+        0.0,
+        _finite(0.0),
+        "a finite number >= 0",
+        help="0 is greedy; > 0 samples with float64 Gumbel noise.",
+        short="-t",
+    ),
+    "min_p": Knob(
+        float,
+        0.0,
+        _finite(0.0, 1.0, hi_open=True),
+        "in [0, 1)",
+        help="When sampling, drop tokens less likely than min-p times the top one (0 = off).",
+    ),
+    "top_p": Knob(
+        float,
+        1.0,
+        lambda v: math.isfinite(v) and 0 < v <= 1,
+        "in (0, 1]",
+        help="When sampling, keep the likeliest tokens holding this mass.",
+    ),
+    "top_k": Knob(
+        int,
+        0,
+        lambda v: v >= 0,
+        "an integer >= 0 (0 = off)",
+        help="When sampling, keep the k likeliest tokens (0 = off).",
+    ),
     # ordering
-    "remasking": Knob(str, "low_confidence", choices=("low_confidence", "random")),
-    "order_temperature": Knob(float, 0.0, _finite(0.0), "a finite number >= 0"),
+    "remasking": Knob(
+        str,
+        "low_confidence",
+        choices=("low_confidence", "random"),
+        help="Which predictions commit first: the most confident, or at random.",
+    ),
+    "order_temperature": Knob(
+        float,
+        0.0,
+        _finite(0.0),
+        "a finite number >= 0",
+        help="Gumbel noise on which positions commit first, fading as each block fills (MaskGIT; 0 = off).",
+    ),
     # guidance
-    "cfg_scale": Knob(float, 0.0, _finite(0.0), "a finite number >= 0"),
+    "cfg_scale": Knob(
+        float,
+        0.0,
+        _finite(0.0),
+        "a finite number >= 0",
+        help="Classifier-free guidance against a view with the prompt masked: un + (s+1)(cond - un) (0 = off).",
+    ),
     # parallel (fast only)
-    "threshold": Knob(float, 0.9, _finite(0.0, 1.0), "between 0 and 1"),
-    "cache": Knob(str, "dual", choices=("dual", "prefix", "none")),
-    "confidence": Knob(str, "prob", choices=("prob", "margin", "lead", "entropy")),
-    "early_exit": Knob(bool, True),
-    "suffix_window": Knob(int, 0, lambda v: v >= 0, "an integer >= 0 (0 = the whole canvas)"),
+    "threshold": Knob(
+        float,
+        0.9,
+        _finite(0.0, 1.0),
+        "between 0 and 1",
+        help="Also commit every masked position at least this confident.",
+    ),
+    "cache": Knob(str, "dual", choices=("dual", "prefix", "none"), help="KV cache refreshed once per block."),
+    "confidence": Knob(str, "prob", choices=("prob", "margin", "lead", "entropy"), help="How confidence is measured."),
+    "early_exit": Knob(bool, True, help="Stop a row once its end of text is decoded."),
+    "suffix_window": Knob(
+        int,
+        0,
+        lambda v: v >= 0,
+        "an integer >= 0 (0 = the whole canvas)",
+        help="The model sees at most N masked positions past the active block (0 = the whole canvas).",
+    ),
     # shaping (the fast and block decoders): rules on the logits that look at the answer as a whole
-    "presence_penalty": Knob(float, 0.0, _finite(0.0), "a finite number >= 0 (0 = off)"),
-    "min_tokens": Knob(int, 0, lambda v: v >= 0, "an integer >= 0 (0 = off)"),
-    "subword_min_p": Knob(float, 0.0, _finite(0.0, 1.0, hi_open=True), "in [0, 1) (0 = off)"),
+    "presence_penalty": Knob(
+        float,
+        0.0,
+        _finite(0.0),
+        "a finite number >= 0 (0 = off)",
+        help="Subtract X from the logit of every token already in the answer.",
+    ),
+    "min_tokens": Knob(
+        int, 0, lambda v: v >= 0, "an integer >= 0 (0 = off)", help="No end of text among the answer's first N tokens."
+    ),
+    "subword_min_p": Knob(
+        float,
+        0.0,
+        _finite(0.0, 1.0, hi_open=True),
+        "in [0, 1) (0 = off)",
+        help="When sampling, drop a piece that continues a word when less likely than X times the likeliest token.",
+    ),
     # Dream's own decoding: time schedule and unmasking rule
-    "eps": Knob(float, 1e-3, lambda v: math.isfinite(v) and 0 < v < 1, "in (0, 1)"),
-    "alg": Knob(str, "maskgit_plus", choices=("maskgit_plus", "topk_margin", "entropy", "origin")),
-    "alg_temp": Knob(float, 0.0, _finite(0.0), "a finite number >= 0"),
+    "eps": Knob(float, 1e-3, lambda v: math.isfinite(v) and 0 < v < 1, "in (0, 1)", help="The time schedule's end."),
+    "alg": Knob(
+        str,
+        "maskgit_plus",
+        choices=("maskgit_plus", "topk_margin", "entropy", "origin"),
+        help="Which positions unmask first.",
+    ),
+    "alg_temp": Knob(
+        float,
+        0.0,
+        _finite(0.0),
+        "a finite number >= 0",
+        help="Draw positions from softmax(confidence / X) instead (0 = in order).",
+    ),
     # block diffusion (LLaDA2): steps per block
-    "block_steps": Knob(int, 32, lambda v: v >= 1, "a positive integer"),
+    "block_steps": Knob(
+        int,
+        32,
+        lambda v: v >= 1,
+        POSITIVE,
+        help="Denoising steps of each block (LLaDA2's `steps`), instead of --denoise-steps in total.",
+    ),
     # per request
-    "seed": Knob(int, 0, lambda v: 0 <= v <= MAX_SEED, f"an integer in 0..{MAX_SEED}"),
-    "strategy": Knob(str, "fast", choices=("fast", "reference", "dream", "block", "block-fast")),
+    "seed": Knob(
+        int,
+        0,
+        lambda v: 0 <= v <= MAX_SEED,
+        f"an integer in 0..{MAX_SEED}",
+        help="Random seed. Each prompt's answer depends on it alone, not on batch mates.",
+    ),
+    "strategy": Knob(
+        str,
+        "fast",
+        choices=("fast", "reference", "dream", "block", "block-fast"),
+        help="fast (cache, threshold, early exit), reference (LLaDA's decoder), dream (Dream's own), block or "
+        "block-fast (block diffusion, LLaDA2; block-fast keeps an exact cache). The model folder's architecture "
+        "says which run on it (celeris inspect).",
+    ),
     "stop": Knob(
-        tuple, (), lambda v: len(v) <= 16 and all(isinstance(s, str) and s for s in v), "at most 16 non-empty strings"
+        tuple,
+        (),
+        lambda v: len(v) <= 16 and all(isinstance(s, str) and s for s in v),
+        "at most 16 non-empty strings",
+        help="Cut the answer before this string; repeat for several.",
     ),
 }
 ALIASES = {"steps": "denoise_steps"}
@@ -178,20 +296,37 @@ class Unmasking:
 
 @dataclass(frozen=True)
 class Blocks:
-    """Block diffusion's schedule: `block_steps` steps for every block, whose tokens commit at
-    block_length // block_steps per step (the remainder to the first steps), as LLaDA2 does."""
+    """Block diffusion's schedule. The steps are given one of two ways: `block_steps` for every block, whose
+    tokens commit at block_length // block_steps per step (the remainder to the first steps), as LLaDA2
+    does; or (`steps_total`) `denoise_steps` in total over the answer's blocks, spread as LLaDA's decoder
+    spreads them: equal shares, the remainder to the first blocks, at least one step per block and at most
+    one per masked position of the block, whose masked positions commit in equal shares per step."""
 
     gen_length: int
     block_length: int
     block_steps: int
+    denoise_steps: int
+    steps_total: bool
 
-    @property
-    def steps(self) -> int:
-        return min(self.block_steps, self.gen_length)
+    def masked(self, prompt_tokens: int) -> list[int]:
+        """The masked positions of each block a row decodes: its first block may hold the prompt's tail,
+        and the last runs to the end of its block (LLaDA2's layout; see `decode.block`)."""
+        W = self.block_length
+        n = -(-(prompt_tokens + self.gen_length) // W) - prompt_tokens // W
+        return [W - prompt_tokens % W] + [W] * (n - 1)
 
-    def transfers(self) -> list[int]:
-        base, extra = divmod(self.block_length, self.steps)
-        return [base + (1 if i < extra else 0) for i in range(self.steps)]
+    def steps_for(self, prompt_tokens: int) -> list[int]:
+        """The steps scheduled for each block of a row whose prompt has `prompt_tokens` tokens."""
+        masked = self.masked(prompt_tokens)
+        if not self.steps_total:
+            return [min(self.block_steps, self.gen_length)] * len(masked)
+        return [min(n, m) for n, m in zip(split_steps(self.denoise_steps, len(masked)), masked)]
+
+    def transfers(self, steps: int, masked: int) -> list[int]:
+        """Tokens committed at each of a block's `steps` steps: the block's length in equal shares (LLaDA2),
+        or with a total of steps, the block's masked positions."""
+        base, extra = divmod(masked if self.steps_total else self.block_length, steps)
+        return [base + (1 if i < extra else 0) for i in range(steps)]
 
 
 @dataclass(frozen=True)
@@ -217,8 +352,8 @@ STRATEGY_PARTS: dict[str, tuple[str, ...]] = {
     "reference": ("schedule", "sampling", "ordering", "guidance"),
     "fast": ("schedule", "sampling", "ordering", "guidance", "parallel", "shaping"),
     "dream": ("timeline", "sampling", "unmasking"),
-    "block": ("blocks", "sampling", "commit", "shaping"),
-    "block-fast": ("blocks", "sampling", "commit", "shaping"),
+    "block": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping"),
+    "block-fast": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping"),
 }
 PER_REQUEST = ("seed", "strategy", "stop")  # honoured by every strategy, outside the decoder
 
@@ -258,6 +393,9 @@ class GenerationParams:
     seed: int = KNOBS["seed"].default
     strategy: str = KNOBS["strategy"].default
     stop: tuple[str, ...] = KNOBS["stop"].default
+    # which spelling of the steps block diffusion runs: denoise_steps in total (True) or block_steps per
+    # block (False); the last layer that named one of them decides (`steps_unit`)
+    steps_total: bool = False
     explicit: frozenset[str] = field(default=frozenset(), compare=False, repr=False)  # keys users set
 
     def __post_init__(self) -> None:
@@ -273,33 +411,52 @@ class GenerationParams:
         Unknown keys and wrong types are errors that name the key. Keys set by any user layer stay
         explicit; a model folder's defaults are not (see `as_defaults`)."""
         layer = dict(_coerce(k, v) for k, v in values.items())
-        explicit = (base.explicit if base is not None else frozenset()) | frozenset(layer)
-        merged = replace(base or cls(), **layer, explicit=explicit)
-        merged._check(frozenset(layer))
+        base = base or cls()
+        explicit = base.explicit | frozenset(layer)
+        total = steps_unit(layer, base.steps_total, _spelled(values))
+        merged = replace(base, **layer, explicit=explicit, steps_total=total)
+        merged._check(frozenset(layer), _spelled(values))
         return merged._settle()
 
     def with_(self, **changes: Any) -> GenerationParams:
         return GenerationParams.from_mapping(changes, self)
 
     @classmethod
-    def defaults_from(cls, values: Mapping[str, Any]) -> GenerationParams:
-        """A model folder's layer of defaults: each value checked, none explicit. Knobs the default strategy
-        does not honour are kept for the strategies that do (Dream's `alg` under the fast default)."""
-        layer = dict(_coerce(k, v) for k, v in values.items())
-        return replace(cls(), **layer)  # settled when a user layer lands on it, for the strategy that runs
+    def defaults_from(cls, *layers: Mapping[str, Any]) -> GenerationParams:
+        """A model's layers of defaults (its architecture's, then its folder's), each value checked, none
+        explicit. Knobs the default strategy does not honour are kept for the strategies that do (Dream's
+        `alg` under the fast default)."""
+        params = cls()
+        for values in layers:
+            layer = dict(_coerce(k, v) for k, v in values.items())
+            params = replace(params, **layer, steps_total=steps_unit(layer, params.steps_total, _spelled(values)))
+        return params  # settled when a user layer lands on it, for the strategy that runs
 
     def as_defaults(self) -> GenerationParams:
         """These settings as a layer of defaults (a model folder's): none of them counts as the user's."""
         return replace(self, explicit=frozenset())
 
-    def _check(self, layer: frozenset[str]) -> None:
+    def _check(self, layer: frozenset[str], spelled: Mapping[str, str] | None = None) -> None:
+        """The combination checks; messages name a setting as this layer spelled it (`--top-p` on the
+        command line, `top_p` in a request), lower layers' settings by their own names."""
+        spelled = spelled or {}
+
+        def name(k: str) -> str:
+            return spelled.get(k, k)
+
         if self.strategy not in STRATEGY_PARTS:
             return  # _coerce already rejected it
         ignored = [k for k in sorted(self.explicit) if k not in honoured(self.strategy)]
         if ignored:
             raise UsageError(
-                f"{', '.join(ignored)}: not used by the {self.strategy} strategy "
+                f"{', '.join(name(k) for k in ignored)}: not used by the {self.strategy} strategy "
                 f"(it honours {', '.join(k for k in honoured(self.strategy) if k not in PER_REQUEST)})"
+            )
+        if self.block_length > self.gen_length and "block_length" in layer:
+            raise UsageError(
+                f"{name('block_length')} {self.block_length} exceeds {name('gen_length')} {self.gen_length}: "
+                "a block longer than the answer would decode positions past its end; use at most "
+                f"{self.gen_length}, or raise gen_length"
             )
         if (
             self.alg == "origin"
@@ -311,13 +468,17 @@ class GenerationParams:
         capped = self.strategy != "dream"  # Dream's schedule may commit nothing on a step; its own code allows it
         if capped and self.denoise_steps > self.gen_length and "denoise_steps" in layer:
             raise UsageError(
-                f"denoise_steps {self.denoise_steps} exceeds gen_length {self.gen_length}: a step commits at least "
-                "one token, so more steps than tokens cannot run"
+                f"{name('denoise_steps')} {self.denoise_steps} exceeds {name('gen_length')} {self.gen_length}: a step "
+                "commits at least one token, so more steps than tokens cannot run"
             )
         if self.remasking == "random" and self.order_temperature > 0 and "order_temperature" in self.explicit:
-            raise UsageError("order_temperature: random remasking already commits in random order; set it to 0")
+            raise UsageError(
+                f"{name('order_temperature')}: random remasking already commits in random order; set it to 0"
+            )
         if self.subword_min_p > 0 and self.temperature == 0 and "subword_min_p" in self.explicit:
-            raise UsageError("subword_min_p: only sampling draws unlikely pieces; at temperature 0 set it to 0")
+            raise UsageError(
+                f"{name('subword_min_p')}: only sampling draws unlikely pieces; at temperature 0 set it to 0"
+            )
 
     def _settle(self) -> GenerationParams:
         """Resolve what lower layers left inconsistent, so the settings say what runs: steps capped at the
@@ -348,22 +509,29 @@ class GenerationParams:
     def schedule(self) -> Schedule:  # the engine reports it; decoders get their parts from strategies._plan
         return self.part("schedule")
 
-    @property
-    def steps_per_block(self) -> list[int]:
-        """The steps each block is given; one block (the whole canvas) for strategies without blocks. For
-        block diffusion, the steps of one block (how many blocks run depends on the prompt's length)."""
+    def steps_for(self, prompt_tokens: int) -> list[int]:
+        """The steps each block is given for a prompt of `prompt_tokens` tokens; one block (the whole canvas)
+        for strategies without blocks. Block diffusion's blocks start at the row's own position 0, so how
+        many it decodes depends on the prompt's length."""
         if "block_steps" in honoured(self.strategy):
-            return [self.part("blocks").steps]
+            return self.part("blocks").steps_for(prompt_tokens)
         if "block_length" in honoured(self.strategy):
             return self.schedule.steps_per_block
         return [self.denoise_steps]
+
+    @property
+    def steps_per_block(self) -> list[int]:
+        """The steps of each block for a prompt of whole blocks (see `steps_for`)."""
+        return self.steps_for(0)
 
     def under(self, layer: Mapping[str, Any]) -> GenerationParams:
         """`layer` (a script preset) slipped in beneath the user's layers: a knob a user layer set, or that
         the strategy does not honour, keeps its value; the rest take the layer's."""
         keep = self.explicit | frozenset(k for k in layer if k not in honoured(self.strategy))
         changes = {k: v for k, v in (_coerce(k, v) for k, v in layer.items()) if k not in keep}
-        return replace(self, **changes)._settle() if changes else self
+        user_steps = {"denoise_steps", "block_steps"} & self.explicit  # the user's spelling of the steps stands
+        total = self.steps_total if user_steps else steps_unit(changes, self.steps_total)
+        return replace(self, **changes, steps_total=total)._settle() if changes else self
 
     def batch_key(self) -> GenerationParams:
         """Requests whose keys are equal can share a batch: everything but the per-row seed."""
@@ -372,8 +540,33 @@ class GenerationParams:
     def report(self) -> dict[str, Any]:
         """The settings that ran: the knobs the strategy honours, with their values."""
         out = {k: getattr(self, k) for k in honoured(self.strategy)}
+        if "block_steps" in out:  # block diffusion runs one spelling of its steps
+            del out["block_steps" if self.steps_total else "denoise_steps"]
         out["stop"] = list(self.stop)
         return out
+
+
+def steps_unit(layer: Mapping[str, Any], below: bool, spelled: Mapping[str, str] | None = None) -> bool:
+    """Whether block diffusion counts the steps in total after `layer` lands on settings where it did
+    (`below`): a layer naming denoise_steps chooses the total, block_steps the steps per block, neither
+    keeps what was below. Naming both in one layer is an error: they are two spellings of one setting."""
+    if "denoise_steps" in layer and "block_steps" in layer:
+        said = spelled or {}
+        raise UsageError(
+            f"{said.get('denoise_steps', 'denoise_steps')} and {said.get('block_steps', 'block_steps')}: give one (the "
+            "steps in total over the answer, or the steps of each block)"
+        )
+    return True if "denoise_steps" in layer else False if "block_steps" in layer else below
+
+
+def _spelled(values: Mapping[str, Any]) -> dict[str, str]:
+    """Each knob of a layer by the key the user wrote for it (`--top-p`, `steps`)."""
+    return {_canonical(k): k for k in values}
+
+
+def _canonical(key: str) -> str:
+    name = key.lstrip("-").replace("-", "_")
+    return ALIASES.get(name, name)
 
 
 def check_values(values: Mapping[str, Any]) -> None:
@@ -384,8 +577,9 @@ def check_values(values: Mapping[str, Any]) -> None:
 
 
 def _coerce(key: str, value: Any) -> tuple[str, Any]:
-    """Check one user-given value against its knob; returns the knob's name and the value in its type."""
-    name = ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
+    """Check one user-given value against its knob; returns the knob's name and the value in its type.
+    Messages name the setting as the user wrote it (`--top-p` on the command line, `top_p` in a request)."""
+    name = _canonical(key)
     knob = KNOBS.get(name)
     if knob is None:
         raise UsageError(f"unknown generation parameter {key!r}")
@@ -393,15 +587,15 @@ def _coerce(key: str, value: Any) -> tuple[str, Any]:
         try:
             value = float(value)
         except OverflowError:
-            raise UsageError(f"{name} must be {knob.meaning}, got an integer of {len(str(value))} digits") from None
+            raise UsageError(f"{key} must be {knob.meaning}, got an integer of {len(str(value))} digits") from None
     if knob.kind is tuple and isinstance(value, (str, list)):
         value = (value,) if isinstance(value, str) else tuple(value)
     if not isinstance(value, knob.kind) or (isinstance(value, bool) and knob.kind is not bool):
-        raise UsageError(f"{name} must be {_TYPE_NAMES[knob.kind]}, got {value!r}")
+        raise UsageError(f"{key} must be {_TYPE_NAMES[knob.kind]}, got {value!r}")
     if knob.choices and value not in knob.choices:
-        raise UsageError(f"{name}: unknown value {value!r} (choose {', '.join(knob.choices)})")
+        raise UsageError(f"{key}: unknown value {value!r} (choose {', '.join(knob.choices)})")
     if not knob.rule(value):
-        raise UsageError(f"{name} must be {knob.meaning}, got {value!r}")
+        raise UsageError(f"{key} must be {knob.meaning}, got {value!r}")
     return name, value
 
 

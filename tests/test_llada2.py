@@ -170,8 +170,8 @@ def test_the_cached_decoder_computes_far_fewer_positions(engine) -> None:  # typ
 def test_block_strategies_only_run_block_models_and_reject_other_knobs(engine) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(UsageError, match="does not run on the llada2_moe"):
         engine.params({"strategy": "fast"})
-    with pytest.raises(UsageError, match="cfg_scale"):
-        engine.params({"cfg_scale": 1.0})
+    with pytest.raises(UsageError, match="cache"):
+        engine.params({"cache": "prefix"})
 
 
 def test_every_block_knob_changes_the_answer(engine) -> None:  # type: ignore[no-untyped-def]
@@ -179,9 +179,77 @@ def test_every_block_knob_changes_the_answer(engine) -> None:  # type: ignore[no
     base = {"gen_length": 32, "block_length": 8, "block_steps": 8, "threshold": 1.0, "temperature": 0.0}
     ref, _ = engine.decode_ids(prompts, engine.params(base))
     changes = {"block_length": 16, "block_steps": 2, "threshold": 0.3, "temperature": 1.0, "top_k": 3}
+    changes |= {"cfg_scale": 2.0, "remasking": "random", "order_temperature": 2.0}
     for knob, value in changes.items():
         outs, _ = engine.decode_ids(prompts, engine.params({**base, knob: value, "seed": 1}))
         assert outs != ref, knob
+    by_total = dict(base)
+    del by_total["block_steps"]
+    for steps in (4, 12):  # 4 blocks: one step each, or three
+        outs, _ = engine.decode_ids(prompts, engine.params({**by_total, "denoise_steps": steps}))
+        assert outs != ref, steps
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_guidance_and_remasking_give_the_same_answers_with_the_cache(engine, temperature) -> None:  # type: ignore[no-untyped-def]
+    """The unconditional view's cache is exact as the canvas's is: block-fast gives block's answers under
+    guidance, random remasking, order noise and a total of steps spread per row, in a batch of rows whose
+    prompts end at different places in their blocks."""
+    prompts = _prompts(5)
+    assert len({len(p) % 8 for p in prompts}) > 1
+    settings = [
+        {"cfg_scale": 1.5, "block_steps": 8},
+        {"remasking": "random", "block_steps": 4},
+        {"order_temperature": 1.0, "cfg_scale": 0.5, "denoise_steps": 13},
+    ]
+    for extra in settings:
+        knobs = {"gen_length": 32, "block_length": 8, "threshold": 0.9, "temperature": temperature, "seed": 2} | extra
+        outs = [engine.decode_ids(prompts, engine.params({**knobs, "strategy": s}))[0] for s in ("block", "block-fast")]
+        cut = [[engine.finish(o)[0] for o in out] for out in outs]
+        assert cut[0] == cut[1], extra
+        alone = [engine.finish(engine.decode_ids([p], engine.params(knobs))[0][0])[0] for p in prompts]
+        assert alone == cut[1], extra  # and no row's answer moves with its batch mates
+
+
+def test_guidance_hides_exactly_the_prompt() -> None:
+    """The unconditional view shows every prompt position as a mask and every answer position as it is."""
+    from celeris_cli.decode.block import _views, lay_out
+    from celeris_cli.params import GenerationParams
+
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 14])]
+    cv = lay_out(prompts, gen_length=8, width=4, mask_id=1, pad_id=0)
+    params = GenerationParams.from_mapping({"strategy": "block", "cfg_scale": 1.0, "gen_length": 8, "block_length": 4})
+    from celeris_cli.decode.block import BlockPlan
+    from celeris_cli.decode.strategies import _plan
+
+    cond, un = _views(cv, _plan(BlockPlan, params))
+    rows = torch.arange(2)
+    assert torch.equal(cond.ids(cv, rows, 0, cv.x.shape[1], 1), cv.x)
+    shown = un.ids(cv, rows, 0, cv.x.shape[1], 1)
+    for b, p in enumerate(prompts):
+        g = int(cv.gen[b])
+        assert shown[b, g - len(p) : g].tolist() == [1] * len(p)  # the prompt, masked
+        assert torch.equal(shown[b, g:], cv.x[b, g:])  # the answer's canvas, as it is
+        assert torch.equal(shown[b, : g - len(p)], cv.x[b, : g - len(p)])  # padding, as it is
+
+
+def test_denoise_steps_are_the_total_over_each_rows_blocks(engine) -> None:  # type: ignore[no-untyped-def]
+    """With denoise_steps, each answer reports the steps its own blocks were scheduled (a prompt that ends
+    inside a block decodes one block more), summing to the total asked where every block can take its
+    share; more steps take more forwards."""
+    prompts = _prompts(5)
+    nfe = []
+    for steps in (4, 8, 16, 32):
+        params = engine.params({"gen_length": 32, "block_length": 8, "threshold": 1.0, "denoise_steps": steps})
+        results = engine.decode_batch([str(i) for i in range(len(prompts))], prompts, params, presets=False)
+        for r, ids in zip(results, prompts):
+            assert r.steps_per_block == params.steps_for(len(ids)) and r.denoise_steps == sum(r.steps_per_block)
+            assert len(r.steps_per_block) == (4 if len(ids) % 8 == 0 else 5)
+            assert r.settings["denoise_steps"] == steps and "block_steps" not in r.settings
+            if steps == 16 and len(ids) % 8 <= 4:  # shares of 4 (or 4,3,3,3,3): each block's tokens can take them
+                assert r.denoise_steps == 16
+        nfe.append(results[0].nfe)
+    assert nfe == sorted(nfe) and nfe[0] < nfe[-1]
 
 
 @pytest.mark.parametrize("strategy", ["block", "block-fast"])

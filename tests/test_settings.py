@@ -30,7 +30,7 @@ from .conftest import make_model
         ({"stop": ""}, "stop"),
         ({"stop": [1]}, "stop"),
         ({"gen_length": 8, "denoise_steps": 9}, "denoise_steps"),
-        ({"steps": 100_000_000}, "denoise_steps"),
+        ({"steps": 100_000_000}, "steps 100000000 exceeds"),
         ({"n_layers": 2}, "n_layers"),
         ({"early_exit": "yes"}, "early_exit"),
     ],
@@ -83,7 +83,8 @@ def test_every_strategy_declares_what_it_honours() -> None:
     } | dream | set(PER_REQUEST)
     for strategy in ("block", "block-fast"):
         assert set(honoured(strategy)) == {
-            "gen_length", "block_length", "temperature", "min_p", "top_p", "top_k", "threshold",
+            "gen_length", "block_length", "denoise_steps", "temperature", "min_p", "top_p", "top_k", "threshold",
+            "remasking", "order_temperature", "cfg_scale",
         } | shaping | block | set(PER_REQUEST)  # fmt: skip
     for strategy in STRATEGY_PARTS:
         assert set(PER_REQUEST) <= set(honoured(strategy))
@@ -188,3 +189,59 @@ def test_config_json_fields_are_type_checked_by_name(
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelError, match=message):
         load_engine(folder, device="cpu", dtype="float32")
+
+
+def test_block_diffusion_spreads_a_total_of_steps_over_each_rows_blocks() -> None:
+    """denoise_steps on block diffusion: LLaDA's spread (equal shares, the remainder first, at least one per
+    block, at most one per masked position of a block) over the blocks a row decodes, which start at its
+    own position 0, so a prompt ending inside a block adds one block."""
+    params = GenerationParams.from_mapping(
+        {"strategy": "block", "gen_length": 64, "block_length": 8, "denoise_steps": 20}
+    )
+    assert params.steps_for(16) == [3, 3, 3, 3, 2, 2, 2, 2]
+    assert params.steps_for(5) == [3, 3, 2, 2, 2, 2, 2, 2, 2]  # 3 masked positions in the first block
+    assert params.steps_for(7) == [1, 3, 2, 2, 2, 2, 2, 2, 2]  # one masked position: one step
+    assert params.with_(denoise_steps=5).steps_for(0) == [1] * 8  # fewer than blocks: one each
+    assert params.with_(denoise_steps=64).steps_for(0) == [8] * 8
+    blocks = params.part("blocks")
+    assert blocks.transfers(3, 8) == [3, 3, 2] and blocks.transfers(3, 3) == [1, 1, 1]  # the masked, in shares
+    per_block = params.with_(block_steps=4)  # the per-block spelling: LLaDA2's, the block's length in shares
+    assert per_block.steps_for(5) == [4] * 9 and per_block.part("blocks").transfers(4, 3) == [2, 2, 2, 2]
+    with pytest.raises(UsageError, match="denoise_steps 65 exceeds gen_length 64"):
+        params.with_(denoise_steps=65)
+
+
+def test_the_last_layer_to_name_the_steps_chooses_their_spelling() -> None:
+    model = GenerationParams.defaults_from({"strategy": "block-fast", "block_steps": 2})
+    assert not model.steps_total
+    asked = GenerationParams.from_mapping({"denoise_steps": 20}, model)  # a user's total over the model's per block
+    assert asked.steps_total and asked.report()["denoise_steps"] == 20 and "block_steps" not in asked.report()
+    request = GenerationParams.from_mapping({"block_steps": 3}, asked)  # a request over a config's total
+    assert not request.steps_total and request.steps_for(0)[0] == 3 and "denoise_steps" not in request.report()
+    kept = asked.under({"block_steps": 4, "block_length": 4})  # a script preset does not undo the user's total
+    assert kept.steps_total and kept.block_length == 4 and sum(kept.steps_for(0)) == 20
+    preset = GenerationParams.from_mapping({}, model).under({"block_steps": 4})
+    assert not preset.steps_total and preset.steps_for(0)[0] == 4
+    with pytest.raises(UsageError, match="--denoise-steps and --block-steps: give one"):
+        GenerationParams.from_mapping({"--denoise-steps": 20, "--block-steps": 2}, model)
+    with pytest.raises(UsageError, match="denoise_steps and block_steps: give one"):
+        GenerationParams.from_mapping({"denoise_steps": 20, "block_steps": 2}, model)
+
+
+@pytest.mark.parametrize("strategy", ["fast", "block"])
+def test_a_block_longer_than_the_answer_is_refused_by_the_name_given(strategy: str) -> None:
+    with pytest.raises(UsageError, match="--block-length 1000 exceeds gen_length 64"):
+        GenerationParams.from_mapping({"strategy": strategy, "--block-length": 1000, "gen_length": 64})
+    with pytest.raises(UsageError, match="block_length 65 exceeds gen_length 64"):
+        GenerationParams.from_mapping({"strategy": strategy, "block_length": 65, "gen_length": 64})
+    lower = GenerationParams.from_mapping({"strategy": strategy, "block_length": 32})
+    assert GenerationParams.from_mapping({"gen_length": 16}, lower).gen_length == 16  # a later layer's answer length
+
+
+def test_errors_name_the_setting_as_it_was_written() -> None:
+    with pytest.raises(UsageError, match=r"^--top-p must be in \(0, 1\], got 1.5$"):
+        GenerationParams.from_mapping({"--top-p": 1.5})
+    with pytest.raises(UsageError, match=r"^top_p must be in \(0, 1\], got 1.5$"):
+        GenerationParams.from_mapping({"top_p": 1.5})
+    with pytest.raises(UsageError, match="^--remasking: unknown value 'x'"):
+        GenerationParams.from_mapping({"--remasking": "x"})

@@ -16,8 +16,13 @@ reference does). In a batch, each row is left-padded by whole blocks so its firs
 with everyone's; padding is never attended to. Rows leave as soon as they have committed a stop token with
 nothing masked before it; their later blocks cannot change what came before.
 
-Step rule: the block's `transfers()[step]` most confident masked positions commit, together with every
-masked position whose confidence is above `threshold` (LLaDA2's rule, written as one union).
+Step rule: the block's scheduled number of masked positions (`Blocks.transfers`) commit, the most
+confident first (or at random, or with order noise: `Ordering`), together with every masked position whose
+confidence is above `threshold` (LLaDA2's rule, written as one union). Each row has its own schedule: with
+`denoise_steps` in total, how many blocks a row decodes depends on its prompt's length.
+
+Classifier-free guidance runs a second view of the canvas with the prompt masked (LLaDA's formula, as the
+fast decoder), through the same forwards, with its own cache in `generate_block_cached`.
 """
 
 from __future__ import annotations
@@ -28,9 +33,9 @@ from typing import Protocol
 import torch
 
 from ..arch.layers import KV
-from ..params import Blocks, Commit, Sampling, Shaping
+from ..params import Blocks, Commit, Guidance, Ordering, Sampling, Shaping
 from .predict import sample_with_probability
-from .reference import select_top_k
+from .reference import commit_order, guide, select_top_k
 from .sampling import RowNoise, shape_masked
 
 
@@ -40,6 +45,8 @@ class BlockPlan:
 
     blocks: Blocks
     sampling: Sampling
+    ordering: Ordering
+    guidance: Guidance
     commit: Commit
     shaping: Shaping
 
@@ -111,35 +118,73 @@ def block_mask(real: torch.Tensor, q_lo: int, q_hi: int, k_hi: int, width: int) 
 
 def commit_step(
     block: torch.Tensor,
-    h: torch.Tensor,
+    hs: list[torch.Tensor],
     net: BlockNet,
     plan: BlockPlan,
-    k: int,
+    k: torch.Tensor,
     mask_id: int,
     gens: list[torch.Generator],
     answer: tuple[torch.Tensor | None, torch.Tensor] | None,
     stop: torch.Tensor,
     pieces: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The block (B, W) after one step, from its hidden states h (B, W, d): the k most confident masked
-    positions, and every masked one above the threshold, take their predicted tokens. The LM head and the
-    sampling run on the masked positions only; the confidence is the sampled token's probability under the
-    filtered distribution (top-k, top-p and min-p renormalise it even at temperature 0, where they change
-    only the threshold's decisions: LLaDA2's own generate returns the unfiltered probability there;
-    filtering keeps these options meaningful, as Dream's generate does). The presence penalty and
-    min_tokens shape the logits first, from the rows' answers so far."""
+    """The block (B, W) after one step, from its hidden states (B, W, d) in each view (the canvas, and
+    under guidance the unconditional view): for each row b, its k[b] first-ranked masked positions, and
+    every masked one above the threshold, take their predicted tokens. The LM head and the sampling run on
+    the masked positions only; the confidence is the sampled token's probability under the filtered
+    distribution (top-k, top-p and min-p renormalise it even at temperature 0, where they change only the
+    threshold's decisions: LLaDA2's own generate returns the unfiltered probability there; filtering keeps
+    these options meaningful, as Dream's generate does). The presence penalty and min_tokens shape the
+    logits first, from the rows' answers so far."""
     masked = block == mask_id
-    logits = net.head(h[masked])
+    logits = net.head(hs[0][masked])
+    if len(hs) > 1:
+        logits = guide(logits, net.head(hs[1][masked]), plan.guidance.cfg_scale)
     if answer is not None:
         logits = shape_masked(logits, masked, *answer, plan.shaping, mask_id, stop, plan.sampling.temperature, pieces)
-    x0, conf = sample_with_probability(logits, plan.sampling, masked.sum(1).tolist(), gens)
-    rank = torch.full(block.shape, float("-inf"), device=block.device)
-    rank[masked] = conf
-    chosen = select_top_k(rank, torch.full_like(masked[:, 0], k, dtype=torch.long))
-    chosen |= masked & (rank > plan.commit.threshold)
+    left = masked.sum(1)
+    x0, conf = sample_with_probability(logits, plan.sampling, left.tolist(), gens)
+    confidence = torch.zeros(block.shape, device=block.device).masked_scatter(masked, conf.float())
+    fade = left[:, None] / block.shape[1]  # the share of the block still masked
+    rank = torch.where(masked, commit_order(confidence, plan.ordering, fade, gens), float("-inf"))
+    chosen = select_top_k(rank, k) | (masked & (confidence > plan.commit.threshold))
     out = block.clone()
     out[masked] = torch.where(chosen[masked], x0, mask_id)
     return out
+
+
+def schedule(cv: Canvas, prompt_tokens: list[int], blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's steps in each generated block, (B, n), and the tokens each step commits, (B, n, S), zero
+    past the row's steps and blocks (`Blocks.steps_for`, `Blocks.transfers`)."""
+    n = cv.num_blocks - cv.start_block
+    steps = [blocks.steps_for(p) for p in prompt_tokens]
+    S = max(max(row) for row in steps)
+    ks = torch.zeros(len(steps), n, S, dtype=torch.long)
+    for b, (row, masked) in enumerate(zip(steps, (blocks.masked(p) for p in prompt_tokens))):
+        for g, (count, m) in enumerate(zip(row, masked)):
+            ks[b, g, :count] = torch.tensor(blocks.transfers(count, m))
+    padded = [row + [0] * (n - len(row)) for row in steps]
+    return torch.tensor(padded, device=cv.x.device), ks.to(cv.x.device)
+
+
+class _View:
+    """One view of the canvas for the model: the canvas itself, or (`hide`: (B, C) positions shown as
+    masks) guidance's unconditional view, with the prompt masked; and its cache of committed blocks."""
+
+    def __init__(self, hide: torch.Tensor | None) -> None:
+        self.hide = hide
+        self.cache: list[KV] | None = None
+
+    def ids(self, cv: Canvas, rows: torch.Tensor, lo: int, hi: int, mask_id: int) -> torch.Tensor:
+        ids = cv.x[rows, lo:hi]
+        return ids if self.hide is None else torch.where(self.hide[rows, lo:hi], mask_id, ids)
+
+
+def _views(cv: Canvas, plan: BlockPlan) -> list[_View]:
+    if plan.guidance.cfg_scale == 0:
+        return [_View(None)]
+    idx = torch.arange(cv.x.shape[1], device=cv.x.device)
+    return [_View(None), _View(cv.real & (idx[None, :] < cv.gen[:, None]))]
 
 
 def finished(cv: Canvas, rows: torch.Tensor, upto: int, mask_id: int, stop: torch.Tensor) -> torch.Tensor:
@@ -198,20 +243,26 @@ def generate_block(
     """LLaDA2's reference block decoding. prompt: (B, P) left-padded; returns (B, P + gen_length).
     word_pieces: the tokenizer's pieces that continue a word (for subword_min_p)."""
     cv = _canvas(prompt, prompt_mask, plan, mask_id)
+    steps, ks = schedule(cv, prompt_mask.sum(1).tolist(), plan.blocks)
     stop = torch.tensor(sorted(stop_ids), device=prompt.device)
     pieces = torch.tensor(sorted(word_pieces), device=prompt.device, dtype=torch.long)
+    views = _views(cv, plan)
     rows = torch.arange(prompt.shape[0], device=prompt.device)
-    W, transfers = cv.width, plan.blocks.transfers()
+    W = cv.width
     for j in range(cv.start_block, cv.num_blocks):
-        s, e = j * W, (j + 1) * W
+        s, e, g = j * W, (j + 1) * W, j - cv.start_block
         rows = rows[cv.end[rows] > s]  # a row whose blocks are all decoded has nothing left to do
-        for i, k in enumerate(transfers):
-            if rows.numel() == 0 or not (cv.x[rows, s:e] == mask_id).any():
+        for i in range(int(steps[rows, g].max()) if rows.numel() else 0):
+            if not (cv.x[rows, s:e] == mask_id).any():
                 break
             mask = block_mask(cv.real[rows], 0, e, e, W)
-            h, _ = net.hidden(cv.x[rows, :e], cv.pos[rows, :e], mask, keep_kv=False)
+            hs = [net.hidden(v.ids(cv, rows, 0, e, mask_id), cv.pos[rows, :e], mask, keep_kv=False)[0] for v in views]
             gens, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id, plan.shaping)
-            cv.x[rows, s:e] = commit_step(cv.x[rows, s:e], h[:, s:e], net, plan, k, mask_id, gens, answer, stop, pieces)
+            block = cv.x[rows, s:e]
+            k = ks[rows, g, i]
+            cv.x[rows, s:e] = commit_step(
+                block, [h[:, s:e] for h in hs], net, plan, k, mask_id, gens, answer, stop, pieces
+            )
         rows = rows[~finished(cv, rows, e, mask_id, stop)]
     return _result(cv, prompt, plan.blocks.gen_length, mask_id)
 
@@ -229,39 +280,46 @@ def generate_block_cached(
 ) -> torch.Tensor:
     """Block decoding over an exact cache of committed blocks; rows leave at the step they finish."""
     cv = _canvas(prompt, prompt_mask, plan, mask_id)
+    steps, ks = schedule(cv, prompt_mask.sum(1).tolist(), plan.blocks)
     stop = torch.tensor(sorted(stop_ids), device=prompt.device)
     pieces = torch.tensor(sorted(word_pieces), device=prompt.device, dtype=torch.long)
+    views = _views(cv, plan)
     rows = torch.arange(prompt.shape[0], device=prompt.device)
-    W, transfers = cv.width, plan.blocks.transfers()
+    W = cv.width
     s0 = cv.start_block * W
-    cache: list[KV] | None = None
     if s0 > 0:  # the prompt's whole blocks, once
-        _, kv = net.hidden(cv.x[:, :s0], cv.pos[:, :s0], block_mask(cv.real, 0, s0, s0, W))
-        cache = [_grow(k, v, cv.num_blocks * W) for k, v in kv]
+        for v in views:
+            _, kv = net.hidden(v.ids(cv, rows, 0, s0, mask_id), cv.pos[:, :s0], block_mask(cv.real, 0, s0, s0, W))
+            v.cache = [_grow(k, v_, cv.num_blocks * W) for k, v_ in kv]
     pending = s0  # keys/values are exact before this canvas index
     for j in range(cv.start_block, cv.num_blocks):
-        s, e = j * W, (j + 1) * W
+        s, e, g = j * W, (j + 1) * W, j - cv.start_block
         out = cv.end[rows] <= s  # rows whose blocks are all decoded leave
         if out.any():
-            cache = _keep(cache, ~out, pending)
+            for v in views:
+                v.cache = _keep(v.cache, ~out, pending)
             rows = rows[~out]
-        for i, k in enumerate(transfers):
+        for i in range(int(steps[rows, g].max()) if rows.numel() else 0):
             if rows.numel() == 0 or not (cv.x[rows, s:e] == mask_id).any():
                 break
             # the committed block(s) not yet cached are recomputed with this step's block, once
             lo = pending if i == 0 else s
             mask = block_mask(cv.real[rows], lo, e, e, W)
-            view = None if cache is None else [(ck[:, :, :e], cv_[:, :, :e]) for ck, cv_ in cache]
-            h, kv = net.hidden(cv.x[rows, lo:e], cv.pos[rows, lo:e], mask, view, lo)
-            if cache is None:
-                cache = [_grow(k_, v_, cv.num_blocks * W) for k_, v_ in kv]
+            hs = []
+            for v in views:
+                seen = None if v.cache is None else [(ck[:, :, :e], cv_[:, :, :e]) for ck, cv_ in v.cache]
+                h, kv = net.hidden(v.ids(cv, rows, lo, e, mask_id), cv.pos[rows, lo:e], mask, seen, lo)
+                if v.cache is None:
+                    v.cache = [_grow(k_, v_, cv.num_blocks * W) for k_, v_ in kv]
+                hs.append(h[:, s - lo :])
             pending = s
             gens, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id, plan.shaping)
-            block = commit_step(cv.x[rows, s:e], h[:, s - lo :], net, plan, k, mask_id, gens, answer, stop, pieces)
+            block = commit_step(cv.x[rows, s:e], hs, net, plan, ks[rows, g, i], mask_id, gens, answer, stop, pieces)
             cv.x[rows, s:e] = block
             done = finished(cv, rows, e, mask_id, stop)
-            if done.any():  # finished rows leave at once; the batch and its cache shrink
-                cache = _keep(cache, ~done, pending)
+            if done.any():  # finished rows leave at once; the batch and its caches shrink
+                for v in views:
+                    v.cache = _keep(v.cache, ~done, pending)
                 rows = rows[~done]
         if rows.numel() == 0:
             break
