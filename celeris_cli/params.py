@@ -233,6 +233,20 @@ def split_steps(steps: int, num_blocks: int) -> list[int]:
     return [max(1, base + (1 if i < extra else 0)) for i in range(num_blocks)]
 
 
+def spread_steps(steps: int, caps: list[int]) -> list[int]:
+    """`steps` over blocks that can take at most caps[i] each (one step per masked position): equal shares,
+    the remainder to the first blocks, a full block's surplus shared again among the others; at least one
+    step per block."""
+    out, left, open_ = [0] * len(caps), steps, list(range(len(caps)))
+    while left > 0 and open_:
+        shares = split_steps(left, len(open_)) if left >= len(open_) else [1] * left
+        for i, share in zip(open_, shares):
+            take = min(share, caps[i] - out[i])
+            out[i], left = out[i] + take, left - take
+        open_ = [i for i in open_ if out[i] < caps[i]]
+    return [max(1, n) for n in out]
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float
@@ -299,8 +313,9 @@ class Blocks:
     """Block diffusion's schedule. The steps are given one of two ways: `block_steps` for every block, whose
     tokens commit at block_length // block_steps per step (the remainder to the first steps), as LLaDA2
     does; or (`steps_total`) `denoise_steps` in total over the answer's blocks, spread as LLaDA's decoder
-    spreads them: equal shares, the remainder to the first blocks, at least one step per block and at most
-    one per masked position of the block, whose masked positions commit in equal shares per step."""
+    spreads them (equal shares, the remainder to the first blocks, at least one step per block) and at most
+    one per masked position of a block (`spread_steps`), whose masked positions commit in equal shares per
+    step."""
 
     gen_length: int
     block_length: int
@@ -320,7 +335,7 @@ class Blocks:
         masked = self.masked(prompt_tokens)
         if not self.steps_total:
             return [min(self.block_steps, self.gen_length)] * len(masked)
-        return [min(n, m) for n, m in zip(split_steps(self.denoise_steps, len(masked)), masked)]
+        return spread_steps(self.denoise_steps, masked)
 
     def transfers(self, steps: int, masked: int) -> list[int]:
         """Tokens committed at each of a block's `steps` steps: the block's length in equal shares (LLaDA2),
@@ -567,6 +582,18 @@ def _spelled(values: Mapping[str, Any]) -> dict[str, str]:
 def _canonical(key: str) -> str:
     name = key.lstrip("-").replace("-", "_")
     return ALIASES.get(name, name)
+
+
+def parse_text(key: str, value: Any) -> Any:
+    """A command-line value (text, or a list of texts for `stop`, a bool for a flag) in its knob's type;
+    its range is checked where every layer's is (`from_mapping`)."""
+    kind = KNOBS[_canonical(key)].kind if _canonical(key) in KNOBS else str
+    if not isinstance(value, str) or kind is str:
+        return value
+    try:
+        return kind(value) if kind in (int, float) else value
+    except ValueError:
+        raise UsageError(f"{key} must be {_TYPE_NAMES[kind]}, got {value!r}") from None
 
 
 def check_values(values: Mapping[str, Any]) -> None:

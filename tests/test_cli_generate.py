@@ -160,23 +160,27 @@ def test_fast_options_reach_the_settings(tiny_model: Path) -> None:
 
 def test_negative_order_temperature_is_a_clear_error(tiny_model: Path) -> None:
     out = _error(run("--model", str(tiny_model), "--prompt", "x", "--order-temperature", "-1"))
-    assert "order_temperature must be a finite number >= 0" in out
+    assert "--order-temperature must be a finite number >= 0, got -1.0" in out
 
 
 @pytest.mark.parametrize("value", ["1", "-0.1"])
 def test_min_p_out_of_range_is_a_clear_error(tiny_model: Path, value: str) -> None:
     out = _error(run("--model", str(tiny_model), "--prompt", "x", "--min-p", value))
-    assert "min_p must be in [0, 1)" in out
+    assert "--min-p must be in [0, 1)" in out
 
 
 @pytest.mark.parametrize(
     ("args", "named"),
     [
-        (["--denoise-steps", "100000000"], "denoise_steps"),
-        (["--temperature", "inf"], "temperature"),
-        (["--seed", "18446744073709551616"], "seed"),
-        (["--top-p", "1.5"], "top_p"),
-        (["--strategy", "reference", "--threshold", "0.5"], "threshold: not used by the reference strategy"),
+        (["--denoise-steps", "100000000"], "--denoise-steps 100000000 exceeds gen_length"),
+        (["--steps", "100000000"], "--denoise-steps 100000000 exceeds"),
+        (["--temperature", "inf"], "--temperature must be"),
+        (["-t", "-1"], "--temperature must be"),
+        (["--seed", "18446744073709551616"], "--seed must be"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+        (["--top-k", "2.5"], "--top-k must be an integer, got '2.5'"),
+        (["--cache", "sideways"], "--cache: unknown value 'sideways' (choose dual, prefix, none)"),
+        (["--strategy", "reference", "--threshold", "0.5"], "--threshold: not used by the reference strategy"),
     ],
 )
 def test_bad_values_exit_2_with_one_line_naming_the_setting(tiny_model: Path, args: list[str], named: str) -> None:

@@ -193,14 +193,15 @@ def test_config_json_fields_are_type_checked_by_name(
 
 def test_block_diffusion_spreads_a_total_of_steps_over_each_rows_blocks() -> None:
     """denoise_steps on block diffusion: LLaDA's spread (equal shares, the remainder first, at least one per
-    block, at most one per masked position of a block) over the blocks a row decodes, which start at its
-    own position 0, so a prompt ending inside a block adds one block."""
+    block) over the blocks a row decodes, which start at its own position 0, so a prompt ending inside a
+    block adds one block; at most one step per masked position of a block, its surplus shared again."""
     params = GenerationParams.from_mapping(
         {"strategy": "block", "gen_length": 64, "block_length": 8, "denoise_steps": 20}
     )
     assert params.steps_for(16) == [3, 3, 3, 3, 2, 2, 2, 2]
     assert params.steps_for(5) == [3, 3, 2, 2, 2, 2, 2, 2, 2]  # 3 masked positions in the first block
-    assert params.steps_for(7) == [1, 3, 2, 2, 2, 2, 2, 2, 2]  # one masked position: one step
+    assert params.steps_for(7) == [1, 4, 3, 2, 2, 2, 2, 2, 2]  # one masked position: one step, the rest shared
+    assert params.with_(denoise_steps=10).steps_for(7) == [1, 2, 1, 1, 1, 1, 1, 1, 1]
     assert params.with_(denoise_steps=5).steps_for(0) == [1] * 8  # fewer than blocks: one each
     assert params.with_(denoise_steps=64).steps_for(0) == [8] * 8
     blocks = params.part("blocks")

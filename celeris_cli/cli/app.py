@@ -1,4 +1,5 @@
 """The Typer app every command registers on, the option choices they share, and the error exit.
+The generation settings' options are made from `params.KNOBS` (`knobs.py`).
 
 Torch is imported lazily inside the commands, so `celeris --help` answers at once. User errors
 (CelerisError) become one `Error: ...` line on stderr and an exit code; nothing else is caught here.
@@ -24,39 +25,6 @@ app = typer.Typer(
     context_settings={"default_map": {"help": False, "install_completion": False, "show_completion": False}},
     help="Batch generation with masked diffusion language models.",
 )
-
-
-class Remasking(str, Enum):
-    low_confidence = "low_confidence"
-    random = "random"
-
-
-class CacheOpt(str, Enum):
-    dual = "dual"
-    prefix = "prefix"
-    none = "none"
-
-
-class ConfidenceOpt(str, Enum):
-    prob = "prob"
-    margin = "margin"
-    lead = "lead"
-    entropy = "entropy"
-
-
-class StrategyOpt(str, Enum):
-    fast = "fast"
-    reference = "reference"
-    dream = "dream"
-    block = "block"
-    block_fast = "block-fast"
-
-
-class AlgOpt(str, Enum):
-    maskgit_plus = "maskgit_plus"
-    topk_margin = "topk_margin"
-    entropy = "entropy"
-    origin = "origin"
 
 
 class DeviceOpt(str, Enum):

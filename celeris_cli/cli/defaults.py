@@ -8,20 +8,21 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..params import KNOBS, model_layer, script_layers
+from ..params import KNOBS, PER_REQUEST, STRATEGY_PARTS, honoured, model_layer, script_layers
 
 EMBEDDED_CONFIG = Path(__file__).parents[1] / "models" / "celeris-block" / "generation_config.json"
 
 
 @functools.cache
 def effective_defaults(path: Path = EMBEDDED_CONFIG) -> dict[str, Any]:
-    values = {name: knob.default for name, knob in KNOBS.items()}
+    values: dict[str, Any] = {name: knob.default for name, knob in KNOBS.items()}
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
         settings, _, _ = model_layer(raw) if isinstance(raw, dict) else ({}, None, None)
     except (OSError, ValueError):
         return values  # a broken embedded model is reported when it loads, not in help
     values.update({("denoise_steps" if k == "steps" else k): v for k, v in settings.items()})
+    values["steps_per_block"] = "block_steps" in honoured(values["strategy"]) and "block_steps" in settings
     return values
 
 
@@ -40,9 +41,21 @@ def _shown(value: Any) -> str:
 
 
 def knob_help(name: str, text: str) -> str:
-    """`text` plus the value the embedded model runs with when the option is not given, and the value for
-    prompts of a script whose preset sets it."""
+    """`text`, led by the strategies that honour the knob when not all do, and the value the embedded model
+    runs with when the option is not given (and the value for prompts of a script whose preset sets it);
+    for a knob its strategy does not use, no default: help never shows a default the model refuses."""
+    users = [s for s in STRATEGY_PARTS if name in PER_REQUEST or name in honoured(s)]
+    lead = "" if len(users) == len(STRATEGY_PARTS) else f"{', '.join(users)}: "
+    defaults = effective_defaults()
+    strategy = defaults["strategy"]
+    if name not in PER_REQUEST and name not in honoured(strategy):
+        return f"{lead}{text}  [not used by the default model's {strategy} strategy]"
     per_script = "".join(
         f"; {script} prompts: {_shown(layer[name])}" for script, layer in script_defaults().items() if name in layer
     )
-    return f"{text}  [default: {_shown(effective_defaults()[name])}{per_script}]"
+    if defaults[name] == ():
+        return f"{lead}{text}"  # an empty list: nothing to show
+    shown = _shown(defaults[name])
+    if name == "denoise_steps" and defaults["steps_per_block"]:
+        shown, per_script = f"{defaults['block_steps']} per block (--block-steps)", ""
+    return f"{lead}{text}  [default: {shown}{per_script}]"
