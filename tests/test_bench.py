@@ -14,7 +14,7 @@ from celeris_cli.measure.evaluate import EvalSet
 
 
 def test_bench_reports_every_mode_with_speed_and_quality_figures(eos_prone: Engine) -> None:
-    report = bench(eos_prone, n_prompts=6, batch_size=1, gen_length=16, block_length=4, sweep=[2, 4])
+    report = bench(eos_prone, n_prompts=6, batch_size=1, gen_length=16, block_length=4)
     assert set(report["modes"]) == set(MODES)
     modes = report["modes"]
     assert modes["reference"]["nfe"] == 6 * 16  # six batches of one, one forward per step, steps = gen_length
@@ -29,8 +29,6 @@ def test_bench_reports_every_mode_with_speed_and_quality_figures(eos_prone: Engi
         assert key in report["hardware"]
     assert report["gen_length"] == 16 and report["block_length"] == 4 and report["denoise_steps"] == 16
     assert set(report["cache_agreement_temperature_0"]) == {"prefix", "dual"}
-    assert set(report["sweep"]) == {"reference@2", "reference@4", "dual-cache@2", "dual-cache@4"}
-    assert report["sweep"]["reference@2"]["nfe"] == 6 * 4  # fewer steps than blocks: one per block
     # positions computed: the reference runs every step over the whole canvas (prompt + 16), batches of one
     canvas = sum(len(eos_prone.encode_prompt(r["prompt"])) + 16 for r in EvalSet.load().poems[:6])
     ref = modes["reference"]
@@ -162,7 +160,7 @@ def test_an_embedded_model_is_named_by_its_folder_name(tmp_path: Path, monkeypat
 
 def test_the_default_mode_is_the_row_with_the_models_own_cache(tiny_model: Path, tmp_path: Path) -> None:
     """A model whose generation config says `cache: prefix` and a suffix window is benched with prefix-cache
-    as its default mode (the sweep and the greedy comparison run it), the window in every row's settings,
+    as its default mode (the greedy comparison runs it), the window in every row's settings,
     and the table marks that row."""
     import shutil
 
@@ -174,9 +172,8 @@ def test_the_default_mode_is_the_row_with_the_models_own_cache(tiny_model: Path,
     (folder / "generation_config.json").write_text(json.dumps(config), encoding="utf-8")
     engine = load_engine(folder, device="cpu", dtype="float32")
     canvas = {"n_prompts": 2, "batch_size": 2, "gen_length": 16, "block_length": 4}
-    report = bench(engine, **canvas, modes=["reference", "prefix-cache"], sweep=[4])  # type: ignore[arg-type]
+    report = bench(engine, **canvas, modes=["reference", "prefix-cache"])  # type: ignore[arg-type]
     assert report["default_mode"] == "prefix-cache"
-    assert set(report["sweep"]) == {"reference@4", "prefix-cache@4"}
     assert set(report["greedy_agreement_with_reference"]) == {"prefix-cache"}
     assert report["settings"]["suffix_window"] == 4
     dual = bench(engine, **canvas, modes=["dual-cache"], settings={"cache": "dual"}, cache_agreement=False)  # type: ignore[arg-type]
@@ -191,3 +188,27 @@ def test_the_default_mode_is_the_row_with_the_models_own_cache(tiny_model: Path,
     plain = load_engine(tiny_model, device="cpu", dtype="float32")
     tiny = bench(plain, **canvas, modes=["reference"], cache_agreement=False)  # type: ignore[arg-type]
     assert tiny["default_mode"] == "dual-cache"  # the built-in default cache
+
+
+def test_the_step_sweep_gives_each_model_a_row_per_total_of_steps(tiny_model: Path, tmp_path: Path) -> None:
+    """More denoising steps in total: more forwards (early exit off), on the model itself and on the one
+    beside it; every row carries the figures the seeds' experiment compares."""
+    from celeris_cli import load_engine
+    from celeris_cli.measure.sweep import step_sweep
+
+    engine = load_engine(tiny_model, device="cpu", dtype="float32")
+    settings = {"early_exit": False, "threshold": 1.0}
+    report = step_sweep([engine, engine], [2, 4, 8], n_prompts=2, batch_size=2, gen_length=8, settings=settings)
+    rows = report["rows"]
+    assert [r["denoise_steps"] for r in rows] == [2, 4, 8] * 2 and {r["gen_length"] for r in rows} == {8}
+    first = [r["nfe"] for r in rows[:3]]
+    assert first == sorted(first) and first[0] < first[-1]
+    for r in rows:
+        for key in ("tokens_per_s", "wall_s", "peak_mem_mb", "structure_rate", "distinct_2"):
+            assert key in r
+    out = tmp_path / "sweep.json"
+    r = CliRunner().invoke(app, ["bench", "--model", str(tiny_model), "--sweep", "2,4", "--prompts", "2",
+                                 "--gen-length", "8", "--device", "cpu", "--out", str(out)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert [row["denoise_steps"] for row in json.loads(out.read_text())["rows"]] == [2, 4]  # no model beside a folder
+    assert "denoising steps vs quality" in r.output

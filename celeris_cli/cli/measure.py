@@ -92,7 +92,7 @@ def bench_cmd(
     model: Path = typer.Option(None, "--model", "-m", help="Model folder (default: the embedded model)."),
     prompts: int = typer.Option(32, "--prompts", min=1, help="Held-out poem openings to decode."),
     batch_size: int = typer.Option(16, "--batch-size", min=1),
-    gen_length: int = typer.Option(256, "--gen-length", min=1),
+    gen_length: int = typer.Option(None, "--gen-length", min=1, help="Default: 256; --sweep: each model's own."),
     block_length: int = typer.Option(None, "--block-length", min=1, help="Default: the model's."),
     steps: int = typer.Option(None, "--denoise-steps", "--steps", min=1, help="Default: gen-length."),
     modes: str = typer.Option(
@@ -102,7 +102,14 @@ def bench_cmd(
         "(block-diffusion models: block, block-fast).",
     ),
     set_name: str = typer.Option(None, "--set", help="Settings for every mode, as JSON."),
-    sweep: str = typer.Option(None, "--sweep", help="Also sweep these step counts, e.g. 5,10,20,40,64."),
+    sweep: str = typer.Option(
+        None,
+        "--sweep",
+        metavar="N,N,...",
+        help="Only measure: the model's default mode at these totals of denoising steps (e.g. 5,10,20,40), with "
+        "quality, time, NFE and peak memory per step count, beside the same for --versus (default: celeris-tiny "
+        "beside the default model).",
+    ),
     no_agreement: bool = typer.Option(False, "--no-agreement", help="Skip the cache-vs-no-cache comparison."),
     versus: str = typer.Option(
         None,
@@ -199,8 +206,11 @@ def bench_cmd(
             out.write_text(json.dumps(result, indent=1, ensure_ascii=False), encoding="utf-8")
         typer.echo(json.dumps(result, ensure_ascii=False))
         return
+    if sweep:
+        _sweep(sweep, model, versus, prompts, batch_size, gen_length, set_name, device, dtype, threads, out, as_json)
+        return
+    gen_length = gen_length or 256
     try:
-        sweep_steps = list(_int_list("--sweep", sweep)) if sweep else None
         engine = load_engine(model, device.value, dtype.value, threads)
         table, _ = modes_for(engine)
         chosen = [m.strip() for m in modes.split(",")] if modes else None
@@ -220,7 +230,6 @@ def bench_cmd(
             chosen,
             settings,
             cache_agreement=not no_agreement,
-            sweep=sweep_steps,
             versus=other,
         )
         if queue:
@@ -237,3 +246,37 @@ def bench_cmd(
     render(report)
     if "queue" in report:
         typer.echo("queue: " + json.dumps(report["queue"]))
+
+
+def _sweep(
+    steps: str,
+    model: Path | None,
+    versus: str | None,
+    prompts: int,
+    batch_size: int,
+    gen_length: int | None,
+    set_name: str | None,
+    device: DeviceOpt,
+    dtype: DtypeOpt,
+    threads: int | None,
+    out: Path | None,
+    as_json: bool,
+) -> None:
+    """`bench --sweep`: the model (and the one beside it) at each total of denoising steps."""
+    from ..engine import DEFAULT_MODEL, load_engine
+    from ..measure.sweep import render_sweep, step_sweep
+
+    try:
+        counts = list(_int_list("--sweep", steps))
+        beside = versus or ("celeris-tiny" if model is None or str(model) == DEFAULT_MODEL else None)
+        names = [model, *([beside] if beside else [])]
+        engines = [load_engine(m, device.value, dtype.value, threads) for m in names]
+        report = step_sweep(engines, counts, prompts, batch_size, gen_length, _json_setting(set_name))
+    except CelerisError as e:
+        fail(e)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
+    if as_json:
+        typer.echo(json.dumps(report, ensure_ascii=False))
+    else:
+        render_sweep(report)

@@ -214,7 +214,6 @@ def bench(
     modes: list[str] | None = None,
     settings: dict[str, Any] | None = None,
     cache_agreement: bool = True,
-    sweep: list[int] | None = None,
     versus: Engine | None = None,
 ) -> dict[str, Any]:
     """`versus`: another model whose baseline and default mode are decoded on the same prompts, batch size,
@@ -280,19 +279,6 @@ def bench(
             c: run_mode(engine, prompts, greedy.with_(cache=c), batch_size)["texts"] for c in ("none", "prefix", "dual")
         }
         report["cache_agreement_temperature_0"] = {c: agreement(texts["none"], texts[c]) for c in ("prefix", "dual")}
-    if sweep:
-        fast = base.with_(**table[default_mode])
-        knob = "block_steps" if table is BLOCK_MODES else "denoise_steps"
-        rows = {}
-        for s in sweep:
-            for name, params in (
-                (baseline, base.with_(**table[baseline], **{knob: s})),
-                (default_mode, fast.with_(**{knob: s})),
-            ):
-                r = run_mode(engine, prompts, params, batch_size)
-                r.pop("texts")
-                rows[f"{name}@{s}"] = r
-        report["sweep"] = rows
     for m in report["modes"].values():
         m.pop("texts")
     return report
@@ -467,20 +453,6 @@ def render(report: dict[str, Any]) -> None:
         console.print("greedy, default mode vs reference: " + str(report["greedy_agreement_with_reference"]))
     if "cache_agreement_temperature_0" in report:
         console.print("cache vs no cache at temperature 0: " + str(report["cache_agreement_temperature_0"]))
-    if "sweep" in report:
-        sweep = Table(title="steps vs quality vs time")
-        for c in ("setting", "tokens/s", "wall s", "NFE", "structure", "distinct-2"):
-            sweep.add_column(c)
-        for name, m in report["sweep"].items():
-            sweep.add_row(
-                name,
-                f"{m['tokens_per_s']:.1f}",
-                f"{m['wall_s']:.2f}",
-                str(m["nfe"]),
-                f"{m['structure_rate']:.3f}",
-                f"{m['distinct_2']:.3f}",
-            )
-        console.print(sweep)
 
 
 def bench_queue(engine: Engine, n_files: int, batch_size: int, params: GenerationParams, work: Path) -> dict[str, Any]:
