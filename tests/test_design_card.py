@@ -1,0 +1,98 @@
+"""The design card, as an acceptance test: its four commands exactly as it writes them, on the default model,
+in a fresh folder holding nothing but the queue's config, each in a real `celeris` process.
+
+    celeris generate --prompt "床前明月光，" --denoise-steps 20
+    celeris watch configs/batch.yaml            (a daemon, stopped by SIGTERM)
+    celeris retry logs/failed.jsonl
+    celeris watch configs/batch.yaml --once     (as cron runs it)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+CARD_PROMPT = "床前明月光，"
+
+
+def celeris(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "celeris_cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def drop(folder: Path, name: str, text: str) -> None:
+    """Publish a file into the inbox as producers should: written elsewhere, then renamed in."""
+    tmp = folder.parent / f".{name}.part"
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, folder / name)
+
+
+def results(path: Path) -> dict[str, dict]:
+    return {r["custom_id"]: r for r in map(json.loads, path.read_text(encoding="utf-8").splitlines())}
+
+
+def test_the_design_cards_four_commands_work_as_written_on_the_default_model(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")  # a fresh folder: the config and nothing else
+
+    # 1. generate, at the card's step count: an answer, exit 0
+    gen = celeris(tmp_path, "generate", "--prompt", CARD_PROMPT, "--denoise-steps", "20")
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.strip() and "Error" not in gen.stderr
+
+    # 2. the daemon: it makes its folders, serves a dropped file, and stops on SIGTERM with exit 0
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "celeris_cli", "watch", "configs/batch.yaml"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        inbox = tmp_path / "batch_inputs"
+        _wait(lambda: inbox.is_dir() or daemon.poll() is not None)
+        assert daemon.poll() is None, daemon.communicate()[1]
+        drop(inbox, "poems.txt", "白日依山尽，\n春眠不觉晓，\n")
+        request = {"custom_id": "bad", "prompt": "x", "temperature": -1}
+        drop(inbox, "mixed.jsonl", json.dumps({"custom_id": "ok", "prompt": "Shall I compare thee"}) + "\n")
+        drop(inbox, "bad.jsonl", json.dumps(request) + "\n")
+        outputs = tmp_path / "batch_outputs"
+        done = [outputs / f"{n}.results.jsonl" for n in ("poems.txt", "mixed.jsonl")]
+        _wait(lambda: all(p.exists() for p in done) and (tmp_path / "logs" / "failed.jsonl").exists())
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        _, err = daemon.communicate(timeout=60)
+    assert daemon.returncode == 0, err
+    poems = results(done[0])
+    assert len(poems) == 2 and all(r["response"]["status_code"] == 200 for r in poems.values())
+    assert (tmp_path / "batch_processed" / "poems.txt").exists()
+
+    # 3. retry over the failure log: the bad request's record is read, and the command exits 0
+    [record] = [json.loads(x) for x in (tmp_path / "logs" / "failed.jsonl").read_text().splitlines()]
+    assert record["custom_id"] == "bad" and "temperature" in record["message"]
+    retry = celeris(tmp_path, "retry", "logs/failed.jsonl")
+    assert retry.returncode == 0, retry.stderr
+    assert "1 line-level user errors" in retry.stdout
+
+    # 4. cron: drain once and exit
+    drop(tmp_path / "batch_inputs", "cron.txt", f"{CARD_PROMPT}\n")
+    past = time.time() - 60
+    os.utime(tmp_path / "batch_inputs" / "cron.txt", (past, past))
+    once = celeris(tmp_path, "watch", "configs/batch.yaml", "--once")
+    assert once.returncode == 0, once.stderr
+    [answer] = results(outputs / "cron.txt.results.jsonl").values()
+    assert answer["response"]["status_code"] == 200 and answer["response"]["body"]["choices"][0]["text"]
+
+
+def _wait(predicate, timeout: float = 240.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
