@@ -59,3 +59,27 @@ def test_help_imports_neither_torch_nor_rich_nor_pydantic(argv: list[str]) -> No
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert p.stderr.strip() == "[]" and "Usage: celeris" in p.stdout
+
+
+def test_generate_help_never_shows_a_default_the_default_model_refuses() -> None:
+    """A knob the embedded model's strategy does not use shows no default, but says so; the steps show the
+    spelling the model's own settings use; every other knob's shown default, given back as a flag, is
+    accepted by the default model."""
+    import re
+
+    from celeris_cli import load_engine
+    from celeris_cli.params import PER_REQUEST, honoured, parse_text
+
+    params = {p.name: p for p in typer.main.get_command(app).commands["generate"].params}  # type: ignore[attr-defined]
+    engine = load_engine(device="cpu", dtype="float32")
+    strategy = engine.params().strategy
+    for name in KNOBS:
+        text = params[name].help or ""
+        if name not in PER_REQUEST and name not in honoured(strategy):
+            assert "[default:" not in text and f"not used by the default model's {strategy} strategy" in text, name
+        elif name not in ("stop", "denoise_steps"):
+            shown = re.search(r"\[default: ([^;\]]+)", text).group(1)  # type: ignore[union-attr]
+            flag = "--" + name.replace("_", "-")
+            engine.params({flag: parse_text(flag, {"on": True, "off": False}.get(shown, shown))})  # accepted
+    steps = params["denoise_steps"].help or ""
+    assert f"[default: {engine.params().block_steps} per block (--block-steps)]" in steps
