@@ -24,6 +24,7 @@ class Job:
     text: str
     ids: list[int]
     seed: int
+    sample: int = 0  # which of the prompt's --samples this is
 
 
 def prepare(
@@ -51,7 +52,7 @@ def prepare(
         typer.echo(f"Error: {where}: {err} (skipped)", err=True)
     if params.seed + samples - 1 > MAX_SEED:
         raise UsageError(f"seed {params.seed} plus {samples} samples passes the largest seed {MAX_SEED}")
-    jobs = [Job(p.text, ids, params.seed + k) for p, ids in ok for k in range(samples)]
+    jobs = [Job(p.text, ids, params.seed + k, k) for p, ids in ok for k in range(samples)]
     return jobs, len(problems)
 
 
@@ -84,8 +85,10 @@ def run(engine: Any, params: Any, jobs: list[Job], batch_size: int, sink: Sink, 
     sink.close()
     seconds = time.perf_counter() - t0
     if not quiet and last is not None:
+        prompts = sum(j.sample == 0 for j in jobs)
+        answers = f", {sink.written} answers" if sink.written != prompts else ""
         typer.echo(
-            f"[{sink.written} prompt(s), {tokens} tokens in {seconds:.2f}s, "
+            f"[{prompts} prompt(s){answers}, {tokens} tokens in {seconds:.2f}s, "
             f"{tokens / max(seconds, 1e-9):.1f} tokens/s, {last.device} {last.dtype}]"
             + (f" -> {sink.path}" if sink.path else ""),
             err=True,
