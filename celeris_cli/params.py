@@ -388,7 +388,10 @@ def _coerce(key: str, value: Any) -> tuple[str, Any]:
     name = ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
     knob = KNOBS.get(name)
     if knob is None:
-        raise UsageError(f"unknown generation parameter {key!r}")
+        import difflib
+
+        near = difflib.get_close_matches(key.replace("-", "_"), [*KNOBS, *ALIASES], n=1)
+        raise UsageError(f"unknown generation parameter {key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
     if knob.kind is float and isinstance(value, int) and not isinstance(value, bool):
         try:
             value = float(value)
