@@ -4,6 +4,7 @@ in input order, batch by batch, each batch written as soon as it finishes."""
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,8 +70,8 @@ def run(engine: Any, params: Any, jobs: list[Job], batch_size: int, sink: Sink, 
                 results = engine.decode_batch(
                     [j.text for j in batch], [j.ids for j in batch], params, [j.seed for j in batch]
                 )
-                with deferred_interrupt():  # a record is written whole or not at all
-                    sink.write([r.to_dict() for r in results])
+                with deferred_interrupt(), progress.hidden() if sink.on_terminal else nullcontext():
+                    sink.write([r.to_dict() for r in results])  # a record is written whole or not at all
                 tokens += sum(r.output_tokens for r in results)
                 last = results[-1]
                 progress.advance(len(batch), tokens)
