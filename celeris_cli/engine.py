@@ -171,22 +171,22 @@ class Engine:
             return self.special
         return replace(self.special, word_pieces=self.tokenizer.require_word_pieces())
 
-    def finish(self, ids: list[int], stop: Sequence[str] = ()) -> tuple[str, int, str]:
-        """(text, output tokens, finish reason): cut at the first stop token, then at the first stop string
-        (which is left out of the text, as OpenAI does)."""
+    def finish(self, ids: list[int], stop: Sequence[str] = (), prompt: Sequence[int] = ()) -> tuple[str, int, str]:
+        """(text, output tokens, finish reason): the text `ids` continue `prompt` with, cut at the first stop
+        token, then at the first stop string (which is left out of the text, as OpenAI does)."""
         reason = "length"
         for i, t in enumerate(ids):
             if t in self.special.stop_ids:
                 ids, reason = ids[:i], "stop"
                 break
-        text = self.tokenizer.decode(ids)
+        text = self.tokenizer.continuation(prompt, ids)
         cuts = [text.find(s) for s in stop if s in text]
         if cuts:
             text, reason = text[: min(cuts)], "stop"
             lo, hi = 1, len(ids)  # the fewest tokens whose text holds a stop string (binary search)
             while lo < hi:
                 mid = (lo + hi) // 2
-                if any(s in self.tokenizer.decode(ids[:mid]) for s in stop):
+                if any(s in self.tokenizer.continuation(prompt, ids[:mid]) for s in stop):
                     hi = mid
                 else:
                     lo = mid + 1
@@ -229,7 +229,7 @@ class Engine:
         settings = params.report()
         results = []
         for prompt, ids_in, out, seed in zip(prompts, encoded, outs, seeds):
-            text, n_out, reason = self.finish(out, params.stop)
+            text, n_out, reason = self.finish(out, params.stop, ids_in)
             steps = params.steps_for(len(ids_in))
             results.append(
                 Result(

@@ -14,6 +14,7 @@ decoding); the engine applies the prompt's preset under the user's layers (`Gene
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -609,7 +610,8 @@ def _coerce(key: str, value: Any) -> tuple[str, Any]:
     name = _canonical(key)
     knob = KNOBS.get(name)
     if knob is None:
-        raise UsageError(f"unknown generation parameter {key!r}")
+        near = difflib.get_close_matches(name, [*KNOBS, *ALIASES], n=1)
+        raise UsageError(f"unknown generation parameter {key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
     if knob.kind is float and isinstance(value, int) and not isinstance(value, bool):
         try:
             value = float(value)

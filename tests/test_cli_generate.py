@@ -222,6 +222,15 @@ def test_samples_use_consecutive_seeds_and_match_single_runs(tiny_model: Path) -
     assert single["text"] == recs[1]["text"] and single["settings"]["seed"] == 41
 
 
+def test_the_summary_counts_prompts_and_answers_apart(tiny_model: Path) -> None:
+    r = run("--model", str(tiny_model), "-p", "床前", "--samples", "3", *FAST)
+    assert r.exit_code == 0, r.output
+    assert r.stderr.startswith("[1 prompt(s), 3 answers, "), r.stderr
+    r = run("--model", str(tiny_model), "-p", "床前", "-p", "白日", *FAST)
+    assert r.stderr.startswith("[2 prompt(s), "), r.stderr
+    assert "answers" not in r.stderr  # one answer a prompt: the prompt count says it
+
+
 def test_json_reports_the_steps_that_ran(tiny_model: Path) -> None:
     r = run(
         "--model", str(tiny_model), "-p", "x", "--json", "--gen-length", "64", "--block-length", "4",

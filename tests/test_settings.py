@@ -12,7 +12,16 @@ import pytest
 
 from celeris_cli import load_engine
 from celeris_cli.errors import ModelError, UsageError
-from celeris_cli.params import KNOBS, MAX_SEED, PER_REQUEST, STRATEGY_PARTS, GenerationParams, honoured, model_layer
+from celeris_cli.params import (
+    KNOBS,
+    MAX_SEED,
+    PER_REQUEST,
+    STRATEGY_PARTS,
+    GenerationParams,
+    check_values,
+    honoured,
+    model_layer,
+)
 
 from .conftest import make_model
 
@@ -246,3 +255,16 @@ def test_errors_name_the_setting_as_it_was_written() -> None:
         GenerationParams.from_mapping({"top_p": 1.5})
     with pytest.raises(UsageError, match="^--remasking: unknown value 'x'"):
         GenerationParams.from_mapping({"--remasking": "x"})
+
+
+@pytest.mark.parametrize(("key", "meant"), [("tempreature", "temperature"), ("top-pp", "top_p"), ("step", "steps")])
+def test_a_misspelt_setting_names_the_one_meant(key: str, meant: str) -> None:
+    for check in (check_values, GenerationParams.from_mapping):  # a config's layer; a request, --set, flags
+        with pytest.raises(UsageError, match=f"unknown generation parameter '{key}' \\(did you mean '{meant}'\\?\\)"):
+            check({key: 1})
+
+
+def test_a_setting_like_none_is_not_guessed_at() -> None:
+    with pytest.raises(UsageError) as caught:
+        check_values({"flavour": 1})
+    assert str(caught.value) == "unknown generation parameter 'flavour'"

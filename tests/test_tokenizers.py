@@ -98,3 +98,35 @@ def test_chat_template_cannot_escape_the_sandbox(hf_model: Path, tmp_path: Path)
 def test_chat_without_a_template_is_a_clear_error(tiny_model: Path) -> None:
     r = CliRunner().invoke(app, ["generate", "--model", str(tiny_model), "--chat", "--prompt", "x"])
     assert r.exit_code != 0 and "no chat_template" in r.output
+
+
+DATA = Path(__file__).parent / "data"
+EVERY_KIND = {  # one folder of each tokenizer kind the project reads
+    "sentencepiece": Path(__file__).parents[1] / "celeris_cli" / "models" / "celeris-block",
+    "tokenizer.json (LLaDA)": DATA / "llada_hf",
+    "tokenizer.json (LLaDA2)": DATA / "llada2" / "llada2_tiny",
+    "vocab.json + merges.txt (Dream)": DATA / "dream" / "dream_tiny",
+}
+
+
+@pytest.mark.parametrize("kind", EVERY_KIND)
+@pytest.mark.parametrize(
+    ("prompt", "answer", "stop"),
+    [
+        ("It was a dark and stormy night, and", " we would not", ()),
+        ("It was a dark and stormy night, and", " we would not", (". And",)),  # cut by a stop string
+        ("床前明月光，", "疑是地上霜。", ()),  # Han after Han: no space to keep, none added
+    ],
+)
+def test_the_answer_is_the_exact_continuation_of_the_prompt(
+    kind: str, prompt: str, answer: str, stop: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = load_engine(EVERY_KIND[kind], device="cpu", dtype="float32")
+    head = engine.encode_prompt(prompt)
+    made = engine.encode_prompt(answer + ". And then")  # as a model makes them: " we" with its ▁ or Ġ
+    if engine.tokenizer.decode(made[:1]) == "":  # sentencepiece's lone ▁ before a text without a space
+        made = made[1:]
+    assert engine.tokenizer.decode(head + made) == prompt + answer + ". And then"  # they spell the whole text
+    monkeypatch.setattr(engine, "decode_ids", lambda batch, params, seeds=None: ([made], 1))
+    [r] = engine.generate([prompt], engine.params({"stop": list(stop)}))
+    assert r.text == (answer if stop else answer + ". And then")

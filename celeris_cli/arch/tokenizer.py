@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -177,6 +178,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode([i for i in ids if i != self.mask_id])
+
+    def continuation(self, prompt: Sequence[int], ids: list[int]) -> str:
+        """The text `ids` add after `prompt`, leading space included, as an OpenAI completion gives it.
+        Decoded alone, a first piece loses its word-start mark (sentencepiece drops the ▁ that begins a
+        text), so the answer is decoded after its prompt and the prompt's own text cut off."""
+        head = self.decode(list(prompt))
+        whole = self.decode([*prompt, *ids])
+        return whole[len(head) :] if whole.startswith(head) else self.decode(ids)
 
     @functools.cached_property
     def word_pieces(self) -> frozenset[int]:

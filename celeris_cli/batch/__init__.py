@@ -105,6 +105,8 @@ def run_file(
     if done != len(requests) or len(bodies) + len(failures) != total:  # an invariant, not a user error
         raise RuntimeError(f"executor returned {done} outcomes for {len(requests)} requests")
     lines = [result_line(source.name, req, bodies[req.line]) for req in requests if req.line in bodies]
+    # the queue's records name a results file in its outputs folder; this run's results are at `output`
+    failures = [{**rec, "output": str(output.resolve())} for rec in failures]
     failures.sort(key=lambda rec: rec["source"]["line"])
     try:
         atomic_write(failed, _jsonl(failures))

@@ -48,7 +48,10 @@ def import_ray(what: str = "--ray", data: bool = True) -> Any:
         if data:
             import ray.data  # noqa: F401
     except ImportError:
-        raise UsageError(f"{what} needs Ray: pip install 'celeris[ray]'") from None
+        raise UsageError(  # Celeris is on no package index: install its ray extra from a clone or a wheel
+            f"{what} needs Ray: pip install -e '.[ray]' in a clone of Celeris "
+            "(or pip install 'celeris-VERSION-py3-none-any.whl[ray]' from a built wheel)"
+        ) from None
     return ray
 
 

@@ -4,6 +4,7 @@ in input order, batch by batch, each batch written as soon as it finishes."""
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ class Job:
     text: str
     ids: list[int]
     seed: int
+    sample: int = 0  # which of the prompt's --samples this is
 
 
 def prepare(
@@ -51,7 +53,7 @@ def prepare(
         typer.echo(f"Error: {where}: {err} (skipped)", err=True)
     if params.seed + samples - 1 > MAX_SEED:
         raise UsageError(f"seed {params.seed} plus {samples} samples passes the largest seed {MAX_SEED}")
-    jobs = [Job(p.text, ids, params.seed + k) for p, ids in ok for k in range(samples)]
+    jobs = [Job(p.text, ids, params.seed + k, k) for p, ids in ok for k in range(samples)]
     return jobs, len(problems)
 
 
@@ -68,8 +70,8 @@ def run(engine: Any, params: Any, jobs: list[Job], batch_size: int, sink: Sink, 
                 results = engine.decode_batch(
                     [j.text for j in batch], [j.ids for j in batch], params, [j.seed for j in batch]
                 )
-                with deferred_interrupt():  # a record is written whole or not at all
-                    sink.write([r.to_dict() for r in results])
+                with deferred_interrupt(), progress.hidden() if sink.on_terminal else nullcontext():
+                    sink.write([r.to_dict() for r in results])  # a record is written whole or not at all
                 tokens += sum(r.output_tokens for r in results)
                 last = results[-1]
                 progress.advance(len(batch), tokens)
@@ -84,8 +86,10 @@ def run(engine: Any, params: Any, jobs: list[Job], batch_size: int, sink: Sink, 
     sink.close()
     seconds = time.perf_counter() - t0
     if not quiet and last is not None:
+        prompts = sum(j.sample == 0 for j in jobs)
+        answers = f", {sink.written} answers" if sink.written != prompts else ""
         typer.echo(
-            f"[{sink.written} prompt(s), {tokens} tokens in {seconds:.2f}s, "
+            f"[{prompts} prompt(s){answers}, {tokens} tokens in {seconds:.2f}s, "
             f"{tokens / max(seconds, 1e-9):.1f} tokens/s, {last.device} {last.dtype}]"
             + (f" -> {sink.path}" if sink.path else ""),
             err=True,

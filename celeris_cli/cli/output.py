@@ -36,6 +36,11 @@ class Sink:
             except OSError as e:
                 raise UsageError(f"cannot write --output {path}: {e.strerror or e}") from None
 
+    @property
+    def on_terminal(self) -> bool:
+        """Whether answers show on a terminal as they are written (where a progress bar may be drawn)."""
+        return self.fmt != "json" and self._out.isatty()
+
     def write(self, records: list[dict[str, Any]]) -> None:
         """One finished batch, in input order."""
         if self.fmt == "json":

@@ -60,6 +60,20 @@ class Progress:
         if self._bar is not None:
             self._bar.__exit__(kind, exc, tb)
 
+    @contextmanager
+    def hidden(self) -> Iterator[None]:
+        """The bar taken off the terminal while something else writes to it (answers on stdout), and drawn
+        again below: written under a live bar, an answer would be glued to the bar's line and that line
+        left behind."""
+        if self._bar is None:
+            yield
+            return
+        self._bar.stop()  # transient: the bar's line is erased and the cursor left at its start
+        try:
+            yield
+        finally:
+            self._bar.start()
+
     def advance(self, n: int, tokens: int | None = None) -> None:
         """`n` more answers are done; `tokens` generated so far (None: show answers per second)."""
         self.done += n
