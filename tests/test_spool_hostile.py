@@ -1,0 +1,120 @@
+"""Hostile faults the queue must survive in-process: short writes, names it did not expect, folders
+deleted under it, lines appended after a claim. Subprocess cases are in test_spool_hostile_process.py."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celeris_cli.spool.config import load_config
+from celeris_cli.spool.daemon import Spool
+
+from .spool_helpers import FakeBackend, drop, failures, make_queue
+
+
+def serve(root: Path, backend: FakeBackend | None = None, **cfg: Any) -> int:
+    backend = backend or FakeBackend()
+    return Spool(load_config(make_queue(root, **cfg)), lambda: backend).run(once=True)
+
+
+BAD = "".join(json.dumps({"id": f"b{i}", "prompt": "x" * 2000, "temperature": "hot"}) + "\n" for i in range(3))
+
+
+def short_writes(monkeypatch: pytest.MonkeyPatch, then_enospc: bool) -> dict[str, int]:
+    """os.write writes half of a failure record and returns the short count without raising (as a
+    filling tmpfs does); with `then_enospc`, the next write of that record raises ENOSPC."""
+    real = os.write
+    state = {"short": 0}
+
+    def write(fd: int, data: Any) -> int:
+        if b'"key"' in bytes(data[:200]) and b'"code"' in bytes(data):
+            if state["short"] == 0:
+                state["short"] = 1
+                return real(fd, bytes(data)[: len(data) // 2])
+            if then_enospc and state["short"] == 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    return state
+
+
+def test_a_short_write_of_a_failure_record_is_completed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    drop(tmp_path, "late.jsonl", BAD)
+    short_writes(monkeypatch, then_enospc=False)
+    assert serve(tmp_path) == 1
+    recs = failures(tmp_path)
+    assert sorted(r["custom_id"] for r in recs) == ["b0", "b1", "b2"]
+    assert all(line.startswith("{") for line in (tmp_path / "logs" / "failed.jsonl").read_text().splitlines())
+
+
+def test_a_write_that_runs_out_of_space_leaves_no_torn_record_and_is_written_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drop(tmp_path, "late.jsonl", BAD)
+    short_writes(monkeypatch, then_enospc=True)
+    assert serve(tmp_path, publish_retry_s=0.05) == 75  # publish blocked: the file stays claimed
+    text = (tmp_path / "logs" / "failed.jsonl").read_text() if (tmp_path / "logs" / "failed.jsonl").exists() else ""
+    assert text == "" or text.endswith("\n")  # complete records or none
+    monkeypatch.undo()
+    assert serve(tmp_path) == 1
+    assert sorted(r["custom_id"] for r in failures(tmp_path)) == ["b0", "b1", "b2"]
+    assert len((tmp_path / "logs" / "failed.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_torn_tail_left_by_a_crash_is_repaired_before_the_next_append(tmp_path: Path) -> None:
+    from celeris_cli.spool.fsutil import append_line
+
+    log = tmp_path / "failed.jsonl"
+    log.write_bytes(b'{"key": "a"}\n{"key": "b", "sou')
+    append_line(log, '{"key": "c"}')
+    assert log.read_bytes() == b'{"key": "a"}\n{"key": "c"}\n'
+
+
+@pytest.fixture
+def small_logs(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """`logs/` on a real tmpfs that is full but for two pages (root only; skipped elsewhere)."""
+    import subprocess
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(logs)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        # the lock's and heartbeat's pages are taken before the disk fills, and the event log's first
+        # page is full: of the two pages left, the event log takes one and the failure log the other
+        (logs / ".celeris.lock").write_text("pid 0\n")
+        (logs / "heartbeat.json").write_text("{}")
+        (logs / "events.jsonl").write_text(json.dumps({"event": "pad", "pad": "." * 4068}) + "\n")
+        filler = logs / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096) == 4096:
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        os.truncate(filler, max(0, filler.stat().st_size - 8192))  # two pages free
+        yield filler
+    finally:
+        subprocess.run(["umount", "-l", str(logs)])
+
+
+def test_a_really_full_tmpfs_under_logs_tears_no_record(tmp_path: Path, small_logs: Path) -> None:
+    big = "".join(json.dumps({"id": f"b{i}", "prompt": "y" * 5000, "temperature": "hot"}) + "\n" for i in range(3))
+    drop(tmp_path, "late.jsonl", big)
+    assert serve(tmp_path, publish_retry_s=0.05) == 75
+    log = tmp_path / "logs" / "failed.jsonl"
+    assert all(json.loads(line) for line in (log.read_text().splitlines() if log.exists() else []))
+    small_logs.unlink()
+    assert serve(tmp_path) == 1
+    lines = log.read_text().splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in lines) == ["b0", "b1", "b2"]
