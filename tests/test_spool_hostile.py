@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,15 @@ import pytest
 from celeris_cli.spool.config import load_config
 from celeris_cli.spool.daemon import Spool
 
-from .spool_helpers import FakeBackend, drop, failures, make_queue
+from .spool_helpers import FakeBackend, drop, failures, make_queue, outputs
+
+
+def put(root: Path, name: str, content: str, age_s: float) -> None:
+    """Write an inbox file in place (a name too long for `drop`'s `.name.part`), aged with os.utime."""
+    path = root / "batch_inputs" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content, encoding="utf-8")
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
 
 
 def serve(root: Path, backend: FakeBackend | None = None, **cfg: Any) -> int:
@@ -118,3 +127,59 @@ def test_a_really_full_tmpfs_under_logs_tears_no_record(tmp_path: Path, small_lo
     assert serve(tmp_path) == 1
     lines = log.read_text().splitlines()
     assert sorted(json.loads(x)["custom_id"] for x in lines) == ["b0", "b1", "b2"]
+
+
+def test_a_250_byte_name_is_served_under_a_short_readable_name_and_stops_nothing(tmp_path: Path) -> None:
+    names = ["é" * 120 + "abcd.jsonl", "x" * 245 + ".txt", "y" * 251 + ".txt"]  # 254, 249 and 255 bytes
+    for i, name in enumerate(names):
+        put(tmp_path, name, json.dumps({"id": "a", "prompt": f"long {i}"}) + "\n", age_s=30 - i)
+    drop(tmp_path, "plain.txt", "beside it\n", age_s=5)
+    assert serve(tmp_path) == 0
+    out = outputs(tmp_path)
+    assert len(out) == 4 and out["plain.txt.results.jsonl"][0]["response"]["body"]["text"] == "ti ediseb"
+    for name in out:
+        assert len(os.fsencode(name)) <= 255
+    long_ones = sorted(n for n in out if n != "plain.txt.results.jsonl")
+    assert [n[:3] for n in long_ones] == ["xxx", "yyy", "ééé"]  # the readable stem kept
+    assert all(n.endswith((".jsonl.results.jsonl", ".txt.results.jsonl")) for n in long_ones)
+    assert [n for n in os.listdir(tmp_path / "batch_inputs") if not n.startswith(".")] == []
+
+
+def test_odd_legal_names_are_served_or_quarantined_with_a_record(tmp_path: Path) -> None:
+    drop(tmp_path, "new\nline.txt", "one\n", age_s=30)
+    drop(tmp_path, os.fsdecode(b"latin\xe9.txt"), "two\n", age_s=29)
+    drop(tmp_path, "tab\there -- .jsonl", json.dumps({"id": "t", "prompt": "three"}) + "\n", age_s=28)
+    drop(tmp_path, "no-suffix", "four\n", age_s=27)
+    drop(tmp_path, "plain.txt", "five\n", age_s=5)
+    assert serve(tmp_path) == 1  # the one without a known suffix is quarantined with a record
+    out = outputs(tmp_path)
+    assert len(out) == 4 and "new\nline.txt.results.jsonl" in out
+    [rec] = failures(tmp_path)
+    assert rec["source"]["file"] == "no-suffix" and rec["code"] == "unsupported_format", rec
+
+
+def test_a_derived_name_never_takes_a_name_a_user_wrote(tmp_path: Path) -> None:
+    from celeris_cli.spool.intake import SEQ_BLOCK
+
+    user = f"dup~{SEQ_BLOCK + 1}.jsonl"  # the name the second run would give a second dup.jsonl
+    drop(tmp_path, "dup.jsonl", json.dumps({"id": "a", "prompt": "first"}) + "\n", age_s=20)
+    drop(tmp_path, user, json.dumps({"id": "a", "prompt": "users own"}) + "\n", age_s=10)
+    assert serve(tmp_path) == 0
+    drop(tmp_path, "dup.jsonl", json.dumps({"id": "a", "prompt": "second"}) + "\n")
+    assert serve(tmp_path) == 0
+    texts = sorted(r["response"]["body"]["text"] for recs in outputs(tmp_path).values() for r in recs)
+    assert texts == sorted(["tsrif", "nwo sresu", "dnoces"])
+    assert outputs(tmp_path)[f"{user}.results.jsonl"][0]["response"]["body"]["text"] == "nwo sresu"
+
+
+def test_a_claim_name_with_a_newline_is_resumed_as_itself(tmp_path: Path) -> None:
+    from celeris_cli.spool.intake import Inbox
+    from celeris_cli.spool.ledger import EventLog
+
+    cfg = load_config(make_queue(tmp_path))
+    work = tmp_path / "batch_inputs" / ".work"
+    work.mkdir()
+    (work / "00000007.new\nline.txt").write_text("left claimed\n")
+    [job] = Inbox(cfg.folders, 0.2, EventLog(tmp_path / "logs" / "events.jsonl")).open(0)
+    assert (job.seq, job.name) == (7, "new\nline.txt")
+    assert os.listdir(work) == ["00000007.new\nline.txt"]

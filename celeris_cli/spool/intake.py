@@ -5,8 +5,8 @@ ends with a newline (a producer that published by rename). Dot-files, `*.tmp` an
 
 Each arrival gets a claim number from a durable counter. The claimed file is `.work/<claim>.<name>`, so
 it keeps its identity across stops and crashes: at startup it is resumed where it is, never renamed back
-over a newer file of the same name. `<name>` is the inbox name, or `<stem>~<claim><suffix>` when that
-name already has results, a processed or quarantined copy, or a claim in progress.
+over a newer file of the same name. `<name>` is the inbox name, or a derived name (`names`) when that
+name is too long, or already has results, a processed or quarantined copy, or a claim in progress.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import names
 from .config import Folders
 from .formats import Request
 from .fsutil import atomic_write, crashpoint, rename_noreplace
@@ -26,7 +27,7 @@ from .journal import Journal
 from .ledger import EventLog
 
 IGNORED_SUFFIXES = (".tmp", ".part")
-WORK_NAME = re.compile(r"^(\d{8,})\.(.+)$")
+WORK_NAME = re.compile(r"^(\d{8,})\.(.+)$", re.DOTALL)  # a name may hold a newline
 SEQ_BLOCK = 64  # claim numbers reserved per counter write (one fsync per block, not per claim)
 
 
@@ -148,19 +149,30 @@ class Inbox:
         return self.seen_sizes.get(name) == size and _ends_with_newline(path)
 
     def taken(self, name: str) -> bool:
+        """A name in use: claimed now, or with results, a processed or a quarantined copy."""
         return (
             name in self.active
-            or (self.f.outputs / f"{name}.results.jsonl").exists()
-            or (self.f.processed / name).exists()
-            or (self.f.quarantine / name).exists()
+            or os.path.lexists(self.f.outputs / f"{name}.results.jsonl")
+            or os.path.lexists(self.f.processed / name)
+            or os.path.lexists(self.f.quarantine / name)
         )
+
+    def job_name(self, inbox_name: str, seq: int) -> str:
+        """The name a claim publishes under: the inbox name where it is free and fits; otherwise a derived
+        name (shortened, or `~claim`) that is free and that no file in the inbox has either, so a
+        derived name can never take a name a user wrote."""
+        name = names.fit(inbox_name)
+        if name == inbox_name and not self.taken(name):
+            return name
+        for attempt in range(1000):
+            candidate = names.renamed(name, seq, attempt) if (attempt or self.taken(name)) else name
+            if not self.taken(candidate) and not os.path.lexists(self.f.inputs / candidate):
+                return candidate
+        raise FileExistsError(f"no free name for {inbox_name!r}")  # 1000 files named so: not a user's doing
 
     def claim(self, path: Path) -> Job | None:
         seq = self.take_seq()
-        name = path.name
-        if self.taken(name):
-            stem, dot, suffix = name.rpartition(".") if "." in name else (name, "", "")
-            name = f"{stem}~{seq}.{suffix}" if dot else f"{name}~{seq}"
+        name = self.job_name(path.name, seq)
         job = self._job(seq, name)
         try:
             os.rename(path, job.path)  # the work name is new (a fresh claim number): nothing to overwrite
