@@ -183,3 +183,73 @@ def test_a_claim_name_with_a_newline_is_resumed_as_itself(tmp_path: Path) -> Non
     [job] = Inbox(cfg.folders, 0.2, EventLog(tmp_path / "logs" / "events.jsonl")).open(0)
     assert (job.seq, job.name) == (7, "new\nline.txt")
     assert os.listdir(work) == ["00000007.new\nline.txt"]
+
+
+def lines(first: int, last: int) -> str:
+    return "".join(json.dumps({"id": f"r{i}", "prompt": f"p{i}"}) + "\n" for i in range(first, last + 1))
+
+
+class WritesDuringBatch(FakeBackend):
+    """The producer goes on writing through its open handle while the first batch decodes: a pause
+    shorter than settle_s."""
+
+    def __init__(self, handle: Any, text: str) -> None:
+        super().__init__()
+        self.handle, self.text = handle, text
+
+    def run(self, batch: list[Any]) -> list[dict[str, Any]]:
+        if self.text:
+            self.handle.write(self.text)
+            self.handle.flush()
+            self.text = ""
+        return super().run(batch)
+
+
+def test_lines_written_within_settle_after_the_claim_are_served(tmp_path: Path) -> None:
+    make_queue(tmp_path)
+    path = tmp_path / "batch_inputs" / "slow.jsonl"
+    with open(path, "w") as handle:
+        handle.write(lines(1, 8))
+        handle.flush()
+        os.utime(path, (time.time() - 10, time.time() - 10))  # settled: claimed at once
+        assert serve(tmp_path, backend=WritesDuringBatch(handle, lines(9, 17))) == 0
+    assert [r["custom_id"] for r in outputs(tmp_path)["slow.jsonl.results.jsonl"]] == [f"r{i}" for i in range(1, 18)]
+    assert failures(tmp_path) == []
+
+
+def test_lines_written_after_the_publish_get_changed_after_claim_records_and_retry_serves_them(
+    tmp_path: Path,
+) -> None:
+    from celeris_cli.spool.ops import plan_retry
+
+    config = make_queue(tmp_path)
+    path = tmp_path / "batch_inputs" / "slow.jsonl"
+    with open(path, "w") as handle:
+        handle.write(lines(1, 8))
+        handle.flush()
+        os.utime(path, (time.time() - 10, time.time() - 10))
+        assert serve(tmp_path) == 0  # published: the producer paused longer than settle_s
+        handle.write(lines(9, 17))  # ... and goes on, into what is now batch_processed/slow.jsonl
+    assert serve(tmp_path) == 1
+    recs = failures(tmp_path)
+    assert sorted(r["source"]["line"] for r in recs) == list(range(9, 18))
+    assert {r["code"] for r in recs} == {"changed_after_claim"} and all(r["retryable"] for r in recs)
+    assert serve(tmp_path) == 0 and len(failures(tmp_path)) == 9  # recorded once
+    report = plan_retry(load_config(config), tmp_path / "logs" / "failed.jsonl", include_all=False)
+    assert report.resubmitted == 9
+    assert serve(tmp_path) == 0
+    served = sorted(r["custom_id"] for recs in outputs(tmp_path).values() for r in recs)
+    assert served == sorted(f"r{i}" for i in range(1, 18))
+
+
+def test_a_last_line_read_without_its_newline_is_never_served_twice(tmp_path: Path) -> None:
+    from celeris_cli.spool.reading import Snapshot, read_claimed
+
+    path = tmp_path / "f.txt"
+    path.write_bytes(b"a\nb\nc")
+    first = read_claimed(path, "f.txt", Snapshot(), settle_s=0, max_line_bytes=100)
+    assert [r.prompt for r in first.requests] == ["a", "b", "c"]
+    path.write_bytes(b"a\nb\ncd\ne\n")
+    again = read_claimed(path, "f.txt", first.snapshot, settle_s=0, max_line_bytes=100)
+    assert [r.prompt for r in again.requests] == ["e"] and again.changed == [3]
+    assert read_claimed(path, "f.txt", again.snapshot, settle_s=0, max_line_bytes=100).requests == []

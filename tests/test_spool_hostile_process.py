@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 from pathlib import Path
 
@@ -23,3 +24,24 @@ def test_a_name_with_a_newline_survives_sigterm_and_restart_as_itself(tmp_path: 
     assert list(outputs(tmp_path)) == ["new\nline.txt.results.jsonl"]
     assert len(outputs(tmp_path)["new\nline.txt.results.jsonl"]) == 2 and failures(tmp_path) == []
     assert claimed(tmp_path) == [] and visible(tmp_path / "batch_processed") == ["new\nline.txt"]
+
+
+def test_folders_deleted_under_a_running_daemon_are_created_again_and_it_serves_on(tmp_path: Path) -> None:
+    config = make_queue(tmp_path, rescan_s=0.1)
+    drop(tmp_path, "before.txt", "first\n")
+    p = spawn(config)
+    try:
+        wait_for(lambda: (tmp_path / "batch_processed" / "before.txt").exists())
+        for folder in ("batch_inputs", "batch_outputs", "logs"):
+            shutil.rmtree(tmp_path / folder)
+        wait_for(lambda: (tmp_path / "batch_inputs" / ".work").is_dir() and (tmp_path / "logs").is_dir())
+        drop(tmp_path, "after.txt", "second\n")
+        wait_for(lambda: (tmp_path / "batch_processed" / "after.txt").exists())
+        assert p.poll() is None  # still serving
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+    assert p.returncode == 0 and "Traceback" not in err, err
+    assert "after.txt.results.jsonl" in outputs(tmp_path)
+    for key in ("inputs", "outputs", "logs"):
+        assert f"({key}) was missing; created it again" in err

@@ -75,6 +75,7 @@ class BatchConfig:
     max_claims: int = 3  # a request in flight this many times when the daemon died or stopped is poison
     publish_retry_s: float = 1.0  # first back-off after the filesystem refused a publish (doubles, max 60)
     metrics_textfile: Path | None = None  # Prometheus text file, rewritten as the queue works
+    late_window_s: float = 600.0  # a published file is watched this long for lines that arrive late
     source: Path | None = None
 
     @property
@@ -104,6 +105,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "max_claims": (int,),
     "publish_retry_s": (int, float),
     "metrics_textfile": (str, type(None)),
+    "late_window_s": (int, float),
 }
 _POSITIVE = (
     "batch_size",
@@ -115,7 +117,7 @@ _POSITIVE = (
     "max_claims",
     "publish_retry_s",
 )
-_NON_NEGATIVE = ("batch_window_s", "settle_s", "shutdown_grace_s")
+_NON_NEGATIVE = ("batch_window_s", "settle_s", "shutdown_grace_s", "late_window_s")
 _RAY_TYPES: dict[str, tuple[type, ...]] = {
     "address": (str, type(None)),
     "actors": (int,),

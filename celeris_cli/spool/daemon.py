@@ -13,10 +13,8 @@ journals, publishing and the lock stay here, in this one process.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import stat
 import threading
 import time
 from collections import deque
@@ -25,17 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CelerisError, ConfigError
-from . import finish, poison, signals
+from . import poison, signals
 from .backend import Backend
 from .batching import Decided, Item, describe, pack
-from .config import BatchConfig
-from .formats import FileRejected, parse_file
+from .config import BatchConfig, Folders
+from .finish import ONCE_PUBLISH_TRIES, Finisher, Published
+from .formats import FileRejected, Request
 from .fsutil import FolderLocks, crashpoint
 from .intake import Inbox, Job
+from .late import LateLines
 from .ledger import EventLog, FailureLog
 from .metrics import Metrics, output_tokens
 from .pool import Done, Pool, as_pool
 from .publish import Publisher, line_failure, request_failure
+from .reading import Snapshot, read_claimed
 from .status import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -76,15 +77,26 @@ class Spool:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        """Take the locks, check every folder and the backend, and find claims to resume."""
+        """Create missing folders, take the locks, check every folder and the backend, and find claims to
+        resume."""
+        self.ensure_folders(at_start=True)
         self.lock.acquire()  # raises LockHeld
         try:
-            self.f.work.mkdir(exist_ok=True)
-            self.f.quarantine.mkdir(exist_ok=True)
             for key in ("inputs", "outputs", "processed", "logs"):
                 _check_writable(key, getattr(self.f, key))
             self.failures = FailureLog(self.f.logs / "failed.jsonl")
             self.publisher = Publisher(self.f, self.cfg.output_formats, self.failures, self.events)
+            self.late = LateLines(
+                self.f.work / ".late.json",
+                self.failures,
+                self.events,
+                self.cfg.settle_s,
+                self.cfg.max_line_bytes,
+                self.cfg.late_window_s,
+            )
+            self.finisher = Finisher(
+                self.cfg, self.publisher, self.late, self.events, self.metrics, self.prepare, self.ensure_folders
+            )
             for folder in (self.f.outputs, self.f.logs):  # our temp files of a publish cut short
                 for tmp in folder.glob(".*.tmp"):
                     tmp.unlink(missing_ok=True)
@@ -95,6 +107,23 @@ class Spool:
             self.close_pool()
             self.lock.release()
             raise
+
+    def ensure_folders(self, at_start: bool = False) -> bool:
+        """Create the queue's folders that are missing (a fresh root, or one deleted under a running
+        daemon), and lock a recreated one again. Returns whether the inbox was recreated."""
+        made = []
+        for key, folder in FOLDERS(self.f):
+            if not folder.is_dir():
+                try:
+                    folder.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise ConfigError(f"folders.{key}: cannot create {folder} ({e.strerror})") from None
+                made.append(key)
+                if not at_start:
+                    log.warning("%s (%s) was missing; created it again", folder, key)
+                    self.lock.retake(folder)  # raises LockHeld if another daemon took it meanwhile
+                self.events("folder_created", folder=str(folder), key=key, at_start=at_start)
+        return "inputs" in made
 
     def close_pool(self) -> None:
         if self.pool is not None:
@@ -115,6 +144,10 @@ class Spool:
         gave_up = False
         try:
             while not self.stopping:
+                if self.ensure_folders() and observer is not None:  # the inbox was deleted: watch the new one
+                    observer.stop()
+                    observer = self._watch()
+                self.failed_this_run += self.late.check()
                 self.retry_deferred()
                 ready, waiting = self.inbox.scan()
                 resumable = [j for j in self.claimed.values() if j.resumed]
@@ -129,7 +162,7 @@ class Spool:
                 self.metrics.write()
                 if once and not waiting and not self.claimed:
                     break
-                if once and self.claimed and all(j.blocked >= finish.ONCE_PUBLISH_TRIES for j in self.claimed.values()):
+                if once and self.claimed and all(j.blocked >= ONCE_PUBLISH_TRIES for j in self.claimed.values()):
                     gave_up = True
                     break
                 delay = self.cfg.rescan_s if not waiting else min(self.cfg.rescan_s, self.cfg.settle_s / 2 + 0.05)
@@ -193,7 +226,13 @@ class Spool:
         for path in paths:
             if self.stopping or taken >= budget:
                 break
-            new = self.inbox.claim(path)
+            try:
+                new = self.inbox.claim(path)
+            except OSError as e:  # a folder deleted under us, or a move the filesystem refuses
+                log.warning("cannot claim %s: %s; trying again later", path.name, e)
+                self.events("claim_failed", file=path.name, error=str(e))
+                self.inbox.refuse(path.name)
+                continue
             if new is not None:
                 self.claimed[new.seq] = new
                 if self.load(new):
@@ -228,19 +267,11 @@ class Spool:
     def load(self, job: Job) -> bool:
         """Parse a claimed file (and, for a resumed one, its journal). Unreadable files are quarantined."""
         try:
-            st = os.lstat(job.path)
-            if stat.S_ISLNK(st.st_mode):
-                raise FileRejected("symlink", "symlinks in the inbox are not followed; publish a regular file")
-            if not stat.S_ISREG(st.st_mode):
-                raise FileRejected("not_a_file", "only regular files are read")
-            data = job.path.read_bytes()
-            young = time.time() - st.st_mtime < self.cfg.settle_s
-            if young and not data.endswith(b"\n") and b"\n" in data:
-                data = data[: data.rindex(b"\n") + 1]  # a writer is mid-line: read its whole lines only
-            requests, errors = parse_file(job.name, data, self.cfg.max_line_bytes)
-            if len(requests) > self.cfg.max_file_requests:
+            got = read_claimed(job.path, job.name, Snapshot(), self.cfg.settle_s, self.cfg.max_line_bytes)
+            if len(got.requests) > self.cfg.max_file_requests:
                 raise FileRejected(
-                    "too_many_requests", f"{len(requests)} requests; the limit per file is {self.cfg.max_file_requests}"
+                    "too_many_requests",
+                    f"{len(got.requests)} requests; the limit per file is {self.cfg.max_file_requests}",
                 )
         except FileRejected as e:
             self.quarantine(job, e.code, e.message)
@@ -248,16 +279,14 @@ class Spool:
         except OSError as e:
             self.quarantine(job, "unreadable", f"cannot read the file: {e}")
             return False
-        job.read_len = len(data)
-        job.digest = hashlib.sha256(data).hexdigest()
-        job.last_line = data.count(b"\n") + (0 if data.endswith(b"\n") else 1)
-        job.requests = requests
-        job.failures = [line_failure(job, err) for err in errors]
+        job.snapshot = got.snapshot
+        job.requests = got.requests
+        job.failures = [line_failure(job, err) for err in got.errors]
         if job.resumed:
             poison.resume(job, self.cfg.max_claims, self.events)
         return True
 
-    def prepare(self, job: Job, requests: list[Any]) -> list[Item]:
+    def prepare(self, job: Job, requests: list[Request]) -> list[Item]:
         assert self.pool is not None
         out = []
         for req in requests:
@@ -351,7 +380,19 @@ class Spool:
 
     # -- publishing --------------------------------------------------------------------------------
     def complete(self, jobs: list[Job]) -> list[Item]:
-        return finish.complete(self, jobs) if jobs else []
+        if not jobs:
+            return []
+        done = self.finisher.complete(jobs)
+        self.published(done.published)
+        return done.work
+
+    def published(self, published: list[Published]) -> None:
+        for p in published:
+            self.claimed.pop(p.job.seq, None)
+            self.inbox.release(p.job)
+            self.done_this_run += p.results
+            self.failed_this_run += p.failures
+            self.files_this_run += 1
 
     def retry_deferred(self) -> None:
         now = time.time()
@@ -364,6 +405,17 @@ class Spool:
         self.claimed.pop(job.seq, None)
         self.inbox.release(job)
         self.failed_this_run += 1
+
+
+def FOLDERS(f: Folders) -> list[tuple[str, Path]]:  # noqa: N802 - a table, read as one
+    return [
+        ("inputs", f.inputs),
+        ("inputs", f.work),
+        ("outputs", f.outputs),
+        ("processed", f.processed),
+        ("processed", f.quarantine),
+        ("logs", f.logs),
+    ]
 
 
 def _check_writable(key: str, folder: Path) -> None:

@@ -258,6 +258,13 @@ class FolderLocks:
         for lock in self.locks:
             lock.release()
 
+    def retake(self, folder: Path) -> None:
+        """Lock a folder again after it was deleted and created anew (the old lock went with it)."""
+        for lock in self.locks:
+            if lock.path.parent == folder.resolve():
+                lock.release()
+                lock.acquire()
+
     def holder(self) -> str | None:
         for lock in self.locks:
             who = lock.holder()

@@ -25,9 +25,11 @@ from .formats import Request
 from .fsutil import atomic_write, crashpoint, rename_noreplace
 from .journal import Journal
 from .ledger import EventLog
+from .reading import Snapshot
 
 IGNORED_SUFFIXES = (".tmp", ".part")
 WORK_NAME = re.compile(r"^(\d{8,})\.(.+)$", re.DOTALL)  # a name may hold a newline
+REFUSED_S = 30.0  # a file whose claim failed is tried again after this long
 SEQ_BLOCK = 64  # claim numbers reserved per counter write (one fsync per block, not per claim)
 
 
@@ -49,9 +51,7 @@ class Job:
     pending: int = 0
     resumed: bool = False
     suspects: set[int] | None = field(default_factory=set)  # lines to decode alone (None: all remaining)
-    read_len: int = 0  # bytes of the file parsed so far
-    digest: str = ""  # of those bytes: a file that grew by appending still starts with them
-    last_line: int = 0  # the last line number parsed
+    snapshot: Snapshot = Snapshot()  # what has been read of the file (reading.read_claimed)
     not_before: float = 0.0  # a deferred publish waits until then
     blocked: int = 0  # publishes refused by the filesystem in a row
 
@@ -67,6 +67,7 @@ class Inbox:
         self.depth = 0  # inbox files at the last scan, ready or settling
         self.oldest_mtime: float | None = None
         self.active: set[str] = set()  # names of claims in progress
+        self.refused: dict[str, float] = {}  # name -> when to try a claim that failed again
         self.seq_file = folders.work / ".seq"
         self.next_seq = 1
         self.reserved = 0
@@ -122,8 +123,12 @@ class Inbox:
         ready: list[tuple[float, str, Path]] = []
         waiting = 0
         sizes: dict[str, tuple[int, float]] = {}
-        for entry in os.scandir(self.f.inputs):
-            if not is_candidate(entry.name):
+        try:
+            entries = list(os.scandir(self.f.inputs))
+        except FileNotFoundError:  # deleted under us: the daemon creates it again
+            entries = []
+        for entry in entries:
+            if not is_candidate(entry.name) or self.refused.get(entry.name, 0) > now:
                 continue
             try:
                 st = entry.stat(follow_symlinks=False)
@@ -182,6 +187,10 @@ class Inbox:
         self.active.add(name)
         self.events("claim", file=name, claim=seq, original=path.name if name != path.name else None)
         return job
+
+    def refuse(self, name: str) -> None:
+        """A claim of `name` failed: leave it alone for a while instead of failing again every round."""
+        self.refused[name] = time.time() + REFUSED_S
 
     def release(self, job: Job) -> None:
         self.active.discard(job.name)
