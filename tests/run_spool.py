@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from celeris_cli.errors import EXIT_LOCKED
 from celeris_cli.spool.config import load_config
 from celeris_cli.spool.daemon import Spool
 from celeris_cli.spool.fsutil import LockHeld
@@ -65,7 +66,7 @@ def main(argv: list[str]) -> int:
         return spool.run(once="--once" in argv)
     except LockHeld as e:
         print(f"Error: lock held by {e.holder}", file=sys.stderr)
-        return 75
+        return EXIT_LOCKED
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from celeris_cli.errors import EXIT_IO
 from celeris_cli.spool.config import load_config
 from celeris_cli.spool.daemon import Spool
 
@@ -67,7 +68,7 @@ def test_a_write_that_runs_out_of_space_leaves_no_torn_record_and_is_written_lat
 ) -> None:
     drop(tmp_path, "late.jsonl", BAD)
     short_writes(monkeypatch, then_enospc=True)
-    assert serve(tmp_path, publish_retry_s=0.05) == 75  # publish blocked: the file stays claimed
+    assert serve(tmp_path, publish_retry_s=0.05) == EXIT_IO  # publish blocked: the file stays claimed
     text = (tmp_path / "logs" / "failed.jsonl").read_text() if (tmp_path / "logs" / "failed.jsonl").exists() else ""
     assert text == "" or text.endswith("\n")  # complete records or none
     monkeypatch.undo()
@@ -120,7 +121,7 @@ def small_logs(tmp_path: Path):  # type: ignore[no-untyped-def]
 def test_a_really_full_tmpfs_under_logs_tears_no_record(tmp_path: Path, small_logs: Path) -> None:
     big = "".join(json.dumps({"id": f"b{i}", "prompt": "y" * 5000, "temperature": "hot"}) + "\n" for i in range(3))
     drop(tmp_path, "late.jsonl", big)
-    assert serve(tmp_path, publish_retry_s=0.05) == 75
+    assert serve(tmp_path, publish_retry_s=0.05) == EXIT_IO
     log = tmp_path / "logs" / "failed.jsonl"
     assert all(json.loads(line) for line in (log.read_text().splitlines() if log.exists() else []))
     small_logs.unlink()

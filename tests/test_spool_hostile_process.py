@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from .spool_helpers import claimed, drop, failures, make_queue, outputs, visible
-from .test_spool_process import run, spawn, wait_for
+from .test_spool_process import REPO, run, spawn, wait_for
 
 
 def test_a_name_with_a_newline_survives_sigterm_and_restart_as_itself(tmp_path: Path) -> None:
@@ -45,3 +49,29 @@ def test_folders_deleted_under_a_running_daemon_are_created_again_and_it_serves_
     assert "after.txt.results.jsonl" in outputs(tmp_path)
     for key in ("inputs", "outputs", "logs"):
         assert f"({key}) was missing; created it again" in err
+
+
+def test_two_retries_at_the_same_instant_both_succeed_and_resubmit_each_record_once(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for round_ in range(3):
+        root = tmp_path / f"r{round_}"
+        config = make_queue(root, max_attempts=3)
+        log = root / "logs" / "failed.jsonl"
+        recs = [
+            {"key": f"1/a.jsonl:{i}:1", "code": "engine_error", "retryable": True, "attempt": 1,
+             "custom_id": f"c{i}", "output": "a.jsonl.results.jsonl", "request": {"custom_id": f"c{i}", "prompt": "p"}}
+            for i in range(300)
+        ]  # fmt: skip
+        log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        cmd = [sys.executable, "-m", "celeris_cli", "retry", str(log), "--config", str(config), "--no-run", "--json"]
+        procs = [
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in (1, 2)
+        ]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        reports = [json.loads(out) for out, _ in outs]
+        assert sorted(r["resubmitted"] for r in reports) == [0, 300]
+        assert sum(r["already_retried"] for r in reports) == 300
+        inbox = [p for p in (root / "batch_inputs").iterdir() if p.is_file() and not p.name.startswith(".")]
+        assert len(inbox) == 1 and len(inbox[0].read_text().splitlines()) == 300
+        assert len((root / "logs" / "retried.jsonl").read_text().splitlines()) == 300

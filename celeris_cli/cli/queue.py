@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from ..errors import EXIT_LOCKED, CelerisError, UsageError
+from ..errors import EXIT_IO, EXIT_LOCKED, EXIT_OK, CelerisError, UsageError
 from .app import app, fail
 
 
@@ -33,7 +33,8 @@ def _spool(cfg: Any, progress: Any = None) -> Any:
     return Spool(cfg, backend, progress=progress)
 
 
-def _serve(cfg: Any, once: bool, quiet: bool = True, summary: bool = False) -> int:
+def _serve(cfg: Any, once: bool, quiet: bool = True, summary: bool = False, locked_ok: bool = False) -> int | None:
+    """Run the queue; the exit code. With `locked_ok`, None when another instance holds the queue."""
     import time
 
     from ..spool.fsutil import LockHeld
@@ -43,10 +44,12 @@ def _serve(cfg: Any, once: bool, quiet: bool = True, summary: bool = False) -> i
     try:
         code = int(spool.run(once=once))
     except LockHeld as e:
+        if locked_ok:
+            return None
         typer.echo(f"Error: another celeris instance holds the queue lock ({e.holder}); exiting", err=True)
         raise typer.Exit(EXIT_LOCKED) from None
     if summary:  # one line for cron logs, even with --quiet
-        blocked = ", publishing blocked: files kept claimed for the next run" if code == EXIT_LOCKED else ""
+        blocked = ", publishing blocked: files kept claimed for the next run" if code == EXIT_IO else ""
         typer.echo(
             f"celeris watch --once: {spool.files_this_run} files, {spool.done_this_run} results, "
             f"{spool.failed_this_run} failures in {time.monotonic() - t0:.1f} s{blocked}",
@@ -64,7 +67,8 @@ def watch(
 ) -> None:
     """Serve a spool folder: prompt files in, results out. Prints a line per batch to stderr, and with
     --once a summary line. Exit codes: 0 done, 1 failures recorded (--once), 2 usage, config or model
-    error, 75 another instance holds the lock (or, with --once, a publish is refused by the filesystem)."""
+    error, 74 (--once) a publish is refused by the filesystem (files stay claimed), 75 another instance holds
+    the lock."""
     import logging
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(message)s")
@@ -72,7 +76,7 @@ def watch(
         code = _serve(_load_batch_config(config), once, quiet=quiet, summary=once)
     except CelerisError as e:
         fail(e)
-    raise typer.Exit(code)
+    raise typer.Exit(code or EXIT_OK)
 
 
 @app.command()
@@ -100,13 +104,10 @@ def retry(
         for warning in report.details:
             typer.echo(f"Warning: {warning}", err=True)
         ran = "not run"
-        code = 0
+        code: int | None = EXIT_OK
         if report.resubmitted and not no_run:
-            if queue_lock(cfg).holder() is None:
-                code = _serve(cfg, once=True)
-                ran = "ran now"
-            else:
-                ran = "queued for the running daemon"
+            code = _serve(cfg, once=True, locked_ok=True) if queue_lock(cfg).holder() is None else None
+            ran = "ran now" if code is not None else "queued for the running daemon"
     except CelerisError as e:
         fail(e)
     summary = {**report.to_dict(), "run": ran}
@@ -120,7 +121,7 @@ def retry(
             f"{report.out_of_attempts} out of attempts, {report.no_request} without a request, "
             f"{report.malformed} malformed" + (f"; file {report.file}" if report.file else "")
         )
-    raise typer.Exit(code)
+    raise typer.Exit(code or EXIT_OK)
 
 
 @app.command()

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import CelerisError, ConfigError
+from ..errors import EXIT_FAILED, EXIT_IO, EXIT_OK, CelerisError, ConfigError
 from . import poison, signals
 from .backend import Backend
 from .batching import Decided, Item, describe, pack
@@ -135,8 +135,9 @@ class Spool:
         return [item for batch, _ in list(self.flight.values()) for item in batch]
 
     def run(self, once: bool) -> int:
-        """Serve the queue. Returns the exit code: 0; 1 in --once mode when failures were recorded; 75 in
-        --once mode when a publish is still refused by the filesystem (the file stays claimed)."""
+        """Serve the queue. Returns the exit code: EXIT_OK; EXIT_FAILED in --once mode when failures were
+        recorded; EXIT_IO in --once mode when a publish is still refused by the filesystem (the file stays
+        claimed)."""
         self.start()
         self.events("start", pid=os.getpid(), once=once)
         observer = None if once else self._watch()
@@ -183,8 +184,8 @@ class Spool:
             self.lock.release()
             signals.restore(previous)
         if gave_up:
-            return 75
-        return 1 if once and self.failed_this_run else 0
+            return EXIT_IO
+        return EXIT_FAILED if once and self.failed_this_run else EXIT_OK
 
     def _watch(self) -> Any:
         return signals.watch(self.f.inputs, self.wake)

@@ -10,6 +10,8 @@ import ctypes
 import errno
 import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ def atomic_write(
     I/O error (a full disk, a read-only folder) the temp file is removed and the error raised.
     `sync_dir=False`: the caller fsyncs the folder once for many files; `durable=False`: no fsync at all
     (a heartbeat, which only has to be whole)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # two writers never share a temp file
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -185,6 +187,17 @@ def append_line(path: Path, line: str, crash_name: str | None = None, durable: b
             except OSError:
                 pass
             raise
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def waiting_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `path` for a short critical section, waiting for another holder."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
         os.close(fd)
 

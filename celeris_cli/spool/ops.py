@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import UsageError
 from .config import BatchConfig
 from .daemon import HEARTBEAT, queue_lock
-from .fsutil import append_line, atomic_write
+from .fsutil import append_line, atomic_write, waiting_lock
 from .intake import is_candidate
 from .ledger import now_iso, read_jsonl
 from .status import read_heartbeat
@@ -29,6 +29,9 @@ USER_ERROR_CODES = frozenset(
     {"line_too_long", "invalid_utf8", "invalid_json", "invalid_id", "duplicate_id", "missing_prompt"}
     | {"bad_param", "prompt_too_long"}  # UsageError's codes (errors.py)
 )
+
+
+RETRY_LOCK = ".retry.lock"
 
 
 @dataclass
@@ -95,7 +98,15 @@ def read_failure_log(log_path: Path, report: RetryReport) -> list[dict[str, Any]
 
 def plan_retry(cfg: BatchConfig, log_path: Path, include_all: bool, force: bool = False) -> RetryReport:
     """Choose failure records to run again and publish them as an inbox file. `include_all` adds records
-    marked not retryable, except line-level user errors, which only `force` adds."""
+    marked not retryable, except line-level user errors, which only `force` adds. Two retries at once
+    take turns (a lock in logs/), so the second sees what the first resubmitted."""
+    cfg.folders.logs.mkdir(parents=True, exist_ok=True)
+    cfg.folders.inputs.mkdir(parents=True, exist_ok=True)
+    with waiting_lock(cfg.folders.logs / RETRY_LOCK):
+        return _plan_retry(cfg, log_path, include_all, force)
+
+
+def _plan_retry(cfg: BatchConfig, log_path: Path, include_all: bool, force: bool) -> RetryReport:
     ledger = cfg.folders.logs / "retried.jsonl"
     done = {rec.get("key") for rec in read_jsonl(ledger)}
     report = RetryReport()
