@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from .spool_helpers import claimed, drop, failures, make_queue, outputs, visible
@@ -75,3 +76,19 @@ def test_two_retries_at_the_same_instant_both_succeed_and_resubmit_each_record_o
         inbox = [p for p in (root / "batch_inputs").iterdir() if p.is_file() and not p.name.startswith(".")]
         assert len(inbox) == 1 and len(inbox[0].read_text().splitlines()) == 300
         assert len((root / "logs" / "retried.jsonl").read_text().splitlines()) == 300
+
+
+def test_an_idle_watch_stops_promptly_on_sigterm_and_says_so(tmp_path: Path) -> None:
+    config = make_queue(tmp_path, model="celeris-tiny", rescan_s=5.0)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "celeris_cli", "watch", str(config)], env=env, stderr=subprocess.PIPE, text=True
+    )
+    heartbeat = tmp_path / "logs" / "heartbeat.json"
+    wait_for(lambda: heartbeat.exists() and json.loads(heartbeat.read_text())["state"] == "idle", timeout=120)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=30)
+    took = time.monotonic() - t0
+    assert p.returncode == 0 and "celeris watch: stopped on SIGTERM (0 files, 0 results, 0 failures" in err, err
+    assert took < 1.0, took  # the interpreter's teardown of torch alone took ~2 s here

@@ -33,8 +33,29 @@ def _spool(cfg: Any, progress: Any = None) -> Any:
     return Spool(cfg, backend, progress=progress)
 
 
-def _serve(cfg: Any, once: bool, quiet: bool = True, summary: bool = False, locked_ok: bool = False) -> int | None:
-    """Run the queue; the exit code. With `locked_ok`, None when another instance holds the queue."""
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def summary_line(counts: Any, seconds: float, blocked: bool = False) -> str:
+    """The one line `watch --once` ends with, for cron logs."""
+    quarantined = f" ({counts.quarantined} quarantined)" if counts.quarantined else ""
+    return (
+        f"celeris watch --once: {plural(counts.files, 'file')}{quarantined}, {plural(counts.results, 'result')}, "
+        f"{plural(counts.failures, 'failure')} in {seconds:.1f} s"
+        + (", publishing blocked: files kept claimed for the next run" if blocked else "")
+    )
+
+
+def _serve(
+    cfg: Any, once: bool, quiet: bool = True, summary: bool = False, locked_ok: bool = False, exit_now: bool = False
+) -> int | None:
+    """Run the queue; the exit code. With `locked_ok`, None when another instance holds the queue. With
+    `exit_now`, a daemon stopped by a signal says so and leaves the process at once: everything is on
+    disk by then, and the interpreter's teardown of torch alone takes seconds."""
+    import os
+    import signal
+    import sys
     import time
 
     from ..spool.fsutil import LockHeld
@@ -49,12 +70,21 @@ def _serve(cfg: Any, once: bool, quiet: bool = True, summary: bool = False, lock
         typer.echo(f"Error: another celeris instance holds the queue lock ({e.holder}); exiting", err=True)
         raise typer.Exit(EXIT_LOCKED) from None
     if summary:  # one line for cron logs, even with --quiet
-        blocked = ", publishing blocked: files kept claimed for the next run" if code == EXIT_IO else ""
+        typer.echo(summary_line(spool.counts, time.monotonic() - t0, blocked=code == EXIT_IO), err=True)
+    if spool.stop_signal is not None:
+        c = spool.counts
         typer.echo(
-            f"celeris watch --once: {spool.files_this_run} files, {spool.done_this_run} results, "
-            f"{spool.failed_this_run} failures in {time.monotonic() - t0:.1f} s{blocked}",
+            f"celeris watch: stopped on {signal.Signals(spool.stop_signal).name} "
+            f"({plural(c.files, 'file')}, {plural(c.results, 'result')}, {plural(c.failures, 'failure')} this run)",
             err=True,
         )
+        if exit_now:
+            import logging
+
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     return code
 
 
@@ -73,7 +103,7 @@ def watch(
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(message)s")
     try:
-        code = _serve(_load_batch_config(config), once, quiet=quiet, summary=once)
+        code = _serve(_load_batch_config(config), once, quiet=quiet, summary=once, exit_now=True)
     except CelerisError as e:
         fail(e)
     raise typer.Exit(code or EXIT_OK)

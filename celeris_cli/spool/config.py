@@ -1,7 +1,8 @@
 """`configs/batch.yaml`: typed, validated when loaded. Errors name the key: `batch_size: must be ...`.
 
-Relative folders are resolved against `root`, which is itself relative to the config file, so cron
-(which starts in $HOME) and a shell in the repo read the same queue.
+Relative folders and a relative `model:` are resolved against `root`, which is itself relative to the
+config file, so cron (which starts in $HOME) and a shell in the repo read the same queue. Folders that do
+not exist yet are created when the queue starts (`Spool.start`); `root` itself must exist.
 """
 
 from __future__ import annotations
@@ -216,6 +217,8 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
     if not isinstance(root_raw, str):
         raise ConfigError(f"root: must be str, got {root_raw!r}")
     root = (base / root_raw).resolve()
+    if not root.is_dir():
+        raise ConfigError(f"root: folder does not exist: {root}")
     folders_raw = raw.get("folders", {})
     if not isinstance(folders_raw, dict):
         raise ConfigError(f"folders: must be a mapping, got {folders_raw!r}")
@@ -228,11 +231,11 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
         if not isinstance(value, str):
             raise ConfigError(f"folders.{key}: must be str, got {value!r}")
         p = (root / value).resolve()
-        if not p.is_dir():
-            raise ConfigError(f"folders.{key}: folder does not exist: {p}")
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"folders.{key}: not a folder: {p}")
         folder_paths[key] = p
     if "model" in values and values["model"] is not None:
-        values["model"] = _model_path(values["model"], base)
+        values["model"] = _model_path(values["model"], root)
     if values.get("metrics_textfile") is not None:
         metrics = (root / values["metrics_textfile"]).resolve()
         if not metrics.parent.is_dir():
@@ -241,14 +244,25 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
     return BatchConfig(folders=Folders(**folder_paths), source=path, **values)
 
 
-def _model_path(model: str, base: Path) -> str:
-    """A model folder, relative to the config's folder; or, where no such folder exists, the name of an
-    embedded model (`celeris-tiny`), as the path of its folder inside the package (so that a folder of that
-    name in the daemon's working directory is not taken instead)."""
+def embedded_names() -> list[str]:
+    """The models shipped inside the package (`celeris_cli/models/<name>/config.json`)."""
+    folder = Path(__file__).parents[1] / "models"
+    return sorted(p.name for p in folder.iterdir() if (p / "config.json").is_file()) if folder.is_dir() else []
+
+
+def _model_path(model: str, root: Path) -> str:
+    """A model folder, relative to `root`; or, where no such folder exists, the name of an embedded model
+    (`celeris-tiny`), as the path of its folder inside the package (so that a folder of that name in the
+    daemon's working directory is not taken instead). A bare name that is neither is a ConfigError that
+    lists the embedded names."""
     if Path(model).is_absolute():
         return model
-    folder = (base / model).resolve()
-    embedded = Path(__file__).parents[1] / "models" / model
-    if not folder.exists() and "/" not in model and (embedded / "config.json").is_file():
-        return str(embedded.resolve())
-    return str(folder)
+    folder = (root / model).resolve()
+    if folder.exists() or "/" in model:
+        return str(folder)
+    if model in embedded_names():
+        return str((Path(__file__).parents[1] / "models" / model).resolve())
+    raise ConfigError(
+        f"model: {model!r} is neither a folder ({folder}) nor an embedded model "
+        f"(embedded: {', '.join(embedded_names())})"
+    )

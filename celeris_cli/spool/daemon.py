@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,16 @@ def queue_lock(cfg: BatchConfig) -> FolderLocks:
     return FolderLocks([f.inputs, f.outputs, f.processed, f.logs], LOCK_NAME)
 
 
+@dataclass
+class RunCounts:
+    """What one run of the daemon did, for its summary line and its stop event."""
+
+    files: int = 0  # published or quarantined
+    quarantined: int = 0
+    results: int = 0
+    failures: int = 0  # failure records of this run (a quarantined file has one)
+
+
 class Spool:
     def __init__(
         self,
@@ -71,9 +82,8 @@ class Spool:
         self.stopping = False
         self.claimed: dict[int, Job] = {}  # claim number -> job in progress (resumed, decoding or deferred)
         self.flight: dict[int, tuple[list[Item], float]] = {}  # pool ticket -> (batch, start time)
-        self.failed_this_run = 0
-        self.done_this_run = 0
-        self.files_this_run = 0
+        self.counts = RunCounts()
+        self.stop_signal: int | None = None  # the signal that stopped the loop, if one did
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -148,7 +158,7 @@ class Spool:
                 if self.ensure_folders() and observer is not None:  # the inbox was deleted: watch the new one
                     observer.stop()
                     observer = self._watch()
-                self.failed_this_run += self.late.check()
+                self.counts.failures += self.late.check()
                 self.retry_deferred()
                 ready, waiting = self.inbox.scan()
                 resumable = [j for j in self.claimed.values() if j.resumed]
@@ -177,7 +187,7 @@ class Spool:
             if observer is not None:
                 observer.stop()
                 observer.join(timeout=5)
-            self.events("stop", pid=os.getpid(), done=self.done_this_run, failed=self.failed_this_run, reason="done")
+            self.events("stop", pid=os.getpid(), done=self.counts.results, failed=self.counts.failures, reason="done")
             self.beat.write("stopped", self)
             self.metrics.queue(self.inbox.depth, self.inbox.oldest_mtime, len(self.claimed))
             self.metrics.write(force=True)
@@ -185,12 +195,13 @@ class Spool:
             signals.restore(previous)
         if gave_up:
             return EXIT_IO
-        return EXIT_FAILED if once and self.failed_this_run else EXIT_OK
+        return EXIT_FAILED if once and self.counts.failures else EXIT_OK
 
     def _watch(self) -> Any:
         return signals.watch(self.f.inputs, self.wake)
 
     def _on_signal(self, signum: int) -> None:
+        self.stop_signal = signum
         self.stopping = True
         self.wake.set()
         self.events("signal", signal=signum, grace_s=self.cfg.shutdown_grace_s)
@@ -198,7 +209,7 @@ class Spool:
     def _grace_expired(self) -> None:
         try:
             self.stop_claims(self.in_flight)
-            done, failed = self.done_this_run, self.failed_this_run
+            done, failed = self.counts.results, self.counts.failures
             self.events("stop", pid=os.getpid(), done=done, failed=failed, reason="grace_expired")
             self.beat.write("stopped", self)
         finally:
@@ -391,9 +402,9 @@ class Spool:
         for p in published:
             self.claimed.pop(p.job.seq, None)
             self.inbox.release(p.job)
-            self.done_this_run += p.results
-            self.failed_this_run += p.failures
-            self.files_this_run += 1
+            self.counts.results += p.results
+            self.counts.failures += p.failures
+            self.counts.files += 1
 
     def retry_deferred(self) -> None:
         now = time.time()
@@ -405,7 +416,9 @@ class Spool:
         self.metrics.published(0, [code])
         self.claimed.pop(job.seq, None)
         self.inbox.release(job)
-        self.failed_this_run += 1
+        self.counts.failures += 1
+        self.counts.files += 1
+        self.counts.quarantined += 1
 
 
 def FOLDERS(f: Folders) -> list[tuple[str, Path]]:  # noqa: N802 - a table, read as one
