@@ -321,7 +321,9 @@ class Spool:
         assert self.pool is not None
         for job in {id(j): j for j, _ in batch}.values():
             mine = [p.request.line for j, p in batch if j is job]
-            if job.journal.exists or job.pending > len(mine) or job.suspects is None or job.suspects:
+            if needs_journal(
+                job, undecided_after=job.pending - len(mine), suspect=job.suspects is None or bool(job.suspects)
+            ):
                 job.journal.append({"try": mine})  # so a death here can be blamed on these lines
         ticket = self.pool.submit([p for _, p in batch])
         self.flight[ticket] = (batch, time.perf_counter())
@@ -387,7 +389,7 @@ class Spool:
         for rec in new:
             job.outcomes[rec["line"]] = rec
         job.pending -= len(outcomes)
-        if new and (job.journal.exists or job.pending > 0 or any("failure" in r for r in new)):
+        if new and needs_journal(job, undecided_after=job.pending, suspect=any("failure" in r for r in new)):
             job.journal.append({"outcomes": new})  # decided once: a rerun never decodes these again
 
     # -- publishing --------------------------------------------------------------------------------
@@ -419,6 +421,16 @@ class Spool:
         self.counts.failures += 1
         self.counts.files += 1
         self.counts.quarantined += 1
+
+
+def needs_journal(job: Job, undecided_after: int, suspect: bool) -> bool:
+    """Whether a step of `job` must be journaled. Not when the file is decided in one batch that cannot
+    be blamed for anything: a crash before its publish redoes that one batch, and the common small file
+    costs no fsync. It must be when the journal already exists (it has to stay whole), when requests stay
+    undecided after this step (a restart must know what is decided), and when the step involves suspects
+    (lines in flight at an earlier death, decoded alone) or failures (decided for good: never decode
+    them again, so a rerun cannot turn a recorded failure into a result)."""
+    return job.journal.exists or undecided_after > 0 or suspect
 
 
 def FOLDERS(f: Folders) -> list[tuple[str, Path]]:  # noqa: N802 - a table, read as one
