@@ -141,12 +141,19 @@ class Finisher:
             except OSError as e:
                 self._blocked_or_raise(job, e)
                 written.remove(job)
-        moved = [(job, self.pub.processed(job)) for job in written if job.path.exists()]
+        for job in list(written):
+            if job.path.exists():
+                try:  # a writer may not be done with it: watch it, before it moves, for late lines
+                    places = [self.f.processed / job.name, self.f.processed / f"{job.name}~{job.seq}"]
+                    self.late.watch(job.name, job.seq, job.path, places, job.snapshot)
+                except OSError as e:
+                    self._blocked_or_raise(job, e)
+                    written.remove(job)
+                    continue
+                self.pub.processed(job)
         fsync_dir(self.f.processed)
         fsync_dir(self.f.work)
         crashpoint("after_move")
-        for job, dst in moved:
-            self.late.watch(job.name, job.seq, dst, job.snapshot)  # a writer may not be done with it
         out = []
         for job in written:
             job.journal.remove()

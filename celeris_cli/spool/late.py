@@ -5,8 +5,10 @@ Nothing can tell such a pause from a finished file, so the queue keeps watching 
 for `late_window_s`. Each line that arrives gets a failure record, never silence: a request gets a
 retryable `changed_after_claim` record with its line number and the request itself (`celeris retry`
 serves it), a bad line its own code, and a line that changed after it was read a `changed_after_claim`
-record naming it. The files watched are kept in `inputs/.work/late.json`, so `watch --once` runs from
-cron watch them too.
+record naming it. The files watched are kept in `inputs/.work/.late.json`, so `watch --once` runs from
+cron watch them too. A file is put on the watch (durably) before it is moved to `processed/`, so a death
+between the two cannot lose it; it is known there by its inode, and checked only once it is there (while
+it is still claimed, a restart reads it whole and serves every line).
 """
 
 from __future__ import annotations
@@ -32,9 +34,20 @@ CODE = "changed_after_claim"
 class Watched:
     name: str  # the name its results and records use
     claim: int
-    path: str  # its processed copy
+    paths: list[str]  # where its processed copy may be
+    inode: int
     snapshot: Snapshot
     until: float
+
+    def find(self) -> Path | None:
+        """Its processed copy (the candidate with its inode), or None while it is not there."""
+        for p in self.paths:
+            try:
+                if Path(p).stat().st_ino == self.inode:
+                    return Path(p)
+            except OSError:
+                continue
+        return None
 
 
 class LateLines:
@@ -49,10 +62,14 @@ class LateLines:
         self.window_s = window_s
         self.watched: list[Watched] = _load(state)
 
-    def watch(self, name: str, claim: int, path: Path, snapshot: Snapshot) -> None:
-        if self.window_s > 0:
-            self.watched.append(Watched(name, claim, str(path), snapshot, time.time() + self.window_s))
-            self._save()
+    def watch(self, name: str, claim: int, claimed: Path, places: list[Path], snapshot: Snapshot) -> None:
+        """Watch the file claimed at `claimed`, about to move to one of `places`. Raises OSError when the
+        watch cannot be saved (a full disk): the caller does not move the file then."""
+        if self.window_s <= 0:
+            return
+        w = Watched(name, claim, [str(p) for p in places], claimed.stat().st_ino, snapshot, time.time() + self.window_s)
+        self.watched = [x for x in self.watched if x.claim != claim] + [w]
+        atomic_write(self.state, self._dump())
 
     def check(self) -> int:
         """Record the lines that reached a watched file since the last check. Returns the records written."""
@@ -60,12 +77,12 @@ class LateLines:
         kept: list[Watched] = []
         recorded = 0
         for w in self.watched:
+            path = w.find()
             try:
-                size = Path(w.path).stat().st_size
-                if size != w.snapshot.whole + len(w.snapshot.tail):
-                    got = read_claimed(Path(w.path), w.name, w.snapshot, self.settle_s, self.max_line_bytes, now)
+                if path is not None and path.stat().st_size != w.snapshot.whole + len(w.snapshot.tail):
+                    got = read_claimed(path, w.name, w.snapshot, self.settle_s, self.max_line_bytes, now)
                     recorded += self._record(w, got.requests, got.errors, got.changed, got.rewritten)
-                    w = Watched(w.name, w.claim, w.path, got.snapshot, w.until)
+                    w = Watched(w.name, w.claim, w.paths, w.inode, got.snapshot, w.until)
             except (OSError, FileRejected):
                 continue  # moved or removed by its owner: no longer ours to watch
             if w.until > now:
@@ -98,26 +115,23 @@ class LateLines:
             self.events("late_lines", file=w.name, claim=w.claim, lines=lines)
         return written
 
-    def _save(self) -> None:
+    def _dump(self) -> bytes:
         data = [{**asdict(w), "snapshot": {**asdict(w.snapshot), "tail": w.snapshot.tail.hex()}} for w in self.watched]
+        return json.dumps(data).encode()
+
+    def _save(self) -> None:
         try:
-            atomic_write(self.state, json.dumps(data).encode())
+            atomic_write(self.state, self._dump())
         except OSError as e:  # a full disk: the watch goes on in this process
             log.warning("cannot write %s: %s", self.state, e)
 
 
 def _load(state: Path) -> list[Watched]:
     try:
-        raw = json.loads(state.read_text())
-        return [
-            Watched(
-                w["name"],
-                w["claim"],
-                w["path"],
-                Snapshot(**{**w["snapshot"], "tail": bytes.fromhex(w["snapshot"]["tail"])}),
-                w["until"],
-            )
-            for w in raw
-        ]
+        out = []
+        for w in json.loads(state.read_text()):
+            snap = Snapshot(**{**w["snapshot"], "tail": bytes.fromhex(w["snapshot"]["tail"])})
+            out.append(Watched(w["name"], w["claim"], w["paths"], w["inode"], snap, w["until"]))
+        return out
     except (OSError, ValueError, KeyError, TypeError):
         return []
