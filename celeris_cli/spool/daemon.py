@@ -97,7 +97,7 @@ class Spool:
             self.failures = FailureLog(self.f.logs / "failed.jsonl")
             self.publisher = Publisher(self.f, self.cfg.output_formats, self.failures, self.events)
             self.late = LateLines(
-                self.f.work / ".late.json",
+                self.f.processed / ".late.json",
                 self.failures,
                 self.events,
                 self.cfg.settle_s,

@@ -5,7 +5,7 @@ Nothing can tell such a pause from a finished file, so the queue keeps watching 
 for `late_window_s`. Each line that arrives gets a failure record, never silence: a request gets a
 retryable `changed_after_claim` record with its line number and the request itself (`celeris retry`
 serves it), a bad line its own code, and a line that changed after it was read a `changed_after_claim`
-record naming it. The files watched are kept in `inputs/.work/.late.json`, so `watch --once` runs from
+record naming it. The files watched are kept in `processed/.late.json` (beside them), so `watch --once` runs from
 cron watch them too. A file is put on the watch (durably) before it is moved to `processed/`, so a death
 between the two cannot lose it; it is known there by its inode, and checked only once it is there (while
 it is still claimed, a restart reads it whole and serves every line).
@@ -68,7 +68,7 @@ class LateLines:
         if self.window_s <= 0:
             return
         w = Watched(name, claim, [str(p) for p in places], claimed.stat().st_ino, snapshot, time.time() + self.window_s)
-        self.watched = [x for x in self.watched if x.claim != claim] + [w]
+        self.watched = [x for x in self.watched if (x.claim, x.name) != (claim, name)] + [w]
         atomic_write(self.state, self._dump())
 
     def check(self) -> int:
