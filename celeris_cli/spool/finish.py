@@ -141,16 +141,16 @@ class Finisher:
             except OSError as e:
                 self._blocked_or_raise(job, e)
                 written.remove(job)
-        for job in list(written):
-            if job.path.exists():
-                try:  # a writer may not be done with it: watch it, before it moves, for late lines
-                    places = [self.f.processed / job.name, self.f.processed / f"{job.name}~{job.seq}"]
-                    self.late.watch(job.name, job.seq, job.path, places, job.snapshot)
-                except OSError as e:
-                    self._blocked_or_raise(job, e)
-                    written.remove(job)
-                    continue
-                self.pub.processed(job)
+        present = [job for job in written if job.path.exists()]
+        places = {j.seq: [self.f.processed / j.name, self.f.processed / f"{j.name}~{j.seq}"] for j in present}
+        try:  # a writer may not be done with them: watch them, before they move, for late lines
+            self.late.watch([(j.name, j.seq, j.path, places[j.seq], j.snapshot) for j in present])
+        except OSError as e:
+            for job in written:
+                self._blocked_or_raise(job, e)
+            return []
+        for job in present:
+            self.pub.processed(job)
         fsync_dir(self.f.processed)
         fsync_dir(self.f.work)
         crashpoint("after_move")

@@ -62,13 +62,19 @@ class LateLines:
         self.window_s = window_s
         self.watched: list[Watched] = _load(state)
 
-    def watch(self, name: str, claim: int, claimed: Path, places: list[Path], snapshot: Snapshot) -> None:
-        """Watch the file claimed at `claimed`, about to move to one of `places`. Raises OSError when the
-        watch cannot be saved (a full disk): the caller does not move the file then."""
-        if self.window_s <= 0:
+    def watch(self, files: list[tuple[str, int, Path, list[Path], Snapshot]]) -> None:
+        """Watch files (name, claim, claimed path, places it is about to move to, snapshot), with one
+        durable write for the group. Raises OSError when the watch cannot be saved (a full disk): the
+        caller does not move the files then."""
+        if self.window_s <= 0 or not files:
             return
-        w = Watched(name, claim, [str(p) for p in places], claimed.stat().st_ino, snapshot, time.time() + self.window_s)
-        self.watched = [x for x in self.watched if (x.claim, x.name) != (claim, name)] + [w]
+        until = time.time() + self.window_s
+        new = [
+            Watched(n, c, [str(p) for p in places], path.stat().st_ino, snap, until)
+            for n, c, path, places, snap in files
+        ]
+        keys = {(w.claim, w.name) for w in new}
+        self.watched = [x for x in self.watched if (x.claim, x.name) not in keys] + new
         atomic_write(self.state, self._dump())
 
     def check(self) -> int:
