@@ -123,7 +123,7 @@ def retry(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Run failed requests again: queue them as a new input file, then drain the queue once."""
-    from ..spool.daemon import queue_lock
+    from ..spool.folders import queue_lock
     from ..spool.ops import plan_retry
 
     try:

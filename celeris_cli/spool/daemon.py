@@ -23,14 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import EXIT_FAILED, EXIT_IO, EXIT_OK, CelerisError, ConfigError
+from ..errors import EXIT_FAILED, EXIT_IO, EXIT_OK, CelerisError
 from . import poison, signals
 from .backend import Backend
 from .batching import Decided, Item, describe, pack
-from .config import BatchConfig, Folders
+from .config import BatchConfig
 from .finish import ONCE_PUBLISH_TRIES, Finisher, Published
+from .folders import HEARTBEAT, check_writable, create_missing, queue_lock
 from .formats import FileRejected, Request
-from .fsutil import FolderLocks, crashpoint
+from .fsutil import crashpoint
 from .intake import Inbox, Job
 from .late import LateLines
 from .ledger import EventLog, FailureLog
@@ -41,14 +42,6 @@ from .reading import Snapshot, read_claimed
 from .status import Heartbeat
 
 log = logging.getLogger(__name__)
-
-LOCK_NAME = ".celeris.lock"
-HEARTBEAT = "heartbeat.json"
-
-
-def queue_lock(cfg: BatchConfig) -> FolderLocks:
-    f = cfg.folders
-    return FolderLocks([f.inputs, f.outputs, f.processed, f.logs], LOCK_NAME)
 
 
 @dataclass
@@ -93,7 +86,7 @@ class Spool:
         self.lock.acquire()  # raises LockHeld
         try:
             for key in ("inputs", "outputs", "processed", "logs"):
-                _check_writable(key, getattr(self.f, key))
+                check_writable(key, getattr(self.f, key))
             self.failures = FailureLog(self.f.logs / "failed.jsonl")
             self.publisher = Publisher(self.f, self.cfg.output_formats, self.failures, self.events)
             self.late = LateLines(
@@ -121,19 +114,13 @@ class Spool:
     def ensure_folders(self, at_start: bool = False) -> bool:
         """Create the queue's folders that are missing (a fresh root, or one deleted under a running
         daemon), and lock a recreated one again. Returns whether the inbox was recreated."""
-        made = []
-        for key, folder in FOLDERS(self.f):
-            if not folder.is_dir():
-                try:
-                    folder.mkdir(parents=True, exist_ok=True)
-                except OSError as e:
-                    raise ConfigError(f"folders.{key}: cannot create {folder} ({e.strerror})") from None
-                made.append(key)
-                if not at_start:
-                    log.warning("%s (%s) was missing; created it again", folder, key)
-                    self.lock.retake(folder)  # raises LockHeld if another daemon took it meanwhile
-                self.events("folder_created", folder=str(folder), key=key, at_start=at_start)
-        return "inputs" in made
+        made = create_missing(self.f)
+        for key, folder in made:
+            if not at_start:
+                log.warning("%s (%s) was missing; created it again", folder, key)
+                self.lock.retake(folder)  # raises LockHeld if another daemon took it meanwhile
+            self.events("folder_created", folder=str(folder), key=key, at_start=at_start)
+        return any(key == "inputs" for key, _ in made)
 
     def close_pool(self) -> None:
         if self.pool is not None:
@@ -431,24 +418,3 @@ def needs_journal(job: Job, undecided_after: int, suspect: bool) -> bool:
     (lines in flight at an earlier death, decoded alone) or failures (decided for good: never decode
     them again, so a rerun cannot turn a recorded failure into a result)."""
     return job.journal.exists or undecided_after > 0 or suspect
-
-
-def FOLDERS(f: Folders) -> list[tuple[str, Path]]:  # noqa: N802 - a table, read as one
-    return [
-        ("inputs", f.inputs),
-        ("inputs", f.work),
-        ("outputs", f.outputs),
-        ("processed", f.processed),
-        ("processed", f.quarantine),
-        ("logs", f.logs),
-    ]
-
-
-def _check_writable(key: str, folder: Path) -> None:
-    """A folder the queue cannot write in is a config error at startup, not a crash at the first publish."""
-    probe = folder / f".celeris-probe-{os.getpid()}.tmp"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"folders.{key}: cannot write in {folder} ({e.strerror})") from None

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import UsageError
 from .config import BatchConfig
-from .daemon import HEARTBEAT, queue_lock
+from .folders import HEARTBEAT, queue_lock
 from .fsutil import append_line, atomic_write, waiting_lock
 from .intake import is_candidate
 from .ledger import now_iso, read_jsonl
