@@ -335,7 +335,11 @@ def ok(report: dict[str, Any]) -> bool:
 
 
 def soak(args: argparse.Namespace) -> int:
-    report = run_case(set(SOAK_KINDS), args.prompts, args.seed, args.max_life_s)
+    kinds = set(KINDS) if args.kinds == "all" else set(args.kinds.split(",")) if args.kinds else set(SOAK_KINDS)
+    unknown = kinds - set(KINDS)
+    if unknown:
+        raise SystemExit(f"unknown fault kinds: {', '.join(sorted(unknown))} (known: {', '.join(KINDS)}, all)")
+    report = run_case(kinds, args.prompts, args.seed, args.max_life_s)
     print(json.dumps(report))
     return 0 if ok(report) else 1
 
@@ -430,6 +434,10 @@ def main() -> int:
         s.add_argument("--prompts", type=int, default=2000, help="prompts of the soak, or of the mixed case")
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--max-life-s", type=float, default=3.0, help="a daemon lives about this long, then SIGKILL")
+        if cmd == "soak":
+            s.add_argument(
+                "--kinds", default="", help="fault kinds, comma-separated, or all (default: the classic four)"
+            )
         if cmd == "matrix":
             s.add_argument("--case-prompts", type=int, default=300, help="prompts of each single-kind case")
     r = sub.add_parser("resume")
