@@ -254,3 +254,15 @@ def test_a_last_line_read_without_its_newline_is_never_served_twice(tmp_path: Pa
     again = read_claimed(path, "f.txt", first.snapshot, settle_s=0, max_line_bytes=100)
     assert [r.prompt for r in again.requests] == ["e"] and again.changed == [3]
     assert read_claimed(path, "f.txt", again.snapshot, settle_s=0, max_line_bytes=100).requests == []
+
+
+def test_two_claims_left_with_one_name_are_published_under_two_names(tmp_path: Path) -> None:
+    make_queue(tmp_path)
+    work = tmp_path / "batch_inputs" / ".work"
+    work.mkdir(parents=True)
+    (work / "00000033.dup~66.jsonl").write_text(json.dumps({"id": "a", "prompt": "one"}) + "\n")
+    (work / "00000066.dup~66.jsonl").write_text(json.dumps({"id": "a", "prompt": "two"}) + "\n")
+    (work / ("L" * 250 + ".txt")).write_text("an older layout's long name\n")  # no claim number
+    assert serve(tmp_path) == 0
+    texts = sorted(r["response"]["body"]["text"] for recs in outputs(tmp_path).values() for r in recs)
+    assert texts == sorted(["eno", "owt", "eman gnol s'tuoyal redlo na"])

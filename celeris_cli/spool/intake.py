@@ -93,18 +93,26 @@ class Inbox:
         self.reserved = self.next_seq - 1
         for entry in legacy:
             seq = self.take_seq()
-            if rename_noreplace(entry, self.f.work / f"{seq:08d}.{entry.name}"):
-                jobs.append(self._job(seq, entry.name))
+            name = names.fit(entry.name)
+            if rename_noreplace(entry, self.f.work / f"{seq:08d}.{name}"):
+                jobs.append(self._job(seq, name))
         known = {f"{j.seq:08d}.jsonl" for j in jobs}
         journals = self.f.work / "journal"
         for orphan in journals.glob("*.jsonl") if journals.is_dir() else []:
             if orphan.name not in known:  # its file was published; only the cleanup was cut short
                 orphan.unlink(missing_ok=True)
-        for job in jobs:
+        resumed = []
+        for job in sorted(jobs, key=lambda j: j.seq):
+            if job.name in self.active:  # two claims of one name (an older version's ~N rename): never
+                moved = self._job(job.seq, self.job_name(job.name, job.seq))  # publish both under it
+                if rename_noreplace(job.path, moved.path):
+                    self.events("renamed", file=moved.name, claim=job.seq, original=job.name)
+                    job = moved
             job.resumed = True
             self.active.add(job.name)
             self.events("resumed", file=job.name, claim=job.seq)
-        return sorted(jobs, key=lambda j: j.seq)
+            resumed.append(job)
+        return resumed
 
     def take_seq(self) -> int:
         seq = self.next_seq
