@@ -353,7 +353,8 @@ class Spool:
         )
         if self.progress:
             self.progress(
-                f"batch: {len(jobs)} files, {len(batch)} requests, {out_tokens / max(wall, 1e-9):.1f} tok/s, "
+                f"batch: {len(jobs)} file{'s' if len(jobs) != 1 else ''}, {len(batch)} request"
+                f"{'s' if len(batch) != 1 else ''}, {out_tokens / max(wall, 1e-9):.1f} tok/s, "
                 f"{len(failed)} failed"
             )
         self.beat.last_batch = time.time()
