@@ -92,3 +92,24 @@ def test_an_idle_watch_stops_promptly_on_sigterm_and_says_so(tmp_path: Path) -> 
     took = time.monotonic() - t0
     assert p.returncode == 0 and "celeris watch: stopped on SIGTERM (0 files, 0 results, 0 failures" in err, err
     assert took < 1.0, took  # the interpreter's teardown of torch alone took ~2 s here
+
+
+def test_a_death_between_the_late_watch_and_the_move_loses_and_repeats_no_line(tmp_path: Path) -> None:
+    from celeris_cli.spool.fsutil import CRASH_EXIT
+
+    config = make_queue(tmp_path)
+    drop(tmp_path, "w.txt", "one\ntwo\n")
+    assert run(config, "--once", crash="after_late_watch").returncode == CRASH_EXIT
+    [name] = claimed(tmp_path)
+    with open(tmp_path / "batch_inputs" / ".work" / name, "a") as f:
+        f.write("three\n")  # while the daemon is dead: still claimed, so served
+    os.utime(tmp_path / "batch_inputs" / ".work" / name, (time.time() - 10, time.time() - 10))
+    assert run(config, "--once").returncode == 0
+    assert [r["custom_id"] for r in outputs(tmp_path)["w.txt.results.jsonl"]] == ["line-1", "line-2", "line-3"]
+    assert failures(tmp_path) == []
+    with open(tmp_path / "batch_processed" / "w.txt", "a") as f:
+        f.write("four\n")  # after the publish: recorded, once
+    assert run(config, "--once").returncode == 1
+    assert run(config, "--once").returncode == 0
+    [rec] = failures(tmp_path)
+    assert rec["code"] == "changed_after_claim" and rec["source"]["line"] == 4 and rec["request"]["prompt"] == "four"

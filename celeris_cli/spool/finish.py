@@ -149,6 +149,7 @@ class Finisher:
             for job in written:
                 self._blocked_or_raise(job, e)
             return []
+        crashpoint("after_late_watch")
         for job in present:
             self.pub.processed(job)
         fsync_dir(self.f.processed)
