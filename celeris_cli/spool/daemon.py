@@ -160,12 +160,12 @@ class Spool:
                 self.metrics.write()
                 if once and not waiting and not self.claimed:
                     break
-                if once and self.claimed and all(j.blocked >= ONCE_PUBLISH_TRIES for j in self.claimed.values()):
+                if once and self.claimed and self.finisher.gave_up(list(self.claimed.values()), ONCE_PUBLISH_TRIES):
                     gave_up = True
                     break
                 delay = self.cfg.rescan_s if not waiting else min(self.cfg.rescan_s, self.cfg.settle_s / 2 + 0.05)
                 if self.claimed:
-                    delay = max(0.01, min(delay, min(j.not_before for j in self.claimed.values()) - time.time()))
+                    delay = max(0.01, min(delay, self.finisher.next_due(list(self.claimed.values())) - time.time()))
                 self.wake.wait(delay)
                 self.wake.clear()
         finally:
@@ -398,7 +398,8 @@ class Spool:
 
     def retry_deferred(self) -> None:
         now = time.time()
-        due = [j for j in self.claimed.values() if not j.resumed and j.pending == 0 and 0 < j.not_before <= now]
+        idle = [j for j in self.claimed.values() if not j.resumed and j.pending == 0]
+        due = self.finisher.due(idle, now)
         self.drain(self.complete(due))
 
     def quarantine(self, job: Job, code: str, message: str) -> None:

@@ -44,6 +44,14 @@ class Published:
     failures: int
 
 
+@dataclass(frozen=True)
+class Deferral:
+    """A publish put off: until `not_before`, after `blocked` refusals by the filesystem in a row."""
+
+    not_before: float
+    blocked: int = 0
+
+
 @dataclass
 class Completion:
     work: list[Item] = field(default_factory=list)  # appended requests to decode
@@ -69,6 +77,19 @@ class Finisher:
         self.metrics = metrics
         self.prepare = prepare
         self.ensure_folders = ensure_folders
+        self.deferred: dict[int, Deferral] = {}  # claim -> a publish put off (a young file, a full disk)
+
+    def due(self, jobs: list[Job], now: float) -> list[Job]:
+        """Jobs whose deferred publish may be tried again now."""
+        return [j for j in jobs if j.seq in self.deferred and self.deferred[j.seq].not_before <= now]
+
+    def next_due(self, jobs: list[Job]) -> float:
+        """When the first of `jobs` may go on: 0 for one not deferred (it is in progress)."""
+        return min((self.deferred[j.seq].not_before if j.seq in self.deferred else 0.0) for j in jobs)
+
+    def gave_up(self, jobs: list[Job], tries: int) -> bool:
+        """Every job's publish was refused by the filesystem `tries` times in a row (`--once` stops)."""
+        return all(j.seq in self.deferred and self.deferred[j.seq].blocked >= tries for j in jobs)
 
     def complete(self, jobs: list[Job]) -> Completion:
         """Jobs with every request decided: new work for files that grew; the others published as one
@@ -98,8 +119,9 @@ class Finisher:
                 if new:
                     done.work += new
                     continue
-            if now - got.mtime < self.cfg.settle_s:
-                job.not_before = got.mtime + self.cfg.settle_s  # a writer may still hold it open
+            if now - got.mtime < self.cfg.settle_s:  # a writer may still hold it open
+                blocked = self.deferred[job.seq].blocked if job.seq in self.deferred else 0
+                self.deferred[job.seq] = Deferral(got.mtime + self.cfg.settle_s, blocked)
                 continue
             ready.append(job)
         if ready:
@@ -157,6 +179,7 @@ class Finisher:
         crashpoint("after_move")
         out = []
         for job in written:
+            self.deferred.pop(job.seq, None)
             job.journal.remove()
             failed, recorded = counts[job.seq]
             results = sum(1 for o in job.outcomes.values() if "body" in o)
@@ -180,9 +203,9 @@ class Finisher:
             raise e
         for suffix in (".results.jsonl", ".results.txt"):  # no half-written temp file stays behind
             (self.f.outputs / f".{job.name}{suffix}.tmp").unlink(missing_ok=True)
-        job.blocked += 1
-        delay = min(MAX_BACKOFF_S, self.cfg.publish_retry_s * 2 ** (job.blocked - 1))
-        job.not_before = time.time() + delay
+        blocked = (self.deferred[job.seq].blocked if job.seq in self.deferred else 0) + 1
+        delay = min(MAX_BACKOFF_S, self.cfg.publish_retry_s * 2 ** (blocked - 1))
+        self.deferred[job.seq] = Deferral(time.time() + delay, blocked)
         job.journal.append({"outcomes": list(job.outcomes.values())})  # a restart publishes without decoding
         code = errno.errorcode.get(e.errno or 0, str(e.errno))
         log.warning("cannot publish %s: %s (%s); retrying in %.1f s", job.name, e.strerror, code, delay)

@@ -52,8 +52,6 @@ class Job:
     resumed: bool = False
     suspects: set[int] | None = field(default_factory=set)  # lines to decode alone (None: all remaining)
     snapshot: Snapshot = Snapshot()  # what has been read of the file (reading.read_claimed)
-    not_before: float = 0.0  # a deferred publish waits until then
-    blocked: int = 0  # publishes refused by the filesystem in a row
 
 
 class Inbox:
