@@ -266,3 +266,28 @@ def test_two_claims_left_with_one_name_are_published_under_two_names(tmp_path: P
     assert serve(tmp_path) == 0
     texts = sorted(r["response"]["body"]["text"] for recs in outputs(tmp_path).values() for r in recs)
     assert texts == sorted(["eno", "owt", "eman gnol s'tuoyal redlo na"])
+
+
+@pytest.mark.parametrize("folder", ["batch_outputs", "batch_processed", "logs"])
+def test_a_folder_deleted_in_the_middle_of_a_publish_delays_it_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, folder: str
+) -> None:
+    import shutil
+
+    from celeris_cli.spool import finish
+
+    real = finish.sync_folder
+    state = {"deleted": False}
+
+    def sync_then_delete(where: Path, files: list[Path]) -> None:
+        real(where, files)
+        if not state["deleted"]:  # between the results' temp files and their rename
+            state["deleted"] = True
+            shutil.rmtree(tmp_path / folder)
+
+    monkeypatch.setattr(finish, "sync_folder", sync_then_delete)
+    drop(tmp_path, "a.jsonl", json.dumps({"id": "a", "prompt": "kept"}) + "\n{broken\n")
+    assert serve(tmp_path, publish_retry_s=0.01) == 1
+    assert outputs(tmp_path)["a.jsonl.results.jsonl"][0]["response"]["body"]["text"] == "tpek"
+    assert [r["code"] for r in failures(tmp_path)] == ["invalid_json"]
+    assert (tmp_path / "batch_processed" / "a.jsonl").exists()

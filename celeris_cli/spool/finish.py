@@ -151,10 +151,15 @@ class Finisher:
                 self._blocked_or_raise(job, e)
             return []
         crashpoint("after_output_tmp")
-        for pairs in staged.values():
-            for tmp, final in pairs:
-                os.replace(tmp, final)
-        fsync_dir(self.f.outputs)
+        try:
+            for pairs in staged.values():
+                for tmp, final in pairs:
+                    os.replace(tmp, final)
+            fsync_dir(self.f.outputs)
+        except OSError as e:  # the folder deleted under us: results are deterministic, redone later
+            for job in written:
+                self._blocked_or_raise(job, e)
+            return []
         crashpoint("after_publish")
         counts = {}
         for job in list(written):
@@ -173,9 +178,16 @@ class Finisher:
             return []
         crashpoint("after_late_watch")
         for job in present:
-            self.pub.processed(job)
-        fsync_dir(self.f.processed)
-        fsync_dir(self.f.work)
+            try:
+                self.pub.processed(job)
+            except OSError as e:  # processed/ deleted under us: published again (the same) and moved later
+                self._blocked_or_raise(job, e)
+                written.remove(job)
+        try:
+            fsync_dir(self.f.processed)
+            fsync_dir(self.f.work)
+        except FileNotFoundError:
+            pass  # deleted under us, with what it held: nothing of ours left to make durable there
         crashpoint("after_move")
         out = []
         for job in written:
