@@ -4,7 +4,9 @@ Used by the crash, signal and lock tests as a real subprocess.
 
 --fail-on: a batch holding a prompt with TEXT raises (an out-of-memory stand-in);
 --die-on: the process SIGKILLs itself on such a batch (a segfault or OOM-killer stand-in);
---hang-on: such a batch never returns; --count-file: every decoded custom_id is appended there.
+--hang-on: such a batch never returns; --count-file: every decoded custom_id is appended there;
+--short-writes P: each os.write of more than one byte writes only half of it with probability P, and
+returns that count without raising, as a filling filesystem does.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from celeris_cli.errors import EXIT_LOCKED
 from celeris_cli.spool.config import load_config
 from celeris_cli.spool.daemon import Spool
 from celeris_cli.spool.fsutil import LockHeld
@@ -48,8 +51,23 @@ def _opt(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else None
 
 
+def short_writes(p: float) -> None:
+    import random
+
+    real = os.write
+
+    def write(fd, data):  # type: ignore[no-untyped-def]
+        if len(data) > 1 and random.random() < p:
+            return real(fd, bytes(data)[: len(data) // 2])
+        return real(fd, data)
+
+    os.write = write  # type: ignore[assignment]
+
+
 def main(argv: list[str]) -> int:
     cfg = load_config(Path(argv[0]))
+    if _opt(argv, "--short-writes"):
+        short_writes(float(_opt(argv, "--short-writes")))  # type: ignore[arg-type]
     delay = float(_opt(argv, "--delay") or 0.0)
     backend = SlowBackend(
         delay,
@@ -65,7 +83,7 @@ def main(argv: list[str]) -> int:
         return spool.run(once="--once" in argv)
     except LockHeld as e:
         print(f"Error: lock held by {e.holder}", file=sys.stderr)
-        return 75
+        return EXIT_LOCKED
 
 
 if __name__ == "__main__":

@@ -70,3 +70,18 @@ def test_resubmitted_request_carries_its_attempt_counted_up(tmp_path: Path) -> N
     r = json.loads(retry(tmp_path, [json.dumps(record("a", attempt=2))]).stdout)
     [line] = (tmp_path / "batch_inputs" / r["file"]).read_text(encoding="utf-8").splitlines()
     assert json.loads(line)["_celeris"]["attempt"] == 3
+
+
+def test_failures_of_two_files_with_the_same_ids_are_retried_without_a_duplicate_id(tmp_path: Path) -> None:
+    # .txt ids are line-N: the same id in two files; one retry file would hold it twice
+    recs = [
+        record(f"{n}/{f}:2:1", custom_id="line-2", source={"file": f, "line": 2}, request={"custom_id": "line-2"})
+        for n, f in ((1, "a.txt"), (2, "b.txt"))
+    ]
+    for rec in recs:
+        rec["request"]["prompt"] = f"from {rec['source']['file']}"
+    r = json.loads(retry(tmp_path, [json.dumps(x) for x in recs]).stdout)
+    assert r["resubmitted"] == 2 and len(r["files"]) == 2
+    for name in r["files"]:
+        ids = [json.loads(x)["custom_id"] for x in (tmp_path / "batch_inputs" / name).read_text().splitlines()]
+        assert ids == ["line-2"]

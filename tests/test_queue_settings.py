@@ -118,11 +118,15 @@ def test_batch_yaml_names_an_embedded_model_by_its_name_unless_a_folder_of_that_
     from celeris_cli.engine import embedded_models, model_dir
     from celeris_cli.spool.config import load_config
 
-    cfg = load_config(make_queue(tmp_path, model="celeris-tiny"))  # type: ignore[arg-type]
-    assert cfg.model is not None and model_dir(cfg.model) == embedded_models()["celeris-tiny"].resolve()
-    (tmp_path / "celeris-tiny").mkdir()  # one in the daemon's working directory is not the config's folder
-    monkeypatch.chdir(tmp_path)
-    assert model_dir(cfg.model) == embedded_models()["celeris-tiny"].resolve()
-    (tmp_path / "configs" / "celeris-tiny").mkdir()  # a folder beside the config wins, as any relative path
-    assert load_config(tmp_path / "configs" / "batch.yaml").model == str(tmp_path / "configs" / "celeris-tiny")
-    assert load_config(make_queue(tmp_path, model="nowhere")).model == str(tmp_path / "configs" / "nowhere")  # type: ignore[arg-type]
+    embedded = embedded_models()["celeris-tiny"].resolve()
+    config = make_queue(tmp_path, model="celeris-tiny")  # type: ignore[arg-type]
+    cfg = load_config(config)
+    assert cfg.model is not None and model_dir(cfg.model) == embedded
+    elsewhere = tmp_path / "cwd"
+    (elsewhere / "celeris-tiny").mkdir(parents=True)  # one in the daemon's working directory is not taken
+    monkeypatch.chdir(elsewhere)
+    assert model_dir(cfg.model) == embedded
+    (tmp_path / "configs" / "celeris-tiny").mkdir()  # beside the config is not under root either
+    assert model_dir(load_config(config).model) == embedded  # type: ignore[arg-type]
+    (tmp_path / "celeris-tiny").mkdir()  # a folder under root wins, as any relative path
+    assert load_config(config).model == str(tmp_path / "celeris-tiny")

@@ -239,7 +239,7 @@ def test_status_reports_counts_lock_and_heartbeat(tmp_path: Path) -> None:
         ({"batch_sise": 3}, "batch_sise: unknown key"),
         ({"batch_size": "many"}, "batch_size: must be int"),
         ({"batch_size": 0}, "batch_size: must be positive"),
-        ({"folders": {"inputs": "nowhere"}}, "folders.inputs: folder does not exist"),
+        ({"folders": {"inputs": 3}}, "folders.inputs: must be str"),
         ({"output_formats": ["pdf"]}, "output_formats:"),
     ],
 )

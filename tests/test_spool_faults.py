@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from celeris_cli.errors import EXIT_IO
 from celeris_cli.spool.backend import Prepared
 from celeris_cli.spool.config import load_config
 from celeris_cli.spool.daemon import Spool
@@ -142,7 +143,7 @@ def test_full_disk_on_publish_backs_off_without_failure_records_and_younger_file
     drop(tmp_path, "small.txt", "younger\n", age_s=10)
     config = make_queue(tmp_path, publish_retry_s=0.05)
     spool = Spool(load_config(config), FakeBackend)
-    assert spool.run(once=True) == 75  # --once gives up for now: the big file stays claimed, not failed
+    assert spool.run(once=True) == EXIT_IO  # --once gives up for now: the big file stays claimed, not failed
     assert "small.txt.results.jsonl" in outputs(tmp_path) and failures(tmp_path) == []
     assert not [p for p in (tmp_path / "batch_outputs").iterdir() if p.name.endswith(".tmp")]
     events = [json.loads(x) for x in (tmp_path / "logs" / "events.jsonl").read_text().splitlines()]

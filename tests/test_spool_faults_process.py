@@ -207,12 +207,12 @@ def test_watch_prints_a_line_per_batch_and_once_ends_with_a_summary(tmp_path: Pa
     p = celeris("watch", str(config), "--once")
     assert p.returncode == 0, p.stderr
     lines = p.stderr.strip().splitlines()
-    assert lines[0].startswith("batch: 1 files, 2 requests, ") and lines[0].endswith(" 0 failed")
-    assert lines[-1].startswith("celeris watch --once: 1 files, 2 results, 0 failures in ")
+    assert lines[0].startswith("batch: 1 file, 2 requests, ") and lines[0].endswith(" 0 failed")
+    assert lines[-1].startswith("celeris watch --once: 1 file, 2 results, 0 failures in ")
     drop(tmp_path, "b.txt", "举头\n")
     quiet = celeris("watch", str(config), "--once", "--quiet")
     assert quiet.returncode == 0 and len(quiet.stderr.strip().splitlines()) == 1  # only the summary
-    assert quiet.stderr.startswith("celeris watch --once: 1 files, 1 results")
+    assert quiet.stderr.startswith("celeris watch --once: 1 file, 1 result, 0 failures")
 
 
 def test_soak_with_random_sigkills_loses_and_duplicates_nothing() -> None:

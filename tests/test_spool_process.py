@@ -91,6 +91,7 @@ CRASH_POINTS = [
     "mid_failure_append",
     "after_output_tmp",
     "after_publish",
+    "after_late_watch",
     "after_move",
 ]
 

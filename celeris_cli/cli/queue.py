@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from ..errors import EXIT_LOCKED, CelerisError, UsageError
+from ..errors import EXIT_IO, EXIT_LOCKED, EXIT_OK, CelerisError, UsageError
 from .app import app, fail
 
 
@@ -33,7 +33,29 @@ def _spool(cfg: Any, progress: Any = None) -> Any:
     return Spool(cfg, backend, progress=progress)
 
 
-def _serve(cfg: Any, once: bool, quiet: bool = True, summary: bool = False) -> int:
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def summary_line(counts: Any, seconds: float, blocked: bool = False) -> str:
+    """The one line `watch --once` ends with, for cron logs."""
+    quarantined = f" ({counts.quarantined} quarantined)" if counts.quarantined else ""
+    return (
+        f"celeris watch --once: {plural(counts.files, 'file')}{quarantined}, {plural(counts.results, 'result')}, "
+        f"{plural(counts.failures, 'failure')} in {seconds:.1f} s"
+        + (", publishing blocked: files kept claimed for the next run" if blocked else "")
+    )
+
+
+def _serve(
+    cfg: Any, once: bool, quiet: bool = True, summary: bool = False, locked_ok: bool = False, exit_now: bool = False
+) -> int | None:
+    """Run the queue; the exit code. With `locked_ok`, None when another instance holds the queue. With
+    `exit_now`, a daemon stopped by a signal says so and leaves the process at once: everything is on
+    disk by then, and the interpreter's teardown of torch alone takes seconds."""
+    import os
+    import signal
+    import sys
     import time
 
     from ..spool.fsutil import LockHeld
@@ -43,15 +65,26 @@ def _serve(cfg: Any, once: bool, quiet: bool = True, summary: bool = False) -> i
     try:
         code = int(spool.run(once=once))
     except LockHeld as e:
+        if locked_ok:
+            return None
         typer.echo(f"Error: another celeris instance holds the queue lock ({e.holder}); exiting", err=True)
         raise typer.Exit(EXIT_LOCKED) from None
     if summary:  # one line for cron logs, even with --quiet
-        blocked = ", publishing blocked: files kept claimed for the next run" if code == EXIT_LOCKED else ""
+        typer.echo(summary_line(spool.counts, time.monotonic() - t0, blocked=code == EXIT_IO), err=True)
+    if spool.stop_signal is not None:
+        c = spool.counts
         typer.echo(
-            f"celeris watch --once: {spool.files_this_run} files, {spool.done_this_run} results, "
-            f"{spool.failed_this_run} failures in {time.monotonic() - t0:.1f} s{blocked}",
+            f"celeris watch: stopped on {signal.Signals(spool.stop_signal).name} "
+            f"({plural(c.files, 'file')}, {plural(c.results, 'result')}, {plural(c.failures, 'failure')} this run)",
             err=True,
         )
+        if exit_now:
+            import logging
+
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     return code
 
 
@@ -64,15 +97,16 @@ def watch(
 ) -> None:
     """Serve a spool folder: prompt files in, results out. Prints a line per batch to stderr, and with
     --once a summary line. Exit codes: 0 done, 1 failures recorded (--once), 2 usage, config or model
-    error, 75 another instance holds the lock (or, with --once, a publish is refused by the filesystem)."""
+    error, 74 (--once) a publish is refused by the filesystem (files stay claimed), 75 another instance holds
+    the lock."""
     import logging
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(message)s")
     try:
-        code = _serve(_load_batch_config(config), once, quiet=quiet, summary=once)
+        code = _serve(_load_batch_config(config), once, quiet=quiet, summary=once, exit_now=True)
     except CelerisError as e:
         fail(e)
-    raise typer.Exit(code)
+    raise typer.Exit(code or EXIT_OK)
 
 
 @app.command()
@@ -89,7 +123,7 @@ def retry(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Run failed requests again: queue them as a new input file, then drain the queue once."""
-    from ..spool.daemon import queue_lock
+    from ..spool.folders import queue_lock
     from ..spool.ops import plan_retry
 
     try:
@@ -100,13 +134,10 @@ def retry(
         for warning in report.details:
             typer.echo(f"Warning: {warning}", err=True)
         ran = "not run"
-        code = 0
+        code: int | None = EXIT_OK
         if report.resubmitted and not no_run:
-            if queue_lock(cfg).holder() is None:
-                code = _serve(cfg, once=True)
-                ran = "ran now"
-            else:
-                ran = "queued for the running daemon"
+            code = _serve(cfg, once=True, locked_ok=True) if queue_lock(cfg).holder() is None else None
+            ran = "ran now" if code is not None else "queued for the running daemon"
     except CelerisError as e:
         fail(e)
     summary = {**report.to_dict(), "run": ran}
@@ -120,7 +151,7 @@ def retry(
             f"{report.out_of_attempts} out of attempts, {report.no_request} without a request, "
             f"{report.malformed} malformed" + (f"; file {report.file}" if report.file else "")
         )
-    raise typer.Exit(code)
+    raise typer.Exit(code or EXIT_OK)
 
 
 @app.command()

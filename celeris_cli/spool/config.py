@@ -1,7 +1,8 @@
 """`configs/batch.yaml`: typed, validated when loaded. Errors name the key: `batch_size: must be ...`.
 
-Relative folders are resolved against `root`, which is itself relative to the config file, so cron
-(which starts in $HOME) and a shell in the repo read the same queue.
+Relative folders and a relative `model:` are resolved against `root`, which is itself relative to the
+config file, so cron (which starts in $HOME) and a shell in the repo read the same queue. Folders that do
+not exist yet are created when the queue starts (`Spool.start`); `root` itself must exist.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class BatchConfig:
     max_claims: int = 3  # a request in flight this many times when the daemon died or stopped is poison
     publish_retry_s: float = 1.0  # first back-off after the filesystem refused a publish (doubles, max 60)
     metrics_textfile: Path | None = None  # Prometheus text file, rewritten as the queue works
+    late_window_s: float = 600.0  # a published file is watched this long for lines that arrive late
     source: Path | None = None
 
     @property
@@ -104,6 +106,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "max_claims": (int,),
     "publish_retry_s": (int, float),
     "metrics_textfile": (str, type(None)),
+    "late_window_s": (int, float),
 }
 _POSITIVE = (
     "batch_size",
@@ -115,7 +118,7 @@ _POSITIVE = (
     "max_claims",
     "publish_retry_s",
 )
-_NON_NEGATIVE = ("batch_window_s", "settle_s", "shutdown_grace_s")
+_NON_NEGATIVE = ("batch_window_s", "settle_s", "shutdown_grace_s", "late_window_s")
 _RAY_TYPES: dict[str, tuple[type, ...]] = {
     "address": (str, type(None)),
     "actors": (int,),
@@ -214,6 +217,8 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
     if not isinstance(root_raw, str):
         raise ConfigError(f"root: must be str, got {root_raw!r}")
     root = (base / root_raw).resolve()
+    if not root.is_dir():
+        raise ConfigError(f"root: folder does not exist: {root}")
     folders_raw = raw.get("folders", {})
     if not isinstance(folders_raw, dict):
         raise ConfigError(f"folders: must be a mapping, got {folders_raw!r}")
@@ -226,11 +231,11 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
         if not isinstance(value, str):
             raise ConfigError(f"folders.{key}: must be str, got {value!r}")
         p = (root / value).resolve()
-        if not p.is_dir():
-            raise ConfigError(f"folders.{key}: folder does not exist: {p}")
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"folders.{key}: not a folder: {p}")
         folder_paths[key] = p
     if "model" in values and values["model"] is not None:
-        values["model"] = _model_path(values["model"], base)
+        values["model"] = _model_path(values["model"], root)
     if values.get("metrics_textfile") is not None:
         metrics = (root / values["metrics_textfile"]).resolve()
         if not metrics.parent.is_dir():
@@ -239,14 +244,25 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
     return BatchConfig(folders=Folders(**folder_paths), source=path, **values)
 
 
-def _model_path(model: str, base: Path) -> str:
-    """A model folder, relative to the config's folder; or, where no such folder exists, the name of an
-    embedded model (`celeris-tiny`), as the path of its folder inside the package (so that a folder of that
-    name in the daemon's working directory is not taken instead)."""
+def embedded_names() -> list[str]:
+    """The models shipped inside the package (`celeris_cli/models/<name>/config.json`)."""
+    folder = Path(__file__).parents[1] / "models"
+    return sorted(p.name for p in folder.iterdir() if (p / "config.json").is_file()) if folder.is_dir() else []
+
+
+def _model_path(model: str, root: Path) -> str:
+    """A model folder, relative to `root`; or, where no such folder exists, the name of an embedded model
+    (`celeris-tiny`), as the path of its folder inside the package (so that a folder of that name in the
+    daemon's working directory is not taken instead). A bare name that is neither is a ConfigError that
+    lists the embedded names."""
     if Path(model).is_absolute():
         return model
-    folder = (base / model).resolve()
-    embedded = Path(__file__).parents[1] / "models" / model
-    if not folder.exists() and "/" not in model and (embedded / "config.json").is_file():
-        return str(embedded.resolve())
-    return str(folder)
+    folder = (root / model).resolve()
+    if folder.exists() or "/" in model:
+        return str(folder)
+    if model in embedded_names():
+        return str((Path(__file__).parents[1] / "models" / model).resolve())
+    raise ConfigError(
+        f"model: {model!r} is neither a folder ({folder}) nor an embedded model "
+        f"(embedded: {', '.join(embedded_names())})"
+    )

@@ -13,40 +13,45 @@ journals, publishing and the lock stay here, in this one process.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import stat
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CelerisError, ConfigError
-from . import finish, poison, signals
+from ..errors import EXIT_FAILED, EXIT_IO, EXIT_OK, CelerisError
+from . import poison, signals
 from .backend import Backend
 from .batching import Decided, Item, describe, pack
 from .config import BatchConfig
-from .formats import FileRejected, parse_file
-from .fsutil import FolderLocks, crashpoint
+from .finish import ONCE_PUBLISH_TRIES, Finisher, Published
+from .folders import HEARTBEAT, check_writable, create_missing, queue_lock
+from .formats import FileRejected, Request
+from .fsutil import crashpoint
 from .intake import Inbox, Job
+from .late import LateLines
 from .ledger import EventLog, FailureLog
 from .metrics import Metrics, output_tokens
 from .pool import Done, Pool, as_pool
 from .publish import Publisher, line_failure, request_failure
+from .reading import Snapshot, read_claimed
 from .status import Heartbeat
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = ".celeris.lock"
-HEARTBEAT = "heartbeat.json"
 
+@dataclass
+class RunCounts:
+    """What one run of the daemon did, for its summary line and its stop event."""
 
-def queue_lock(cfg: BatchConfig) -> FolderLocks:
-    f = cfg.folders
-    return FolderLocks([f.inputs, f.outputs, f.processed, f.logs], LOCK_NAME)
+    files: int = 0  # published or quarantined
+    quarantined: int = 0
+    results: int = 0
+    failures: int = 0  # failure records of this run (a quarantined file has one)
 
 
 class Spool:
@@ -70,21 +75,31 @@ class Spool:
         self.stopping = False
         self.claimed: dict[int, Job] = {}  # claim number -> job in progress (resumed, decoding or deferred)
         self.flight: dict[int, tuple[list[Item], float]] = {}  # pool ticket -> (batch, start time)
-        self.failed_this_run = 0
-        self.done_this_run = 0
-        self.files_this_run = 0
+        self.counts = RunCounts()
+        self.stop_signal: int | None = None  # the signal that stopped the loop, if one did
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        """Take the locks, check every folder and the backend, and find claims to resume."""
+        """Create missing folders, take the locks, check every folder and the backend, and find claims to
+        resume."""
+        self.ensure_folders(at_start=True)
         self.lock.acquire()  # raises LockHeld
         try:
-            self.f.work.mkdir(exist_ok=True)
-            self.f.quarantine.mkdir(exist_ok=True)
             for key in ("inputs", "outputs", "processed", "logs"):
-                _check_writable(key, getattr(self.f, key))
+                check_writable(key, getattr(self.f, key))
             self.failures = FailureLog(self.f.logs / "failed.jsonl")
             self.publisher = Publisher(self.f, self.cfg.output_formats, self.failures, self.events)
+            self.late = LateLines(
+                self.f.processed / ".late.json",
+                self.failures,
+                self.events,
+                self.cfg.settle_s,
+                self.cfg.max_line_bytes,
+                self.cfg.late_window_s,
+            )
+            self.finisher = Finisher(
+                self.cfg, self.publisher, self.late, self.events, self.metrics, self.prepare, self.ensure_folders
+            )
             for folder in (self.f.outputs, self.f.logs):  # our temp files of a publish cut short
                 for tmp in folder.glob(".*.tmp"):
                     tmp.unlink(missing_ok=True)
@@ -96,6 +111,17 @@ class Spool:
             self.lock.release()
             raise
 
+    def ensure_folders(self, at_start: bool = False) -> bool:
+        """Create the queue's folders that are missing (a fresh root, or one deleted under a running
+        daemon), and lock a recreated one again. Returns whether the inbox was recreated."""
+        made = create_missing(self.f)
+        for key, folder in made:
+            if not at_start:
+                log.warning("%s (%s) was missing; created it again", folder, key)
+                self.lock.retake(folder)  # raises LockHeld if another daemon took it meanwhile
+            self.events("folder_created", folder=str(folder), key=key, at_start=at_start)
+        return any(key == "inputs" for key, _ in made)
+
     def close_pool(self) -> None:
         if self.pool is not None:
             self.pool.close()
@@ -106,8 +132,9 @@ class Spool:
         return [item for batch, _ in list(self.flight.values()) for item in batch]
 
     def run(self, once: bool) -> int:
-        """Serve the queue. Returns the exit code: 0; 1 in --once mode when failures were recorded; 75 in
-        --once mode when a publish is still refused by the filesystem (the file stays claimed)."""
+        """Serve the queue. Returns the exit code: EXIT_OK; EXIT_FAILED in --once mode when failures were
+        recorded; EXIT_IO in --once mode when a publish is still refused by the filesystem (the file stays
+        claimed)."""
         self.start()
         self.events("start", pid=os.getpid(), once=once)
         observer = None if once else self._watch()
@@ -115,6 +142,10 @@ class Spool:
         gave_up = False
         try:
             while not self.stopping:
+                if self.ensure_folders() and observer is not None:  # the inbox was deleted: watch the new one
+                    observer.stop()
+                    observer = self._watch()
+                self.counts.failures += self.late.check()
                 self.retry_deferred()
                 ready, waiting = self.inbox.scan()
                 resumable = [j for j in self.claimed.values() if j.resumed]
@@ -129,12 +160,12 @@ class Spool:
                 self.metrics.write()
                 if once and not waiting and not self.claimed:
                     break
-                if once and self.claimed and all(j.blocked >= finish.ONCE_PUBLISH_TRIES for j in self.claimed.values()):
+                if once and self.claimed and self.finisher.gave_up(list(self.claimed.values()), ONCE_PUBLISH_TRIES):
                     gave_up = True
                     break
                 delay = self.cfg.rescan_s if not waiting else min(self.cfg.rescan_s, self.cfg.settle_s / 2 + 0.05)
                 if self.claimed:
-                    delay = max(0.01, min(delay, min(j.not_before for j in self.claimed.values()) - time.time()))
+                    delay = max(0.01, min(delay, self.finisher.next_due(list(self.claimed.values())) - time.time()))
                 self.wake.wait(delay)
                 self.wake.clear()
         finally:
@@ -143,20 +174,21 @@ class Spool:
             if observer is not None:
                 observer.stop()
                 observer.join(timeout=5)
-            self.events("stop", pid=os.getpid(), done=self.done_this_run, failed=self.failed_this_run, reason="done")
+            self.events("stop", pid=os.getpid(), done=self.counts.results, failed=self.counts.failures, reason="done")
             self.beat.write("stopped", self)
             self.metrics.queue(self.inbox.depth, self.inbox.oldest_mtime, len(self.claimed))
             self.metrics.write(force=True)
             self.lock.release()
             signals.restore(previous)
         if gave_up:
-            return 75
-        return 1 if once and self.failed_this_run else 0
+            return EXIT_IO
+        return EXIT_FAILED if once and self.counts.failures else EXIT_OK
 
     def _watch(self) -> Any:
         return signals.watch(self.f.inputs, self.wake)
 
     def _on_signal(self, signum: int) -> None:
+        self.stop_signal = signum
         self.stopping = True
         self.wake.set()
         self.events("signal", signal=signum, grace_s=self.cfg.shutdown_grace_s)
@@ -164,7 +196,7 @@ class Spool:
     def _grace_expired(self) -> None:
         try:
             self.stop_claims(self.in_flight)
-            done, failed = self.done_this_run, self.failed_this_run
+            done, failed = self.counts.results, self.counts.failures
             self.events("stop", pid=os.getpid(), done=done, failed=failed, reason="grace_expired")
             self.beat.write("stopped", self)
         finally:
@@ -193,7 +225,13 @@ class Spool:
         for path in paths:
             if self.stopping or taken >= budget:
                 break
-            new = self.inbox.claim(path)
+            try:
+                new = self.inbox.claim(path)
+            except OSError as e:  # a folder deleted under us, or a move the filesystem refuses
+                log.warning("cannot claim %s: %s; trying again later", path.name, e)
+                self.events("claim_failed", file=path.name, error=str(e))
+                self.inbox.refuse(path.name)
+                continue
             if new is not None:
                 self.claimed[new.seq] = new
                 if self.load(new):
@@ -228,19 +266,11 @@ class Spool:
     def load(self, job: Job) -> bool:
         """Parse a claimed file (and, for a resumed one, its journal). Unreadable files are quarantined."""
         try:
-            st = os.lstat(job.path)
-            if stat.S_ISLNK(st.st_mode):
-                raise FileRejected("symlink", "symlinks in the inbox are not followed; publish a regular file")
-            if not stat.S_ISREG(st.st_mode):
-                raise FileRejected("not_a_file", "only regular files are read")
-            data = job.path.read_bytes()
-            young = time.time() - st.st_mtime < self.cfg.settle_s
-            if young and not data.endswith(b"\n") and b"\n" in data:
-                data = data[: data.rindex(b"\n") + 1]  # a writer is mid-line: read its whole lines only
-            requests, errors = parse_file(job.name, data, self.cfg.max_line_bytes)
-            if len(requests) > self.cfg.max_file_requests:
+            got = read_claimed(job.path, job.name, Snapshot(), self.cfg.settle_s, self.cfg.max_line_bytes)
+            if len(got.requests) > self.cfg.max_file_requests:
                 raise FileRejected(
-                    "too_many_requests", f"{len(requests)} requests; the limit per file is {self.cfg.max_file_requests}"
+                    "too_many_requests",
+                    f"{len(got.requests)} requests; the limit per file is {self.cfg.max_file_requests}",
                 )
         except FileRejected as e:
             self.quarantine(job, e.code, e.message)
@@ -248,16 +278,14 @@ class Spool:
         except OSError as e:
             self.quarantine(job, "unreadable", f"cannot read the file: {e}")
             return False
-        job.read_len = len(data)
-        job.digest = hashlib.sha256(data).hexdigest()
-        job.last_line = data.count(b"\n") + (0 if data.endswith(b"\n") else 1)
-        job.requests = requests
-        job.failures = [line_failure(job, err) for err in errors]
+        job.snapshot = got.snapshot
+        job.requests = got.requests
+        job.failures = [line_failure(job, err) for err in got.errors]
         if job.resumed:
             poison.resume(job, self.cfg.max_claims, self.events)
         return True
 
-    def prepare(self, job: Job, requests: list[Any]) -> list[Item]:
+    def prepare(self, job: Job, requests: list[Request]) -> list[Item]:
         assert self.pool is not None
         out = []
         for req in requests:
@@ -280,7 +308,9 @@ class Spool:
         assert self.pool is not None
         for job in {id(j): j for j, _ in batch}.values():
             mine = [p.request.line for j, p in batch if j is job]
-            if job.journal.exists or job.pending > len(mine) or job.suspects is None or job.suspects:
+            if needs_journal(
+                job, undecided_after=job.pending - len(mine), suspect=job.suspects is None or bool(job.suspects)
+            ):
                 job.journal.append({"try": mine})  # so a death here can be blamed on these lines
         ticket = self.pool.submit([p for _, p in batch])
         self.flight[ticket] = (batch, time.perf_counter())
@@ -323,7 +353,8 @@ class Spool:
         )
         if self.progress:
             self.progress(
-                f"batch: {len(jobs)} files, {len(batch)} requests, {out_tokens / max(wall, 1e-9):.1f} tok/s, "
+                f"batch: {len(jobs)} file{'s' if len(jobs) != 1 else ''}, {len(batch)} request"
+                f"{'s' if len(batch) != 1 else ''}, {out_tokens / max(wall, 1e-9):.1f} tok/s, "
                 f"{len(failed)} failed"
             )
         self.beat.last_batch = time.time()
@@ -346,16 +377,29 @@ class Spool:
         for rec in new:
             job.outcomes[rec["line"]] = rec
         job.pending -= len(outcomes)
-        if new and (job.journal.exists or job.pending > 0 or any("failure" in r for r in new)):
+        if new and needs_journal(job, undecided_after=job.pending, suspect=any("failure" in r for r in new)):
             job.journal.append({"outcomes": new})  # decided once: a rerun never decodes these again
 
     # -- publishing --------------------------------------------------------------------------------
     def complete(self, jobs: list[Job]) -> list[Item]:
-        return finish.complete(self, jobs) if jobs else []
+        if not jobs:
+            return []
+        done = self.finisher.complete(jobs)
+        self.published(done.published)
+        return done.work
+
+    def published(self, published: list[Published]) -> None:
+        for p in published:
+            self.claimed.pop(p.job.seq, None)
+            self.inbox.release(p.job)
+            self.counts.results += p.results
+            self.counts.failures += p.failures
+            self.counts.files += 1
 
     def retry_deferred(self) -> None:
         now = time.time()
-        due = [j for j in self.claimed.values() if not j.resumed and j.pending == 0 and 0 < j.not_before <= now]
+        idle = [j for j in self.claimed.values() if not j.resumed and j.pending == 0]
+        due = self.finisher.due(idle, now)
         self.drain(self.complete(due))
 
     def quarantine(self, job: Job, code: str, message: str) -> None:
@@ -363,14 +407,16 @@ class Spool:
         self.metrics.published(0, [code])
         self.claimed.pop(job.seq, None)
         self.inbox.release(job)
-        self.failed_this_run += 1
+        self.counts.failures += 1
+        self.counts.files += 1
+        self.counts.quarantined += 1
 
 
-def _check_writable(key: str, folder: Path) -> None:
-    """A folder the queue cannot write in is a config error at startup, not a crash at the first publish."""
-    probe = folder / f".celeris-probe-{os.getpid()}.tmp"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"folders.{key}: cannot write in {folder} ({e.strerror})") from None
+def needs_journal(job: Job, undecided_after: int, suspect: bool) -> bool:
+    """Whether a step of `job` must be journaled. Not when the file is decided in one batch that cannot
+    be blamed for anything: a crash before its publish redoes that one batch, and the common small file
+    costs no fsync. It must be when the journal already exists (it has to stay whole), when requests stay
+    undecided after this step (a restart must know what is decided), and when the step involves suspects
+    (lines in flight at an earlier death, decoded alone) or failures (decided for good: never decode
+    them again, so a rerun cannot turn a recorded failure into a result)."""
+    return job.journal.exists or undecided_after > 0 or suspect

@@ -10,6 +10,8 @@ import ctypes
 import errno
 import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ def atomic_write(
     I/O error (a full disk, a read-only folder) the temp file is removed and the error raised.
     `sync_dir=False`: the caller fsyncs the folder once for many files; `durable=False`: no fsync at all
     (a heartbeat, which only has to be whole)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # two writers never share a temp file
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -138,24 +140,64 @@ def move(src: Path, dst: Path) -> None:
         fsync_dir(src.parent)
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of `data`: os.write may write less than asked without raising (a filling tmpfs)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "no space left: a write made no progress")
+        view = view[n:]
+
+
+def _whole_lines_end(fd: int, size: int) -> int:
+    """The offset just past the last newline of the file (0 if none): where a torn tail begins."""
+    end = size
+    while end > 0:
+        start = max(0, end - 65536)
+        chunk = os.pread(fd, end - start, start)
+        i = chunk.rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        end = start
+    return 0
+
+
 def append_line(path: Path, line: str, crash_name: str | None = None, durable: bool = True) -> None:
-    """Append one line (fsynced unless not `durable`). A crash mid-write leaves at most a torn last line,
-    which readers skip."""
+    """Append one line, complete or not at all: a short write is continued, and on an error (a full
+    disk) the file is cut back to where it was. A torn tail left by a crash mid-write is cut off
+    first, so the record it belonged to is written again whole by whoever redoes it."""
     data = (line.rstrip("\n") + "\n").encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        # a torn line from an earlier crash must not swallow this record: start on a fresh line
-        if os.fstat(fd).st_size > 0:
-            with open(path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    data = b"\n" + data
+        size = os.fstat(fd).st_size
+        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
+            size = _whole_lines_end(fd, size)
+            os.ftruncate(fd, size)
         if crash_name and os.environ.get(CRASH_ENV) == crash_name:
             os.write(fd, data[: len(data) // 2])
             os._exit(CRASH_EXIT)
-        os.write(fd, data)
-        if durable:
-            os.fsync(fd)
+        try:
+            write_all(fd, data)
+            if durable:
+                os.fsync(fd)
+        except OSError:
+            try:
+                os.ftruncate(fd, size)  # absent rather than torn
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def waiting_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `path` for a short critical section, waiting for another holder."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
         os.close(fd)
 
@@ -228,6 +270,13 @@ class FolderLocks:
     def release(self) -> None:
         for lock in self.locks:
             lock.release()
+
+    def retake(self, folder: Path) -> None:
+        """Lock a folder again after it was deleted and created anew (the old lock went with it)."""
+        for lock in self.locks:
+            if lock.path.parent == folder.resolve():
+                lock.release()
+                lock.acquire()
 
     def holder(self) -> str | None:
         for lock in self.locks:

@@ -5,8 +5,8 @@ ends with a newline (a producer that published by rename). Dot-files, `*.tmp` an
 
 Each arrival gets a claim number from a durable counter. The claimed file is `.work/<claim>.<name>`, so
 it keeps its identity across stops and crashes: at startup it is resumed where it is, never renamed back
-over a newer file of the same name. `<name>` is the inbox name, or `<stem>~<claim><suffix>` when that
-name already has results, a processed or quarantined copy, or a claim in progress.
+over a newer file of the same name. `<name>` is the inbox name, or a derived name (`names`) when that
+name is too long, or already has results, a processed or quarantined copy, or a claim in progress.
 """
 
 from __future__ import annotations
@@ -19,14 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import names
 from .config import Folders
 from .formats import Request
 from .fsutil import atomic_write, crashpoint, rename_noreplace
 from .journal import Journal
 from .ledger import EventLog
+from .reading import Snapshot
 
 IGNORED_SUFFIXES = (".tmp", ".part")
-WORK_NAME = re.compile(r"^(\d{8,})\.(.+)$")
+WORK_NAME = re.compile(r"^(\d{8,})\.(.+)$", re.DOTALL)  # a name may hold a newline
+REFUSED_S = 30.0  # a file whose claim failed is tried again after this long
 SEQ_BLOCK = 64  # claim numbers reserved per counter write (one fsync per block, not per claim)
 
 
@@ -48,11 +51,7 @@ class Job:
     pending: int = 0
     resumed: bool = False
     suspects: set[int] | None = field(default_factory=set)  # lines to decode alone (None: all remaining)
-    read_len: int = 0  # bytes of the file parsed so far
-    digest: str = ""  # of those bytes: a file that grew by appending still starts with them
-    last_line: int = 0  # the last line number parsed
-    not_before: float = 0.0  # a deferred publish waits until then
-    blocked: int = 0  # publishes refused by the filesystem in a row
+    snapshot: Snapshot = Snapshot()  # what has been read of the file (reading.read_claimed)
 
 
 class Inbox:
@@ -66,6 +65,7 @@ class Inbox:
         self.depth = 0  # inbox files at the last scan, ready or settling
         self.oldest_mtime: float | None = None
         self.active: set[str] = set()  # names of claims in progress
+        self.refused: dict[str, float] = {}  # name -> when to try a claim that failed again
         self.seq_file = folders.work / ".seq"
         self.next_seq = 1
         self.reserved = 0
@@ -91,18 +91,26 @@ class Inbox:
         self.reserved = self.next_seq - 1
         for entry in legacy:
             seq = self.take_seq()
-            if rename_noreplace(entry, self.f.work / f"{seq:08d}.{entry.name}"):
-                jobs.append(self._job(seq, entry.name))
+            name = names.fit(entry.name)
+            if rename_noreplace(entry, self.f.work / f"{seq:08d}.{name}"):
+                jobs.append(self._job(seq, name))
         known = {f"{j.seq:08d}.jsonl" for j in jobs}
         journals = self.f.work / "journal"
         for orphan in journals.glob("*.jsonl") if journals.is_dir() else []:
             if orphan.name not in known:  # its file was published; only the cleanup was cut short
                 orphan.unlink(missing_ok=True)
-        for job in jobs:
+        resumed = []
+        for job in sorted(jobs, key=lambda j: j.seq):
+            if job.name in self.active:  # two claims of one name (an older version's ~N rename): never
+                moved = self._job(job.seq, self.job_name(job.name, job.seq))  # publish both under it
+                if rename_noreplace(job.path, moved.path):
+                    self.events("renamed", file=moved.name, claim=job.seq, original=job.name)
+                    job = moved
             job.resumed = True
             self.active.add(job.name)
             self.events("resumed", file=job.name, claim=job.seq)
-        return sorted(jobs, key=lambda j: j.seq)
+            resumed.append(job)
+        return resumed
 
     def take_seq(self) -> int:
         seq = self.next_seq
@@ -121,8 +129,12 @@ class Inbox:
         ready: list[tuple[float, str, Path]] = []
         waiting = 0
         sizes: dict[str, tuple[int, float]] = {}
-        for entry in os.scandir(self.f.inputs):
-            if not is_candidate(entry.name):
+        try:
+            entries = list(os.scandir(self.f.inputs))
+        except FileNotFoundError:  # deleted under us: the daemon creates it again
+            entries = []
+        for entry in entries:
+            if not is_candidate(entry.name) or self.refused.get(entry.name, 0) > now:
                 continue
             try:
                 st = entry.stat(follow_symlinks=False)
@@ -148,19 +160,30 @@ class Inbox:
         return self.seen_sizes.get(name) == size and _ends_with_newline(path)
 
     def taken(self, name: str) -> bool:
+        """A name in use: claimed now, or with results, a processed or a quarantined copy."""
         return (
             name in self.active
-            or (self.f.outputs / f"{name}.results.jsonl").exists()
-            or (self.f.processed / name).exists()
-            or (self.f.quarantine / name).exists()
+            or os.path.lexists(self.f.outputs / f"{name}.results.jsonl")
+            or os.path.lexists(self.f.processed / name)
+            or os.path.lexists(self.f.quarantine / name)
         )
+
+    def job_name(self, inbox_name: str, seq: int) -> str:
+        """The name a claim publishes under: the inbox name where it is free and fits; otherwise a derived
+        name (shortened, or `~claim`) that is free and that no file in the inbox has either, so a
+        derived name can never take a name a user wrote."""
+        name = names.fit(inbox_name)
+        if name == inbox_name and not self.taken(name):
+            return name
+        for attempt in range(1000):
+            candidate = names.renamed(name, seq, attempt) if (attempt or self.taken(name)) else name
+            if not self.taken(candidate) and not os.path.lexists(self.f.inputs / candidate):
+                return candidate
+        raise FileExistsError(f"no free name for {inbox_name!r}")  # 1000 files named so: not a user's doing
 
     def claim(self, path: Path) -> Job | None:
         seq = self.take_seq()
-        name = path.name
-        if self.taken(name):
-            stem, dot, suffix = name.rpartition(".") if "." in name else (name, "", "")
-            name = f"{stem}~{seq}.{suffix}" if dot else f"{name}~{seq}"
+        name = self.job_name(path.name, seq)
         job = self._job(seq, name)
         try:
             os.rename(path, job.path)  # the work name is new (a fresh claim number): nothing to overwrite
@@ -170,6 +193,10 @@ class Inbox:
         self.active.add(name)
         self.events("claim", file=name, claim=seq, original=path.name if name != path.name else None)
         return job
+
+    def refuse(self, name: str) -> None:
+        """A claim of `name` failed: leave it alone for a while instead of failing again every round."""
+        self.refused[name] = time.time() + REFUSED_S
 
     def release(self, job: Job) -> None:
         self.active.discard(job.name)

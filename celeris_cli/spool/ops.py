@@ -17,8 +17,8 @@ from typing import Any
 
 from ..errors import UsageError
 from .config import BatchConfig
-from .daemon import HEARTBEAT, queue_lock
-from .fsutil import append_line, atomic_write
+from .folders import HEARTBEAT, queue_lock
+from .fsutil import append_line, atomic_write, waiting_lock
 from .intake import is_candidate
 from .ledger import now_iso, read_jsonl
 from .status import read_heartbeat
@@ -31,6 +31,9 @@ USER_ERROR_CODES = frozenset(
 )
 
 
+RETRY_LOCK = ".retry.lock"
+
+
 @dataclass
 class RetryReport:
     resubmitted: int = 0
@@ -41,7 +44,8 @@ class RetryReport:
     out_of_attempts: int = 0
     no_request: int = 0
     malformed: int = 0
-    file: str | None = None
+    file: str | None = None  # the files written, as one string (also `files`)
+    files: list[str] = field(default_factory=list)
     details: list[str] = field(default_factory=list)  # warnings, one per malformed line
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,7 +99,15 @@ def read_failure_log(log_path: Path, report: RetryReport) -> list[dict[str, Any]
 
 def plan_retry(cfg: BatchConfig, log_path: Path, include_all: bool, force: bool = False) -> RetryReport:
     """Choose failure records to run again and publish them as an inbox file. `include_all` adds records
-    marked not retryable, except line-level user errors, which only `force` adds."""
+    marked not retryable, except line-level user errors, which only `force` adds. Two retries at once
+    take turns (a lock in logs/), so the second sees what the first resubmitted."""
+    cfg.folders.logs.mkdir(parents=True, exist_ok=True)
+    cfg.folders.inputs.mkdir(parents=True, exist_ok=True)
+    with waiting_lock(cfg.folders.logs / RETRY_LOCK):
+        return _plan_retry(cfg, log_path, include_all, force)
+
+
+def _plan_retry(cfg: BatchConfig, log_path: Path, include_all: bool, force: bool) -> RetryReport:
     ledger = cfg.folders.logs / "retried.jsonl"
     done = {rec.get("key") for rec in read_jsonl(ledger)}
     report = RetryReport()
@@ -134,18 +146,24 @@ def plan_retry(cfg: BatchConfig, log_path: Path, include_all: bool, force: bool 
             chosen.append(rec)
     if not chosen:
         return report
-    digest = hashlib.sha256("\n".join(sorted(r["key"] for r in chosen)).encode()).hexdigest()[:12]
-    name = f"retry-{digest}.jsonl"
-    lines = []
-    for rec in chosen:
-        body = dict(rec["request"])
-        body["_celeris"] = {"attempt": (attempts(rec) or 1) + 1, "origin": rec.get("origin") or rec.get("source")}
-        lines.append(json.dumps(body, ensure_ascii=False))
-    atomic_write(cfg.folders.inputs / name, ("\n".join(lines) + "\n").encode())
-    for rec in chosen:
-        append_line(ledger, json.dumps({"key": rec["key"], "file": name, "time": now_iso()}))
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for rec in chosen:  # one retry file per source file: ids are unique within a file, not across files
+        source = rec.get("source")
+        groups.setdefault(str(source.get("file") if isinstance(source, dict) else None), []).append(rec)
+    for group in groups.values():
+        digest = hashlib.sha256("\n".join(sorted(r["key"] for r in group)).encode()).hexdigest()[:12]
+        name = f"retry-{digest}.jsonl"
+        lines = []
+        for rec in group:
+            body = dict(rec["request"])
+            body["_celeris"] = {"attempt": (attempts(rec) or 1) + 1, "origin": rec.get("origin") or rec.get("source")}
+            lines.append(json.dumps(body, ensure_ascii=False))
+        atomic_write(cfg.folders.inputs / name, ("\n".join(lines) + "\n").encode())
+        for rec in group:
+            append_line(ledger, json.dumps({"key": rec["key"], "file": name, "time": now_iso()}))
+        report.files.append(name)
     report.resubmitted = len(chosen)
-    report.file = name
+    report.file = ", ".join(report.files)
     return report
 
 

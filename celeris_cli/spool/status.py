@@ -26,8 +26,8 @@ class Heartbeat:
             "time": now_iso(),
             "unix": time.time(),
             "state": state,
-            "done": spool.done_this_run,
-            "failed": spool.failed_this_run,
+            "done": spool.counts.results,
+            "failed": spool.counts.failures,
             "last_batch_unix": self.last_batch,
         }
         try:

@@ -1,0 +1,293 @@
+"""Hostile faults the queue must survive in-process: short writes, names it did not expect, folders
+deleted under it, lines appended after a claim. Subprocess cases are in test_spool_hostile_process.py."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celeris_cli.errors import EXIT_IO
+from celeris_cli.spool.config import load_config
+from celeris_cli.spool.daemon import Spool
+
+from .spool_helpers import FakeBackend, drop, failures, make_queue, outputs
+
+
+def put(root: Path, name: str, content: str, age_s: float) -> None:
+    """Write an inbox file in place (a name too long for `drop`'s `.name.part`), aged with os.utime."""
+    path = root / "batch_inputs" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content, encoding="utf-8")
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+
+
+def serve(root: Path, backend: FakeBackend | None = None, **cfg: Any) -> int:
+    backend = backend or FakeBackend()
+    return Spool(load_config(make_queue(root, **cfg)), lambda: backend).run(once=True)
+
+
+BAD = "".join(json.dumps({"id": f"b{i}", "prompt": "x" * 2000, "temperature": "hot"}) + "\n" for i in range(3))
+
+
+def short_writes(monkeypatch: pytest.MonkeyPatch, then_enospc: bool) -> dict[str, int]:
+    """os.write writes half of a failure record and returns the short count without raising (as a
+    filling tmpfs does); with `then_enospc`, the next write of that record raises ENOSPC."""
+    real = os.write
+    state = {"short": 0}
+
+    def write(fd: int, data: Any) -> int:
+        if b'"key"' in bytes(data[:200]) and b'"code"' in bytes(data):
+            if state["short"] == 0:
+                state["short"] = 1
+                return real(fd, bytes(data)[: len(data) // 2])
+            if then_enospc and state["short"] == 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    return state
+
+
+def test_a_short_write_of_a_failure_record_is_completed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    drop(tmp_path, "late.jsonl", BAD)
+    short_writes(monkeypatch, then_enospc=False)
+    assert serve(tmp_path) == 1
+    recs = failures(tmp_path)
+    assert sorted(r["custom_id"] for r in recs) == ["b0", "b1", "b2"]
+    assert all(line.startswith("{") for line in (tmp_path / "logs" / "failed.jsonl").read_text().splitlines())
+
+
+def test_a_write_that_runs_out_of_space_leaves_no_torn_record_and_is_written_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drop(tmp_path, "late.jsonl", BAD)
+    short_writes(monkeypatch, then_enospc=True)
+    assert serve(tmp_path, publish_retry_s=0.05) == EXIT_IO  # publish blocked: the file stays claimed
+    text = (tmp_path / "logs" / "failed.jsonl").read_text() if (tmp_path / "logs" / "failed.jsonl").exists() else ""
+    assert text == "" or text.endswith("\n")  # complete records or none
+    monkeypatch.undo()
+    assert serve(tmp_path) == 1
+    assert sorted(r["custom_id"] for r in failures(tmp_path)) == ["b0", "b1", "b2"]
+    assert len((tmp_path / "logs" / "failed.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_torn_tail_left_by_a_crash_is_repaired_before_the_next_append(tmp_path: Path) -> None:
+    from celeris_cli.spool.fsutil import append_line
+
+    log = tmp_path / "failed.jsonl"
+    log.write_bytes(b'{"key": "a"}\n{"key": "b", "sou')
+    append_line(log, '{"key": "c"}')
+    assert log.read_bytes() == b'{"key": "a"}\n{"key": "c"}\n'
+
+
+@pytest.fixture
+def small_logs(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """`logs/` on a real tmpfs that is full but for two pages (root only; skipped elsewhere)."""
+    import subprocess
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(logs)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        # the lock's and heartbeat's pages are taken before the disk fills, and the event log's first
+        # page is full: of the two pages left, the event log takes one and the failure log the other
+        (logs / ".celeris.lock").write_text("pid 0\n")
+        (logs / "heartbeat.json").write_text("{}")
+        (logs / "events.jsonl").write_text(json.dumps({"event": "pad", "pad": "." * 4068}) + "\n")
+        filler = logs / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096) == 4096:
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        os.truncate(filler, max(0, filler.stat().st_size - 8192))  # two pages free
+        yield filler
+    finally:
+        subprocess.run(["umount", "-l", str(logs)])
+
+
+def test_a_really_full_tmpfs_under_logs_tears_no_record(tmp_path: Path, small_logs: Path) -> None:
+    big = "".join(json.dumps({"id": f"b{i}", "prompt": "y" * 5000, "temperature": "hot"}) + "\n" for i in range(3))
+    drop(tmp_path, "late.jsonl", big)
+    assert serve(tmp_path, publish_retry_s=0.05) == EXIT_IO
+    log = tmp_path / "logs" / "failed.jsonl"
+    assert all(json.loads(line) for line in (log.read_text().splitlines() if log.exists() else []))
+    small_logs.unlink()
+    assert serve(tmp_path) == 1
+    lines = log.read_text().splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in lines) == ["b0", "b1", "b2"]
+
+
+def test_a_250_byte_name_is_served_under_a_short_readable_name_and_stops_nothing(tmp_path: Path) -> None:
+    names = ["é" * 120 + "abcd.jsonl", "x" * 245 + ".txt", "y" * 251 + ".txt"]  # 254, 249 and 255 bytes
+    for i, name in enumerate(names):
+        put(tmp_path, name, json.dumps({"id": "a", "prompt": f"long {i}"}) + "\n", age_s=30 - i)
+    drop(tmp_path, "plain.txt", "beside it\n", age_s=5)
+    assert serve(tmp_path) == 0
+    out = outputs(tmp_path)
+    assert len(out) == 4 and out["plain.txt.results.jsonl"][0]["response"]["body"]["text"] == "ti ediseb"
+    for name in out:
+        assert len(os.fsencode(name)) <= 255
+    long_ones = sorted(n for n in out if n != "plain.txt.results.jsonl")
+    assert [n[:3] for n in long_ones] == ["xxx", "yyy", "ééé"]  # the readable stem kept
+    assert all(n.endswith((".jsonl.results.jsonl", ".txt.results.jsonl")) for n in long_ones)
+    assert [n for n in os.listdir(tmp_path / "batch_inputs") if not n.startswith(".")] == []
+
+
+def test_odd_legal_names_are_served_or_quarantined_with_a_record(tmp_path: Path) -> None:
+    drop(tmp_path, "new\nline.txt", "one\n", age_s=30)
+    drop(tmp_path, os.fsdecode(b"latin\xe9.txt"), "two\n", age_s=29)
+    drop(tmp_path, "tab\there -- .jsonl", json.dumps({"id": "t", "prompt": "three"}) + "\n", age_s=28)
+    drop(tmp_path, "no-suffix", "four\n", age_s=27)
+    drop(tmp_path, "plain.txt", "five\n", age_s=5)
+    assert serve(tmp_path) == 1  # the one without a known suffix is quarantined with a record
+    out = outputs(tmp_path)
+    assert len(out) == 4 and "new\nline.txt.results.jsonl" in out
+    [rec] = failures(tmp_path)
+    assert rec["source"]["file"] == "no-suffix" and rec["code"] == "unsupported_format", rec
+
+
+def test_a_derived_name_never_takes_a_name_a_user_wrote(tmp_path: Path) -> None:
+    from celeris_cli.spool.intake import SEQ_BLOCK
+
+    user = f"dup~{SEQ_BLOCK + 1}.jsonl"  # the name the second run would give a second dup.jsonl
+    drop(tmp_path, "dup.jsonl", json.dumps({"id": "a", "prompt": "first"}) + "\n", age_s=20)
+    drop(tmp_path, user, json.dumps({"id": "a", "prompt": "users own"}) + "\n", age_s=10)
+    assert serve(tmp_path) == 0
+    drop(tmp_path, "dup.jsonl", json.dumps({"id": "a", "prompt": "second"}) + "\n")
+    assert serve(tmp_path) == 0
+    texts = sorted(r["response"]["body"]["text"] for recs in outputs(tmp_path).values() for r in recs)
+    assert texts == sorted(["tsrif", "nwo sresu", "dnoces"])
+    assert outputs(tmp_path)[f"{user}.results.jsonl"][0]["response"]["body"]["text"] == "nwo sresu"
+
+
+def test_a_claim_name_with_a_newline_is_resumed_as_itself(tmp_path: Path) -> None:
+    from celeris_cli.spool.intake import Inbox
+    from celeris_cli.spool.ledger import EventLog
+
+    cfg = load_config(make_queue(tmp_path))
+    work = tmp_path / "batch_inputs" / ".work"
+    work.mkdir()
+    (work / "00000007.new\nline.txt").write_text("left claimed\n")
+    [job] = Inbox(cfg.folders, 0.2, EventLog(tmp_path / "logs" / "events.jsonl")).open(0)
+    assert (job.seq, job.name) == (7, "new\nline.txt")
+    assert os.listdir(work) == ["00000007.new\nline.txt"]
+
+
+def lines(first: int, last: int) -> str:
+    return "".join(json.dumps({"id": f"r{i}", "prompt": f"p{i}"}) + "\n" for i in range(first, last + 1))
+
+
+class WritesDuringBatch(FakeBackend):
+    """The producer goes on writing through its open handle while the first batch decodes: a pause
+    shorter than settle_s."""
+
+    def __init__(self, handle: Any, text: str) -> None:
+        super().__init__()
+        self.handle, self.text = handle, text
+
+    def run(self, batch: list[Any]) -> list[dict[str, Any]]:
+        if self.text:
+            self.handle.write(self.text)
+            self.handle.flush()
+            self.text = ""
+        return super().run(batch)
+
+
+def test_lines_written_within_settle_after_the_claim_are_served(tmp_path: Path) -> None:
+    make_queue(tmp_path)
+    path = tmp_path / "batch_inputs" / "slow.jsonl"
+    with open(path, "w") as handle:
+        handle.write(lines(1, 8))
+        handle.flush()
+        os.utime(path, (time.time() - 10, time.time() - 10))  # settled: claimed at once
+        assert serve(tmp_path, backend=WritesDuringBatch(handle, lines(9, 17))) == 0
+    assert [r["custom_id"] for r in outputs(tmp_path)["slow.jsonl.results.jsonl"]] == [f"r{i}" for i in range(1, 18)]
+    assert failures(tmp_path) == []
+
+
+def test_lines_written_after_the_publish_get_changed_after_claim_records_and_retry_serves_them(
+    tmp_path: Path,
+) -> None:
+    from celeris_cli.spool.ops import plan_retry
+
+    config = make_queue(tmp_path)
+    path = tmp_path / "batch_inputs" / "slow.jsonl"
+    with open(path, "w") as handle:
+        handle.write(lines(1, 8))
+        handle.flush()
+        os.utime(path, (time.time() - 10, time.time() - 10))
+        assert serve(tmp_path) == 0  # published: the producer paused longer than settle_s
+        handle.write(lines(9, 17))  # ... and goes on, into what is now batch_processed/slow.jsonl
+    assert serve(tmp_path) == 1
+    recs = failures(tmp_path)
+    assert sorted(r["source"]["line"] for r in recs) == list(range(9, 18))
+    assert {r["code"] for r in recs} == {"changed_after_claim"} and all(r["retryable"] for r in recs)
+    assert serve(tmp_path) == 0 and len(failures(tmp_path)) == 9  # recorded once
+    report = plan_retry(load_config(config), tmp_path / "logs" / "failed.jsonl", include_all=False)
+    assert report.resubmitted == 9
+    assert serve(tmp_path) == 0
+    served = sorted(r["custom_id"] for recs in outputs(tmp_path).values() for r in recs)
+    assert served == sorted(f"r{i}" for i in range(1, 18))
+
+
+def test_a_last_line_read_without_its_newline_is_never_served_twice(tmp_path: Path) -> None:
+    from celeris_cli.spool.reading import Snapshot, read_claimed
+
+    path = tmp_path / "f.txt"
+    path.write_bytes(b"a\nb\nc")
+    first = read_claimed(path, "f.txt", Snapshot(), settle_s=0, max_line_bytes=100)
+    assert [r.prompt for r in first.requests] == ["a", "b", "c"]
+    path.write_bytes(b"a\nb\ncd\ne\n")
+    again = read_claimed(path, "f.txt", first.snapshot, settle_s=0, max_line_bytes=100)
+    assert [r.prompt for r in again.requests] == ["e"] and again.changed == [3]
+    assert read_claimed(path, "f.txt", again.snapshot, settle_s=0, max_line_bytes=100).requests == []
+
+
+def test_two_claims_left_with_one_name_are_published_under_two_names(tmp_path: Path) -> None:
+    make_queue(tmp_path)
+    work = tmp_path / "batch_inputs" / ".work"
+    work.mkdir(parents=True)
+    (work / "00000033.dup~66.jsonl").write_text(json.dumps({"id": "a", "prompt": "one"}) + "\n")
+    (work / "00000066.dup~66.jsonl").write_text(json.dumps({"id": "a", "prompt": "two"}) + "\n")
+    (work / ("L" * 250 + ".txt")).write_text("an older layout's long name\n")  # no claim number
+    assert serve(tmp_path) == 0
+    texts = sorted(r["response"]["body"]["text"] for recs in outputs(tmp_path).values() for r in recs)
+    assert texts == sorted(["eno", "owt", "eman gnol s'tuoyal redlo na"])
+
+
+@pytest.mark.parametrize("folder", ["batch_outputs", "batch_processed", "logs"])
+def test_a_folder_deleted_in_the_middle_of_a_publish_delays_it_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, folder: str
+) -> None:
+    import shutil
+
+    from celeris_cli.spool import finish
+
+    real = finish.sync_folder
+    state = {"deleted": False}
+
+    def sync_then_delete(where: Path, files: list[Path]) -> None:
+        real(where, files)
+        if not state["deleted"]:  # between the results' temp files and their rename
+            state["deleted"] = True
+            shutil.rmtree(tmp_path / folder)
+
+    monkeypatch.setattr(finish, "sync_folder", sync_then_delete)
+    drop(tmp_path, "a.jsonl", json.dumps({"id": "a", "prompt": "kept"}) + "\n{broken\n")
+    assert serve(tmp_path, publish_retry_s=0.01) == 1
+    assert outputs(tmp_path)["a.jsonl.results.jsonl"][0]["response"]["body"]["text"] == "tpek"
+    assert [r["code"] for r in failures(tmp_path)] == ["invalid_json"]
+    assert (tmp_path / "batch_processed" / "a.jsonl").exists()
