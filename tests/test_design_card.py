@@ -96,3 +96,28 @@ def _wait(predicate, timeout: float = 240.0) -> None:  # type: ignore[no-untyped
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.2)
+
+
+def test_the_seeds_step_sweep_runs_on_the_default_model_with_more_forwards_for_more_steps() -> None:
+    """The card's prompt at 5, 10, 20 and 40 steps: four answers, and the forwards rise with the steps."""
+    from celeris_cli import load_engine
+
+    engine = load_engine(device="cpu", dtype="float32")
+    nfe = []
+    for steps in (5, 10, 20, 40):
+        [result] = engine.generate([CARD_PROMPT], engine.params({"denoise_steps": steps}))
+        assert result.text and result.denoise_steps == sum(result.steps_per_block) >= steps
+        nfe.append(result.nfe)
+    assert nfe == sorted(nfe) and nfe[0] < nfe[-1], nfe
+
+
+def test_guidance_and_random_remasking_change_the_default_models_greedy_answers() -> None:
+    from celeris_cli import load_engine
+
+    engine = load_engine(device="cpu", dtype="float32")
+    prompts = [CARD_PROMPT, "白日依山尽，", "春眠不觉晓，", "Shall I compare thee"]
+    greedy = engine.params({"temperature": 0.0})
+    plain = [r.text for r in engine.generate(prompts, greedy)]
+    for knob, value in (("cfg_scale", 2.0), ("remasking", "random")):
+        changed = [r.text for r in engine.generate(prompts, greedy.with_(**{knob: value}))]
+        assert changed != plain, knob
