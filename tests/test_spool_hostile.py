@@ -6,7 +6,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +17,9 @@ import pytest
 from celeris_cli.errors import EXIT_IO
 from celeris_cli.spool.config import load_config
 from celeris_cli.spool.daemon import Spool
+from celeris_cli.spool.intake import Inbox, Job
 
-from .spool_helpers import FakeBackend, drop, failures, make_queue, outputs
+from .spool_helpers import FakeBackend, claimed, drop, failures, make_queue, outputs, visible
 
 
 def put(root: Path, name: str, content: str, age_s: float) -> None:
@@ -89,6 +92,16 @@ def test_a_torn_tail_left_by_a_crash_is_repaired_before_the_next_append(tmp_path
 @pytest.fixture
 def small_logs(tmp_path: Path):  # type: ignore[no-untyped-def]
     """`logs/` on a real tmpfs that is full but for two pages (root only; skipped elsewhere)."""
+    yield from tmpfs_logs(tmp_path, free_pages=2)
+
+
+@pytest.fixture
+def full_logs(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """`logs/` on a real tmpfs with no free page at all (root only; skipped elsewhere)."""
+    yield from tmpfs_logs(tmp_path, free_pages=0)
+
+
+def tmpfs_logs(tmp_path: Path, free_pages: int) -> Iterator[Path]:
     import subprocess
 
     logs = tmp_path / "logs"
@@ -112,7 +125,7 @@ def small_logs(tmp_path: Path):  # type: ignore[no-untyped-def]
             pass
         finally:
             os.close(fd)
-        os.truncate(filler, max(0, filler.stat().st_size - 8192))  # two pages free
+        os.truncate(filler, max(0, filler.stat().st_size - 4096 * free_pages))
         yield filler
     finally:
         subprocess.run(["umount", "-l", str(logs)])
@@ -291,3 +304,42 @@ def test_a_folder_deleted_in_the_middle_of_a_publish_delays_it_and_loses_nothing
     assert outputs(tmp_path)["a.jsonl.results.jsonl"][0]["response"]["body"]["text"] == "tpek"
     assert [r["code"] for r in failures(tmp_path)] == ["invalid_json"]
     assert (tmp_path / "batch_processed" / "a.jsonl").exists()
+
+
+def test_a_file_to_quarantine_on_a_full_disk_waits_and_is_quarantined_once_there_is_room(
+    tmp_path: Path, full_logs: Path
+) -> None:
+    (tmp_path / "batch_inputs").mkdir()
+    os.symlink("/etc/hostname", tmp_path / "batch_inputs" / "link.jsonl")  # quarantined: never followed
+    assert serve(tmp_path, publish_retry_s=0.05) == EXIT_IO  # its record cannot be written: it stays claimed
+    assert len(claimed(tmp_path)) == 1 and not visible(tmp_path / "batch_processed")
+    full_logs.unlink()
+    assert serve(tmp_path) == 1  # a restart quarantines it, with its one record
+    assert [r["code"] for r in failures(tmp_path)] == ["symlink"]
+    assert claimed(tmp_path) == [] and os.path.islink(tmp_path / "batch_processed" / "quarantine" / "link.jsonl")
+
+
+def test_a_claimed_file_deleted_before_it_is_read_is_dropped_not_quarantined(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user deletes the inbox, with its work folder, between the claim and the read."""
+    drop(tmp_path, "a.jsonl", json.dumps({"id": "a", "prompt": "hi"}) + "\n")
+    real = Inbox.claim
+
+    def claim_then_delete(self: Inbox, path: Path) -> Job | None:
+        job = real(self, path)
+        shutil.rmtree(tmp_path / "batch_inputs")
+        return job
+
+    monkeypatch.setattr(Inbox, "claim", claim_then_delete)
+    assert serve(tmp_path) == 0
+    assert failures(tmp_path) == [] and outputs(tmp_path) == {}
+    assert [e["file"] for e in events(tmp_path, "gone")] == ["a.jsonl"]
+    monkeypatch.undo()
+    drop(tmp_path, "b.jsonl", json.dumps({"id": "b", "prompt": "hi"}) + "\n")
+    assert serve(tmp_path) == 0 and list(outputs(tmp_path)) == ["b.jsonl.results.jsonl"]
+
+
+def events(root: Path, kind: str) -> list[dict[str, Any]]:
+    lines = (root / "logs" / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e.get("event") == kind]

@@ -74,6 +74,7 @@ class Spool:
         self.wake = threading.Event()
         self.stopping = False
         self.claimed: dict[int, Job] = {}  # claim number -> job in progress (resumed, decoding or deferred)
+        self.quarantines: dict[int, tuple[str, str]] = {}  # claim -> (code, message) of a quarantine put off
         self.flight: dict[int, tuple[list[Item], float]] = {}  # pool ticket -> (batch, start time)
         self.counts = RunCounts()
         self.stop_signal: int | None = None  # the signal that stopped the loop, if one did
@@ -216,12 +217,14 @@ class Spool:
     # -- processing --------------------------------------------------------------------------------
     def process(self, paths: list[Path]) -> None:
         budget = self.cfg.batch_size * 8  # requests taken per round bounds memory and latency
-        jobs = [j for j in self.claimed.values() if j.resumed]
+        jobs = []
         taken = 0
-        for job in jobs:
-            self.load(job)
+        for job in [j for j in self.claimed.values() if j.resumed]:
+            loaded = self.load(job)
             job.resumed = False
-            taken += len(job.requests)
+            if loaded:  # not quarantined, gone, or waiting for room to be quarantined
+                jobs.append(job)
+                taken += len(job.requests)
         for path in paths:
             if self.stopping or taken >= budget:
                 break
@@ -264,7 +267,8 @@ class Spool:
         return pack(work, self.cfg.batch_size, self.cfg.token_budget) if work else []
 
     def load(self, job: Job) -> bool:
-        """Parse a claimed file (and, for a resumed one, its journal). Unreadable files are quarantined."""
+        """Parse a claimed file (and, for a resumed one, its journal). Unreadable files are quarantined;
+        a file removed while claimed is dropped."""
         try:
             got = read_claimed(job.path, job.name, Snapshot(), self.cfg.settle_s, self.cfg.max_line_bytes)
             if len(got.requests) > self.cfg.max_file_requests:
@@ -272,6 +276,9 @@ class Spool:
                     "too_many_requests",
                     f"{len(got.requests)} requests; the limit per file is {self.cfg.max_file_requests}",
                 )
+        except FileNotFoundError:  # the claimed file itself: removed by hand (with the work folder, say)
+            self.gone(job)
+            return False
         except FileRejected as e:
             self.quarantine(job, e.code, e.message)
             return False
@@ -400,16 +407,41 @@ class Spool:
         now = time.time()
         idle = [j for j in self.claimed.values() if not j.resumed and j.pending == 0]
         due = self.finisher.due(idle, now)
-        self.drain(self.complete(due))
+        to_quarantine = [j for j in due if j.seq in self.quarantines]
+        for job in to_quarantine:
+            self.quarantine(job, *self.quarantines[job.seq])
+        self.drain(self.complete([j for j in due if j not in to_quarantine]))
 
     def quarantine(self, job: Job, code: str, message: str) -> None:
-        self.publisher.quarantine(job, code, message)
+        """Quarantine a file that cannot be read, with its record. One the filesystem refuses (a full disk,
+        a folder deleted under it) stays claimed and is tried again later with back-off, as a publish is."""
+        try:
+            self.publisher.quarantine(job, code, message)
+        except OSError as e:
+            if not os.path.lexists(job.path):
+                self.gone(job)
+                return
+            self.finisher.blocked_or_raise(job, e)
+            self.quarantines[job.seq] = (code, message)
+            return
         self.metrics.published(0, [code])
-        self.claimed.pop(job.seq, None)
-        self.inbox.release(job)
+        self.drop_claim(job)
         self.counts.failures += 1
         self.counts.files += 1
         self.counts.quarantined += 1
+
+    def gone(self, job: Job) -> None:
+        """A claimed file removed by hand before it was read: nothing of it is left to serve or record."""
+        log.warning("%s (claim %d) was removed while claimed; dropping the claim", job.name, job.seq)
+        self.events("gone", file=job.name, claim=job.seq)
+        job.journal.remove()
+        self.drop_claim(job)
+
+    def drop_claim(self, job: Job) -> None:
+        self.claimed.pop(job.seq, None)
+        self.quarantines.pop(job.seq, None)
+        self.finisher.forget(job)
+        self.inbox.release(job)
 
 
 def needs_journal(job: Job, undecided_after: int, suspect: bool) -> bool:

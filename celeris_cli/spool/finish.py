@@ -137,7 +137,7 @@ class Finisher:
             try:
                 staged[job.seq] = self.pub.stage(job)
             except OSError as e:
-                self._blocked_or_raise(job, e)
+                self.blocked_or_raise(job, e)
         written = [job for job in jobs if job.seq in staged]
         if not written:
             return []
@@ -148,7 +148,7 @@ class Finisher:
             for tmp in temps:
                 tmp.unlink(missing_ok=True)
             for job in written:
-                self._blocked_or_raise(job, e)
+                self.blocked_or_raise(job, e)
             return []
         crashpoint("after_output_tmp")
         try:
@@ -158,7 +158,7 @@ class Finisher:
             fsync_dir(self.f.outputs)
         except OSError as e:  # the folder deleted under us: results are deterministic, redone later
             for job in written:
-                self._blocked_or_raise(job, e)
+                self.blocked_or_raise(job, e)
             return []
         crashpoint("after_publish")
         counts = {}
@@ -166,7 +166,7 @@ class Finisher:
             try:
                 counts[job.seq] = self.pub.records(job)
             except OSError as e:
-                self._blocked_or_raise(job, e)
+                self.blocked_or_raise(job, e)
                 written.remove(job)
         present = [job for job in written if job.path.exists()]
         places = {j.seq: [self.f.processed / j.name, self.f.processed / f"{j.name}~{j.seq}"] for j in present}
@@ -174,14 +174,14 @@ class Finisher:
             self.late.watch([(j.name, j.seq, j.path, places[j.seq], j.snapshot) for j in present])
         except OSError as e:
             for job in written:
-                self._blocked_or_raise(job, e)
+                self.blocked_or_raise(job, e)
             return []
         crashpoint("after_late_watch")
         for job in present:
             try:
                 self.pub.processed(job)
             except OSError as e:  # processed/ deleted under us: published again (the same) and moved later
-                self._blocked_or_raise(job, e)
+                self.blocked_or_raise(job, e)
                 written.remove(job)
         try:
             fsync_dir(self.f.processed)
@@ -210,7 +210,13 @@ class Finisher:
             out.append(Published(job, results, failed))
         return out
 
-    def _blocked_or_raise(self, job: Job, e: OSError) -> None:
+    def forget(self, job: Job) -> None:
+        """`job` is no longer claimed (quarantined, or removed by hand): drop its deferral."""
+        self.deferred.pop(job.seq, None)
+
+    def blocked_or_raise(self, job: Job, e: OSError) -> None:
+        """Put off a step the filesystem refuses for now (a publish, a quarantine), with back-off; raise
+        any other error."""
         if e.errno not in BLOCKING_ERRNOS:
             raise e
         for suffix in (".results.jsonl", ".results.txt"):  # no half-written temp file stays behind

@@ -60,10 +60,15 @@ class Publisher:
         return _place(job, self.f.processed, sync=False)
 
     def quarantine(self, job: Job, code: str, message: str) -> dict[str, Any]:
+        """Record the file's failure, then move it to quarantine. Raises OSError when either is refused
+        (a full disk, a folder deleted under it); done again, it records nothing twice."""
         rec = failure_of_file(job.name, job.seq, code, message)
         self.failures.append(rec)
         _place(job, self.f.quarantine)
-        fsync_dir(job.path.parent)
+        try:
+            fsync_dir(job.path.parent)
+        except FileNotFoundError:
+            pass  # the work folder deleted under us: nothing of ours left to make durable there
         job.journal.remove()
         self.events("quarantined", file=job.name, claim=job.seq, code=code)
         return rec
