@@ -343,3 +343,21 @@ def test_a_claimed_file_deleted_before_it_is_read_is_dropped_not_quarantined(
 def events(root: Path, kind: str) -> list[dict[str, Any]]:
     lines = (root / "logs" / "events.jsonl").read_text().splitlines()
     return [e for e in map(json.loads, lines) if e.get("event") == kind]
+
+
+def test_late_lines_that_cannot_be_recorded_on_a_full_disk_are_recorded_once_there_is_room(
+    tmp_path: Path, full_logs: Path
+) -> None:
+    path = tmp_path / "batch_inputs" / "slow.jsonl"
+    path.parent.mkdir()
+    with open(path, "w") as handle:
+        handle.write(lines(1, 8))
+        handle.flush()
+        os.utime(path, (time.time() - 10, time.time() - 10))
+        assert serve(tmp_path) == 0  # published, with no failure record to write
+        handle.write(lines(9, 17))  # late, into batch_processed/slow.jsonl, whose records find no room
+    serve(tmp_path)
+    assert failures(tmp_path) == []
+    full_logs.unlink()
+    assert serve(tmp_path) == 1
+    assert sorted(r["source"]["line"] for r in failures(tmp_path)) == list(range(9, 18))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +83,22 @@ class LateLines:
         kept: list[Watched] = []
         recorded = 0
         for w in self.watched:
-            path = w.find()
             try:
-                if path is not None and path.stat().st_size != w.snapshot.whole + len(w.snapshot.tail):
+                path = w.find()
+                if path is None or path.stat().st_size == w.snapshot.whole + len(w.snapshot.tail):
+                    got = None
+                else:
                     got = read_claimed(path, w.name, w.snapshot, self.settle_s, self.max_line_bytes, now)
-                    recorded += self._record(w, got.requests, got.errors, got.changed, got.rewritten)
-                    w = Watched(w.name, w.claim, w.paths, w.inode, got.snapshot, w.until)
             except (OSError, FileRejected):
                 continue  # moved or removed by its owner: no longer ours to watch
+            if got is not None:
+                try:
+                    recorded += self._record(w, got.requests, got.errors, got.changed, got.rewritten)
+                except OSError as e:  # a full disk, logs/ deleted: keep the old snapshot, record them next round
+                    log.warning("cannot record the late lines of %s: %s; trying again", w.name, e)
+                    kept.append(w)
+                    continue
+                w = replace(w, snapshot=got.snapshot)
             if w.until > now:
                 kept.append(w)
         if kept != self.watched:
