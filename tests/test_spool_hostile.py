@@ -361,3 +361,39 @@ def test_late_lines_that_cannot_be_recorded_on_a_full_disk_are_recorded_once_the
     full_logs.unlink()
     assert serve(tmp_path) == 1
     assert sorted(r["source"]["line"] for r in failures(tmp_path)) == list(range(9, 18))
+
+
+class WritesDuringBatches(FakeBackend):
+    """The producer acts on its open handle while each batch decodes: one action per batch."""
+
+    def __init__(self, handle: Any, actions: list[Any]) -> None:
+        super().__init__()
+        self.handle, self.actions = handle, actions
+
+    def run(self, batch: list[Any]) -> list[dict[str, Any]]:
+        if self.actions:
+            self.actions.pop(0)(self.handle)
+            self.handle.flush()
+        return super().run(batch)
+
+
+def test_a_changed_line_and_a_rewrite_of_one_claim_get_a_record_each(tmp_path: Path) -> None:
+    make_queue(tmp_path)
+    path = tmp_path / "batch_inputs" / "f.txt"
+    path.write_bytes(b"a\nb\nc")  # settled: its last line is read without a newline
+
+    def rewrite(h: Any) -> None:
+        h.seek(0)
+        h.truncate()
+        h.write("zzz\n")
+
+    with open(path, "a") as handle:
+        os.utime(path, (time.time() - 10, time.time() - 10))
+        backend = WritesDuringBatches(handle, [lambda h: h.write("d\ne\n"), rewrite])
+        assert serve(tmp_path, backend=backend) == 1
+    recs = failures(tmp_path)
+    assert sorted((r["source"]["line"], r["code"]) for r in recs) == [
+        (0, "changed_after_claim"),
+        (3, "changed_after_claim"),
+    ]
+    assert len({r["key"] for r in recs}) == 2

@@ -24,7 +24,7 @@ from .fsutil import crashpoint, fsync_dir, sync_folder
 from .intake import Job
 from .late import CODE as CHANGED
 from .late import LateLines
-from .ledger import EventLog, failure_of_file
+from .ledger import EventLog, failure_of_changed_line, failure_of_file
 from .metrics import Metrics
 from .publish import Publisher, line_failure
 from .reading import read_claimed
@@ -108,10 +108,7 @@ class Finisher:
             if got.rewritten:
                 message = f"the file was rewritten after it was claimed (now {got.snapshot.whole} bytes)"
                 job.failures.append(failure_of_file(job.name, job.seq, CHANGED, message))
-            for line in got.changed:
-                job.failures.append(
-                    failure_of_file(job.name, job.seq, CHANGED, f"line {line} changed after it was read")
-                )
+            job.failures += [failure_of_changed_line(job.name, job.seq, line, CHANGED) for line in got.changed]
             if got.requests:
                 job.requests += got.requests
                 self.events("grown", file=job.name, claim=job.seq, new_requests=len(got.requests))

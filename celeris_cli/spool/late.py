@@ -22,7 +22,14 @@ from typing import Any
 
 from .formats import FileRejected
 from .fsutil import atomic_write
-from .ledger import EventLog, FailureLog, failure_of_file, failure_of_line, failure_of_request, failure_record
+from .ledger import (
+    EventLog,
+    FailureLog,
+    failure_of_changed_line,
+    failure_of_file,
+    failure_of_line,
+    failure_of_request,
+)
 from .reading import Snapshot, read_claimed
 
 log = logging.getLogger(__name__)
@@ -114,12 +121,7 @@ class LateLines:
             for r in requests
         ]
         recs += [failure_of_line(w.name, w.claim, e) for e in errors]
-        for line in changed:
-            rec = failure_record(
-                source=w.name, line=line, code=CODE, message=f"line {line} changed after it was read",
-                retryable=False, attempt=1, request=None, custom_id=None, claim=w.claim,
-            )  # fmt: skip
-            recs.append({**rec, "key": rec["key"] + ":changed"})
+        recs += [failure_of_changed_line(w.name, w.claim, line, CODE) for line in changed]
         if rewritten:
             recs.append(failure_of_file(w.name, w.claim, CODE, "the file was rewritten after it was published"))
         written = sum(self.failures.append(rec) for rec in recs)

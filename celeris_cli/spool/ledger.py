@@ -115,6 +115,23 @@ def failure_of_file(source: str, claim: int, code: str, message: str) -> dict[st
     )
 
 
+def failure_of_changed_line(source: str, claim: int, line: int, code: str) -> dict[str, Any]:
+    """The record of a line that changed after it was read: its number in `source.line`, and a key of its
+    own (`:changed`), apart from that line's request record and from the file's record (line 0)."""
+    rec = failure_record(
+        source=source,
+        line=line,
+        code=code,
+        message=f"line {line} changed after it was read",
+        retryable=False,
+        attempt=1,
+        request=None,
+        custom_id=None,
+        claim=claim,
+    )
+    return {**rec, "key": rec["key"] + ":changed"}
+
+
 def failure_of_line(source: str, claim: int, err: LineError) -> dict[str, Any]:
     """The record of a line that is not a request."""
     return failure_record(
