@@ -397,3 +397,38 @@ def test_a_changed_line_and_a_rewrite_of_one_claim_get_a_record_each(tmp_path: P
         (3, "changed_after_claim"),
     ]
     assert len({r["key"] for r in recs}) == 2
+
+
+def test_bytes_appended_after_the_settle_check_are_not_read_as_settled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celeris_cli.spool import reading
+
+    path = tmp_path / "f.txt"
+    path.write_bytes(b"a\n")
+    os.utime(path, (time.time() - 10, time.time() - 10))
+    real = os.lstat
+
+    def lstat_then_append(p: Any) -> os.stat_result:
+        st = real(p)
+        with open(p, "ab") as f:  # the writer goes on between the stat and the read
+            f.write(b"hal")
+        return st
+
+    monkeypatch.setattr(reading.os, "lstat", lstat_then_append)
+    got = reading.read_claimed(path, "f.txt", reading.Snapshot(), settle_s=5, max_line_bytes=100)
+    monkeypatch.undo()
+    assert [r.prompt for r in got.requests] == ["a"] and got.snapshot.tail == b""
+
+
+def test_a_young_file_without_a_whole_line_yields_nothing_yet(tmp_path: Path) -> None:
+    from celeris_cli.spool.reading import Snapshot, read_claimed
+
+    path = tmp_path / "f.txt"
+    path.write_bytes(b"hal")  # its writer is mid-line
+    got = read_claimed(path, "f.txt", Snapshot(), settle_s=5, max_line_bytes=100)
+    assert got.requests == [] and got.snapshot == Snapshot()
+    path.write_bytes(b"half\n")
+    assert [r.prompt for r in read_claimed(path, "f.txt", got.snapshot, settle_s=5, max_line_bytes=100).requests] == [
+        "half"
+    ]

@@ -56,14 +56,16 @@ def read_claimed(
         raise FileRejected("symlink", "symlinks in the inbox are not followed; publish a regular file")
     if not stat.S_ISREG(st.st_mode):
         raise FileRejected("not_a_file", "only regular files are read")
-    data = path.read_bytes()
+    with open(path, "rb") as f:
+        data = f.read(st.st_size)  # only what the stat saw: bytes appended since are not known settled
     settled = (time.time() if now is None else now) - st.st_mtime >= settle_s
-    whole = data.rfind(b"\n") + 1
-    if not settled and whole > 0:
-        data = data[:whole]  # a writer is mid-line: read its whole lines only
+    if not settled:
+        data = data[: data.rfind(b"\n") + 1]  # a writer may be mid-line: read its whole lines only, if any
     if len(data) < before.whole or hashlib.sha256(data[: before.whole]).hexdigest() != before.digest:
         return Read(_snapshot(data), st.st_mtime, rewritten=True)
     fresh = before == Snapshot()
+    if fresh and not data and not settled:
+        return Read(before, st.st_mtime)  # not one whole line yet
     if not fresh and not before.tail and len(data) == before.whole:
         return Read(before, st.st_mtime)
     changed = []
