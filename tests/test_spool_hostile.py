@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from celeris_cli.errors import EXIT_IO
 from celeris_cli.spool.config import load_config
 from celeris_cli.spool.daemon import Spool
 from celeris_cli.spool.intake import Inbox, Job
+from celeris_cli.spool.ledger import EventLog
 
 from .spool_helpers import FakeBackend, claimed, drop, failures, make_queue, outputs, visible
 
@@ -102,21 +103,32 @@ def full_logs(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def tmpfs_logs(tmp_path: Path, free_pages: int) -> Iterator[Path]:
+    # the lock's and heartbeat's pages are taken before the disk fills, and the event log's first page is
+    # full: of two pages left, the event log takes one and the failure log the other
+    pad = json.dumps({"event": "pad", "pad": "." * 4068}) + "\n"
+    before = {".celeris.lock": "pid 0\n", "heartbeat.json": "{}", "events.jsonl": pad}
+    yield from tmpfs_at(tmp_path / "logs", free_pages, lambda logs: write_files(logs, before))
+
+
+def write_files(folder: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+
+
+def tmpfs_at(folder: Path, free_pages: int, setup: Callable[[Path], object]) -> Iterator[Path]:
+    """`folder` on a real tmpfs, `setup` run on it, then filled up but for
+    `free_pages`. Yields the filler file (a dot-file, which the queue ignores); unlink it to make room."""
     import subprocess
 
-    logs = tmp_path / "logs"
-    logs.mkdir()
+    folder.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(logs)]).returncode != 0:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)]).returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
     try:
-        # the lock's and heartbeat's pages are taken before the disk fills, and the event log's first
-        # page is full: of the two pages left, the event log takes one and the failure log the other
-        (logs / ".celeris.lock").write_text("pid 0\n")
-        (logs / "heartbeat.json").write_text("{}")
-        (logs / "events.jsonl").write_text(json.dumps({"event": "pad", "pad": "." * 4068}) + "\n")
-        filler = logs / "filler"
+        setup(folder)
+        filler = folder / ".filler"
         fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
         try:
             while os.write(fd, b"\0" * 4096) == 4096:
@@ -128,7 +140,7 @@ def tmpfs_logs(tmp_path: Path, free_pages: int) -> Iterator[Path]:
         os.truncate(filler, max(0, filler.stat().st_size - 4096 * free_pages))
         yield filler
     finally:
-        subprocess.run(["umount", "-l", str(logs)])
+        subprocess.run(["umount", "-l", str(folder)])
 
 
 def test_a_really_full_tmpfs_under_logs_tears_no_record(tmp_path: Path, small_logs: Path) -> None:
@@ -188,7 +200,6 @@ def test_a_derived_name_never_takes_a_name_a_user_wrote(tmp_path: Path) -> None:
 
 def test_a_claim_name_with_a_newline_is_resumed_as_itself(tmp_path: Path) -> None:
     from celeris_cli.spool.intake import Inbox
-    from celeris_cli.spool.ledger import EventLog
 
     cfg = load_config(make_queue(tmp_path))
     work = tmp_path / "batch_inputs" / ".work"
@@ -432,3 +443,37 @@ def test_a_young_file_without_a_whole_line_yields_nothing_yet(tmp_path: Path) ->
     assert [r.prompt for r in read_claimed(path, "f.txt", got.snapshot, settle_s=5, max_line_bytes=100).requests] == [
         "half"
     ]
+
+
+@pytest.fixture
+def full_queue(tmp_path: Path) -> Iterator[Path]:
+    """A whole queue on a full tmpfs, its inbox holding one request file."""
+
+    def setup(root: Path) -> None:
+        make_queue(root)
+        locks = {f"{d}/.celeris.lock": "pid 0\n" for d in ("batch_inputs", "batch_outputs", "batch_processed", "logs")}
+        write_files(root, {**locks, "batch_inputs/a.jsonl": json.dumps({"id": "a", "prompt": "hi"}) + "\n"})
+
+    yield from tmpfs_at(tmp_path, 0, setup)
+
+
+def test_once_exits_74_while_a_claim_is_refused_and_serves_the_file_once_there_is_room(
+    tmp_path: Path, full_queue: Path
+) -> None:
+    inbox = tmp_path / "batch_inputs"
+    os.utime(inbox / "a.jsonl", (time.time() - 10, time.time() - 10))
+    assert serve(tmp_path) == EXIT_IO  # the claim counter cannot be written: the file is stuck
+    assert visible(inbox) == ["a.jsonl"] and outputs(tmp_path) == {}
+    full_queue.unlink()
+    assert serve(tmp_path) == 0 and list(outputs(tmp_path)) == ["a.jsonl.results.jsonl"]
+
+
+def test_a_refused_name_is_forgotten_once_its_wait_is_over_or_it_is_gone(tmp_path: Path) -> None:
+    cfg = load_config(make_queue(tmp_path))
+    inbox = Inbox(cfg.folders, 0.2, EventLog(tmp_path / "logs" / "events.jsonl"))
+    drop(tmp_path, "kept.jsonl", "x\n")
+    inbox.refuse("kept.jsonl")
+    inbox.refuse("gone.jsonl")
+    inbox.refused["old.jsonl"] = time.time() - 1
+    assert inbox.scan() == ([], 0)
+    assert list(inbox.refused) == ["kept.jsonl"]

@@ -97,8 +97,8 @@ def watch(
 ) -> None:
     """Serve a spool folder: prompt files in, results out. Prints a line per batch to stderr, and with
     --once a summary line. Exit codes: 0 done, 1 failures recorded (--once), 2 usage, config or model
-    error, 74 (--once) a publish is refused by the filesystem (files stay claimed), 75 another instance holds
-    the lock."""
+    error, 74 (--once) a claim or publish is refused by the filesystem (files stay in the inbox or claimed),
+    75 another instance holds the lock."""
     import logging
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(message)s")

@@ -135,7 +135,7 @@ class Spool:
     def run(self, once: bool) -> int:
         """Serve the queue. Returns the exit code: EXIT_OK; EXIT_FAILED in --once mode when failures were
         recorded; EXIT_IO in --once mode when a publish is still refused by the filesystem (the file stays
-        claimed)."""
+        claimed) or a claim was (the file stays in the inbox)."""
         self.start()
         self.events("start", pid=os.getpid(), once=once)
         observer = None if once else self._watch()
@@ -181,7 +181,7 @@ class Spool:
             self.metrics.write(force=True)
             self.lock.release()
             signals.restore(previous)
-        if gave_up:
+        if gave_up or (once and self.inbox.refused):
             return EXIT_IO
         return EXIT_FAILED if once and self.counts.failures else EXIT_OK
 

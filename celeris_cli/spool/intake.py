@@ -133,6 +133,8 @@ class Inbox:
             entries = list(os.scandir(self.f.inputs))
         except FileNotFoundError:  # deleted under us: the daemon creates it again
             entries = []
+        present = {e.name for e in entries}
+        self.refused = {n: t for n, t in self.refused.items() if t > now and n in present}
         for entry in entries:
             if not is_candidate(entry.name) or self.refused.get(entry.name, 0) > now:
                 continue
