@@ -62,3 +62,10 @@ class DeviceError(CelerisError):
 
     exit_code = EXIT_USAGE
     code = "device_error"
+
+
+class QueueIOError(CelerisError):
+    """The filesystem refused a write a queue command needs (a full disk, a read-only folder)."""
+
+    exit_code = EXIT_IO
+    code = "io_error"

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from typer.testing import CliRunner
 
 from celeris_cli.cli import app
@@ -85,3 +86,37 @@ def test_failures_of_two_files_with_the_same_ids_are_retried_without_a_duplicate
     for name in r["files"]:
         ids = [json.loads(x)["custom_id"] for x in (tmp_path / "batch_inputs" / name).read_text().splitlines()]
         assert ids == ["line-2"]
+
+
+def test_a_full_disk_under_logs_is_one_error_line_with_exit_74_and_leaves_nothing_queued(tmp_path: Path) -> None:
+    from .test_spool_hostile import tmpfs_at, write_files
+
+    recs = [json.dumps(record(k)) for k in ("a", "b")]
+    config = make_queue(tmp_path, max_attempts=3)
+    log = tmp_path / "logs" / "failed.jsonl"
+    mounted = tmpfs_at(tmp_path / "logs", 0, lambda logs: write_files(logs, {"failed.jsonl": "\n".join(recs) + "\n"}))
+    filler = next(mounted)
+    try:
+        r = runner.invoke(app, ["retry", str(log), "--config", str(config), "--no-run"])
+        assert r.exit_code == 74, r.exception
+        assert r.stderr.startswith("Error: ") and len(r.stderr.splitlines()) == 1 and "Traceback" not in r.output
+        assert [p.name for p in (tmp_path / "batch_inputs").glob("retry-*")] == []  # nothing queued twice later
+        filler.unlink()
+        r = runner.invoke(app, ["retry", str(log), "--config", str(config), "--no-run", "--json"])
+        assert r.exit_code == 0 and json.loads(r.stdout)["resubmitted"] == 2
+    finally:
+        next(mounted, None)
+
+
+def test_the_retry_ledger_is_written_in_one_append(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from celeris_cli.spool import ops
+
+    appends: list[str] = []
+    real = ops.append_line
+    monkeypatch.setattr(ops, "append_line", lambda path, text, *a, **k: (appends.append(text), real(path, text))[1])
+    recs = [record(f"{k}", source={"file": f, "line": 1}) for k, f in (("a", "x.txt"), ("b", "x.txt"), ("c", "y.txt"))]
+    r = retry(tmp_path, [json.dumps(x) for x in recs])
+    assert r.exit_code == 0 and json.loads(r.stdout)["resubmitted"] == 3
+    assert len(appends) == 1 and len(appends[0].splitlines()) == 3
+    ledger = [json.loads(x)["key"] for x in (tmp_path / "logs" / "retried.jsonl").read_text().splitlines()]
+    assert sorted(ledger) == ["a", "b", "c"]

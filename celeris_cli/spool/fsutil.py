@@ -164,9 +164,10 @@ def _whole_lines_end(fd: int, size: int) -> int:
 
 
 def append_line(path: Path, line: str, crash_name: str | None = None, durable: bool = True) -> None:
-    """Append one line, complete or not at all: a short write is continued, and on an error (a full
-    disk) the file is cut back to where it was. A torn tail left by a crash mid-write is cut off
-    first, so the record it belonged to is written again whole by whoever redoes it."""
+    """Append one line (or several joined by newlines, in one write and one fsync), complete or not at
+    all: a short write is continued, and on an error (a full disk) the file is cut back to where it was.
+    A torn tail left by a crash mid-write is cut off first, so the record it belonged to is written
+    again whole by whoever redoes it."""
     data = (line.rstrip("\n") + "\n").encode("utf-8")
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:

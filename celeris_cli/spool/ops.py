@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import QueueIOError, UsageError
 from .config import BatchConfig
 from .folders import HEARTBEAT, queue_lock
 from .fsutil import append_line, atomic_write, waiting_lock
@@ -150,18 +150,26 @@ def _plan_retry(cfg: BatchConfig, log_path: Path, include_all: bool, force: bool
     for rec in chosen:  # one retry file per source file: ids are unique within a file, not across files
         source = rec.get("source")
         groups.setdefault(str(source.get("file") if isinstance(source, dict) else None), []).append(rec)
-    for group in groups.values():
-        digest = hashlib.sha256("\n".join(sorted(r["key"] for r in group)).encode()).hexdigest()[:12]
-        name = f"retry-{digest}.jsonl"
-        lines = []
-        for rec in group:
-            body = dict(rec["request"])
-            body["_celeris"] = {"attempt": (attempts(rec) or 1) + 1, "origin": rec.get("origin") or rec.get("source")}
-            lines.append(json.dumps(body, ensure_ascii=False))
-        atomic_write(cfg.folders.inputs / name, ("\n".join(lines) + "\n").encode())
-        for rec in group:
-            append_line(ledger, json.dumps({"key": rec["key"], "file": name, "time": now_iso()}))
-        report.files.append(name)
+    entries = []
+    try:
+        for group in groups.values():
+            digest = hashlib.sha256("\n".join(sorted(r["key"] for r in group)).encode()).hexdigest()[:12]
+            name = f"retry-{digest}.jsonl"
+            lines = []
+            for rec in group:
+                body = dict(rec["request"])
+                origin = rec.get("origin") or rec.get("source")
+                body["_celeris"] = {"attempt": (attempts(rec) or 1) + 1, "origin": origin}
+                lines.append(json.dumps(body, ensure_ascii=False))
+            atomic_write(cfg.folders.inputs / name, ("\n".join(lines) + "\n").encode())
+            report.files.append(name)
+            entries += [json.dumps({"key": rec["key"], "file": name, "time": now_iso()}) for rec in group]
+        append_line(ledger, "\n".join(entries))  # one append, one fsync: all of them or none
+    except OSError as e:
+        for name in report.files:  # not recorded as retried: take back what a daemon has not claimed yet
+            (cfg.folders.inputs / name).unlink(missing_ok=True)
+        where = e.filename or ledger
+        raise QueueIOError(f"retry: cannot write {where}: {e.strerror or e}; nothing was recorded as retried") from None
     report.resubmitted = len(chosen)
     report.file = ", ".join(report.files)
     return report
