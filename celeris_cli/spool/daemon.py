@@ -97,6 +97,7 @@ class Spool:
                 self.cfg.settle_s,
                 self.cfg.max_line_bytes,
                 self.cfg.late_window_s,
+                check_every_s=self.cfg.rescan_s,
             )
             self.finisher = Finisher(
                 self.cfg, self.publisher, self.late, self.events, self.metrics, self.prepare, self.ensure_folders

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +58,18 @@ class Watched:
 
 
 class LateLines:
+    """The watch. `check` looks at the files at most once per `check_every_s` (the daemon's rescan pace),
+    however often the daemon's loop comes round: it stats every file published in the last `window_s`."""
+
     def __init__(
-        self, state: Path, failures: FailureLog, events: EventLog, settle_s: float, max_line_bytes: int, window_s: float
+        self,
+        state: Path,
+        failures: FailureLog,
+        events: EventLog,
+        settle_s: float,
+        max_line_bytes: int,
+        window_s: float,
+        check_every_s: float = 0.0,
     ) -> None:
         self.state = state
         self.failures = failures
@@ -67,7 +77,10 @@ class LateLines:
         self.settle_s = settle_s
         self.max_line_bytes = max_line_bytes
         self.window_s = window_s
+        self.check_every_s = check_every_s
+        self.next_check = 0.0
         self.watched: list[Watched] = _load(state)
+        self.encoded: dict[tuple[int, str], tuple[Watched, str]] = {}  # each entry's JSON, kept for the next save
 
     def watch(self, files: list[tuple[str, int, Path, list[Path], Snapshot]]) -> None:
         """Watch files (name, claim, claimed path, places it is about to move to, snapshot), with one
@@ -80,13 +93,20 @@ class LateLines:
             Watched(n, c, [str(p) for p in places], path.stat().st_ino, snap, until)
             for n, c, path, places, snap in files
         ]
+        old = {(w.claim, w.name): w for w in self.watched}
+        if all(_same_watch(old.get((w.claim, w.name)), w) for w in new):
+            return  # a publish redone (after a refusal) watches what is watched already: nothing to write
         keys = {(w.claim, w.name) for w in new}
         self.watched = [x for x in self.watched if (x.claim, x.name) not in keys] + new
         atomic_write(self.state, self._dump())
 
-    def check(self) -> int:
-        """Record the lines that reached a watched file since the last check. Returns the records written."""
-        now = time.time()
+    def check(self, now: float | None = None) -> int:
+        """Record the lines that reached a watched file since the last check, at most once per
+        `check_every_s`. Returns the records written."""
+        now = time.time() if now is None else now
+        if now < self.next_check:
+            return 0
+        self.next_check = now + self.check_every_s
         kept: list[Watched] = []
         recorded = 0
         for w in self.watched:
@@ -132,14 +152,38 @@ class LateLines:
         return written
 
     def _dump(self) -> bytes:
-        data = [{**asdict(w), "snapshot": {**asdict(w.snapshot), "tail": w.snapshot.tail.hex()}} for w in self.watched]
-        return json.dumps(data).encode()
+        """The state file: each entry encoded once, not again at every save (it is saved at every publish)."""
+        encoded = {}
+        for w in self.watched:
+            key = (w.claim, w.name)
+            hit = self.encoded.get(key)
+            encoded[key] = hit if hit is not None and hit[0] is w else (w, json.dumps(_as_json(w)))
+        self.encoded = encoded
+        return ("[" + ", ".join(text for _, text in encoded.values()) + "]").encode()
 
     def _save(self) -> None:
         try:
             atomic_write(self.state, self._dump())
         except OSError as e:  # a full disk: the watch goes on in this process
             log.warning("cannot write %s: %s", self.state, e)
+
+
+def _as_json(w: Watched) -> dict[str, Any]:
+    snap = w.snapshot
+    snapshot = {"whole": snap.whole, "digest": snap.digest, "lines": snap.lines, "tail": snap.tail.hex()}
+    return {
+        "name": w.name,
+        "claim": w.claim,
+        "paths": w.paths,
+        "inode": w.inode,
+        "snapshot": snapshot,
+        "until": w.until,
+    }
+
+
+def _same_watch(old: Watched | None, new: Watched) -> bool:
+    """The same file watched from the same snapshot (its watch may end a little later)."""
+    return old is not None and (old.paths, old.inode, old.snapshot) == (new.paths, new.inode, new.snapshot)
 
 
 def _load(state: Path) -> list[Watched]:
