@@ -11,7 +11,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_FAILED = 1  # some requests failed, or the work itself did (a download, a checksum)
 EXIT_USAGE = 2  # a usage, config, model or device error: nothing was run
-EXIT_IO = 74  # sysexits EX_IOERR: the filesystem refused a queue's publish (full disk); files stay claimed
+EXIT_IO = 74  # sysexits EX_IOERR: the filesystem refused a queue's claim, publish or retry (full disk)
 EXIT_LOCKED = 75  # sysexits EX_TEMPFAIL: another instance holds the queue; try again later
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 
