@@ -64,7 +64,7 @@ def test_engine_ray_without_ray_installed_says_how_to_install_it(
     tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)
-    with pytest.raises(UsageError, match=r"^engine.ray needs Ray: pip install 'celeris\[ray\]'$"):
+    with pytest.raises(UsageError, match=r"^engine.ray needs Ray: pip install -e '\.\[ray\]' in a clone"):
         RayActorPool(load_config(make_queue(tmp_path, model=tiny_model, engine=RAY)))
 
 
