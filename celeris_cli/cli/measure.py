@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -189,12 +191,7 @@ def bench_cmd(
             result = measure_scaling(engine, gens, batches, block_length, steps, _json_setting(set_name))
         except CelerisError as e:
             fail(e)
-        if out is not None:
-            out.write_text(json.dumps(result, indent=1, ensure_ascii=False), encoding="utf-8")
-        if as_json:
-            typer.echo(json.dumps(result, ensure_ascii=False))
-        else:
-            render_scaling(result)
+        _emit(result, out, as_json, render_scaling)
         return
     if invariance:
         try:
@@ -274,9 +271,14 @@ def _sweep(
         report = step_sweep(engines, counts, prompts, batch_size, gen_length, _json_setting(set_name))
     except CelerisError as e:
         fail(e)
+    _emit(report, out, as_json, render_sweep)
+
+
+def _emit(report: dict[str, Any], out: Path | None, as_json: bool, render: Callable[[dict[str, Any]], None]) -> None:
+    """A measurement's report: also to --out as JSON, then as JSON (--json) or rendered as a table."""
     if out is not None:
         out.write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
     if as_json:
         typer.echo(json.dumps(report, ensure_ascii=False))
     else:
-        render_sweep(report)
+        render(report)
