@@ -267,6 +267,22 @@ def test_lines_written_after_the_publish_get_changed_after_claim_records_and_ret
     assert served == sorted(f"r{i}" for i in range(1, 18))
 
 
+def test_late_window_s_bounds_how_long_a_published_file_is_watched(tmp_path: Path) -> None:
+    """With no window, a line appended after the publish is not watched for (no record); with one, it is."""
+    for window, records in ((0, 0), (600, 1)):
+        root = tmp_path / str(window)
+        make_queue(root, late_window_s=window)
+        path = root / "batch_inputs" / "slow.jsonl"
+        with open(path, "w") as handle:
+            handle.write(lines(1, 2))
+            handle.flush()
+            os.utime(path, (time.time() - 10, time.time() - 10))
+            assert serve(root, late_window_s=window) == 0
+            handle.write(lines(3, 3))
+        serve(root, late_window_s=window)
+        assert len(failures(root)) == records, window
+
+
 def test_a_last_line_read_without_its_newline_is_never_served_twice(tmp_path: Path) -> None:
     from celeris_cli.spool.reading import Snapshot, read_claimed
 
