@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import CelerisError, UsageError
-from ..spool.formats import FileRejected, Request, parse_file, result_line
-from ..spool.fsutil import atomic_write
+from ..spool.formats import FileRejected, LineError, Request, parse_file, result_line
+from ..spool.fsutil import atomic_write, crashpoint
 from ..spool.ledger import failure_of_line, failure_of_request
+from .journal import BatchJournal, input_identity, journal_path
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,10 @@ class Outcome:
 
 
 class Executor(Protocol):
-    def run(self, requests: list[Request]) -> Iterator[Outcome]:
-        """One Outcome per request, in any order."""
+    def run(self, requests: list[Request], done: frozenset[int] = frozenset()) -> Iterator[list[Outcome]]:
+        """One Outcome per request, grouped by finished batch, batches in any order. The requests are
+        packed as if none were done; a batch whose every line is in `done` is skipped (finished by an
+        earlier run), so a resumed run decodes the rest with the same batch mates as an uninterrupted one."""
         ...
 
 
@@ -51,6 +54,7 @@ class BatchReport:
     wall_s: float
     output: str
     failed: str
+    resumed: int = 0  # requests finished by an earlier, interrupted run (read from the journal)
 
     @property
     def prompts_per_s(self) -> float:
@@ -60,17 +64,12 @@ class BatchReport:
         return {**self.__dict__, "prompts_per_s": self.prompts_per_s}
 
 
-def read_requests(path: Path, max_line_bytes: int = 1_000_000) -> tuple[list[Request], list[dict[str, Any]]]:
-    """Requests of an input file and a failure record for each line that is not one."""
+def read_requests(path: Path, data: bytes, max_line_bytes: int = 1_000_000) -> tuple[list[Request], list[LineError]]:
+    """Requests of an input file and the errors of the lines that are not one."""
     try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
-    try:
-        requests, errors = parse_file(path.name, data, max_line_bytes)
+        return parse_file(path.name, data, max_line_bytes)
     except FileRejected as e:
         raise UsageError(f"{path}: {e.message}") from None
-    return requests, [failure_of_line(path.name, 0, err) for err in errors]  # one run, one arrival: claim 0
 
 
 def run_file(
@@ -79,42 +78,68 @@ def run_file(
     failed: Path,
     executor: Executor,
     on_progress: Callable[[int, int], None] | None = None,
+    settings: dict[str, Any] | None = None,
+    restart: bool = False,
 ) -> BatchReport:
     """Run every request of `source` and publish `output` (results, input order) and `failed` (failure
-    records), each written to a temp name and renamed, so a crash leaves no half-written file."""
+    records), each written to a temp name and renamed, so a crash leaves no half-written file.
+
+    Each finished batch is journaled beside `output` first (`journal.py`); a rerun after a crash skips
+    what is journaled when the input and `settings` (what decides the answers) are unchanged."""
     t0 = time.perf_counter()
     for path in (output, failed):  # before any decoding, not after an hour of it
         if not path.parent.is_dir():
             raise UsageError(f"{path}: folder {path.parent} does not exist")
         if not os.access(path.parent, os.W_OK):
             raise UsageError(f"{path}: folder {path.parent} is not writable")
-    requests, failures = read_requests(source)
-    total = len(requests) + len(failures)
-    bodies: dict[int, dict[str, Any]] = {}
-    done = 0
-    for outcome in executor.run(requests):
-        req = outcome.request
-        if outcome.body is not None:
-            bodies[req.line] = outcome.body
-        else:
-            code = outcome.code or "engine_error"
-            failures.append(failure_of_request(source.name, 0, req, code, outcome.message or "", outcome.retryable))
-        done += 1
-        if on_progress is not None:
-            on_progress(done, len(requests))
-    if done != len(requests) or len(bodies) + len(failures) != total:  # an invariant, not a user error
-        raise RuntimeError(f"executor returned {done} outcomes for {len(requests)} requests")
-    lines = [result_line(source.name, req, bodies[req.line]) for req in requests if req.line in bodies]
+    try:
+        data = source.read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read {source}: {e.strerror or e}") from None
+    requests, errors = read_requests(source, data)
+    journal = BatchJournal(journal_path(output))
+    try:
+        finished = journal.open(input_identity(source, data), settings or {}, restart)
+        if errors and not finished.lines & {e.line for e in errors}:  # one run, one arrival: claim 0
+            bad = [failure_of_line(source.name, 0, err) for err in errors]
+            journal.append([], bad, [r["source"]["line"] for r in bad])
+            finished.failures.update((r["source"]["line"], r) for r in bad)
+        resumed = len(finished.lines)
+        todo = [r for r in requests if r.line not in finished.lines]
+        n = 0
+        for batch in executor.run(requests, frozenset(finished.lines)):
+            new = [oc for oc in batch if oc.request.line not in finished.lines]
+            res = {oc.request.line: result_line(source.name, oc.request, oc.body) for oc in new if oc.body is not None}
+            bad = {oc.request.line: _failure(source.name, oc) for oc in new if oc.body is None}
+            journal.append(list(res.values()), list(bad.values()), sorted(res | bad))  # fsynced first
+            finished.results.update(res)
+            finished.failures.update(bad)
+            n += len(new)
+            if on_progress is not None:
+                on_progress(n, len(todo))
+    except OSError as e:
+        raise CelerisError(f"cannot write the journal {journal.path}: {e}") from None
+    total = len(requests) + len(errors)
+    if len(finished.lines) != total:  # an invariant, not a user error
+        raise RuntimeError(f"{len(finished.lines)} requests finished of {total}")
+    lines = [finished.results[line] for line in sorted(finished.results)]
     # the queue's records name a results file in its outputs folder; this run's results are at `output`
-    failures = [{**rec, "output": str(output.resolve())} for rec in failures]
-    failures.sort(key=lambda rec: rec["source"]["line"])
+    failures = [{**finished.failures[line], "output": str(output.resolve())} for line in sorted(finished.failures)]
     try:
         atomic_write(failed, _jsonl(failures))
-        atomic_write(output, _jsonl(lines))
+        crashpoint("failed-written")
+        atomic_write(output, _jsonl(lines), crash_name="output-staged")
+        crashpoint("output-written")
+        journal.remove()
     except OSError as e:
         raise CelerisError(f"cannot write the results: {e}") from None
     wall = time.perf_counter() - t0
-    return BatchReport(total, len(lines), len(failures), round(wall, 3), str(output), str(failed))
+    return BatchReport(total, len(lines), len(failures), round(wall, 3), str(output), str(failed), resumed)
+
+
+def _failure(source: str, oc: Outcome) -> dict[str, Any]:
+    code = oc.code or "engine_error"
+    return failure_of_request(source, 0, oc.request, code, oc.message or "", oc.retryable)
 
 
 def _jsonl(records: Iterable[dict[str, Any]]) -> bytes:

@@ -44,17 +44,29 @@ def prepare_and_pack(
     return pack_by_group(prepared, _same, batch_size, token_budget), failed
 
 
+def skip_done(
+    failed: list[Outcome], batches: list[list[Prepared]], done: frozenset[int]
+) -> tuple[list[Outcome], list[list[Prepared]]]:
+    """What is left after an earlier run finished the lines in `done`: the packing is that of all the
+    requests, so each batch left has the batch mates it had in an uninterrupted run. Batches are
+    journaled whole, so a batch is done entirely or not at all."""
+    left = [oc for oc in failed if oc.request.line not in done]
+    return left, [b for b in batches if not all(p.request.line in done for p in b)]
+
+
 class LocalExecutor:
     def __init__(self, backend: Backend, batch_size: int = 16, token_budget: int = 16384) -> None:
         self.backend = backend
         self.batch_size = batch_size
         self.token_budget = token_budget
 
-    def run(self, requests: list[Request]) -> Iterator[Outcome]:
+    def run(self, requests: list[Request], done: frozenset[int] = frozenset()) -> Iterator[list[Outcome]]:
         batches, failed = prepare_and_pack(self.backend.prepare, requests, self.batch_size, self.token_budget)
-        yield from failed
+        failed, batches = skip_done(failed, batches, done)
+        if failed:
+            yield failed
         for batch in batches:
-            yield from self.decode(batch)
+            yield list(self.decode(batch))
 
     def decode(self, batch: list[Prepared]) -> Iterator[Outcome]:
         """One packed batch; a failing batch is bisected so a poison request fails alone."""

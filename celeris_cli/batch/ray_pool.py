@@ -96,19 +96,19 @@ class RayExecutor:
         self.ray = import_ray()
         check_engine(options.engine)
 
-    def run(self, requests: list[Request]) -> Iterator[Outcome]:
+    def run(self, requests: list[Request], done: frozenset[int] = frozenset()) -> Iterator[list[Outcome]]:
         with stdout_to_stderr():
-            yield from self._session(requests)
+            yield from self._session(requests, done)
 
-    def _session(self, requests: list[Request]) -> Iterator[Outcome]:
+    def _session(self, requests: list[Request], done: frozenset[int]) -> Iterator[list[Outcome]]:
         started_here = init_ray(self.ray, self.options.address)
         try:
-            yield from self._run(requests)
+            yield from self._run(requests, done)
         finally:
             if started_here:
                 self.ray.shutdown()
 
-    def _run(self, requests: list[Request]) -> Iterator[Outcome]:
+    def _run(self, requests: list[Request], done: frozenset[int]) -> Iterator[list[Outcome]]:
         ray, o = self.ray, self.options
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
@@ -121,14 +121,17 @@ class RayExecutor:
         # the driver packs, as the local executor does, and each Ray row is one whole batch: an answer's
         # batch mates (and so its low-precision rounding) are the same as in a local run
         from ..spool.backend import Preparer
-        from .local import prepare_and_pack
+        from .local import prepare_and_pack, skip_done
 
         preparer = Preparer.load(o.engine.get("model"), o.engine.get("generation", {}))
         batches, failed = prepare_and_pack(preparer.prepare, requests, o.batch_size, o.token_budget)
-        yield from failed
+        failed, batches = skip_done(failed, batches, done)
+        if failed:
+            yield failed
         if not batches:
             return
         by_line = {r.line: r for r in requests}
+        gather = BatchGather(batches)
         rows = [{"batch": json.dumps([asdict(p.request) for p in b], ensure_ascii=False)} for b in batches]
         out = ray.data.from_items(rows).map_batches(
             RayWorker,
@@ -140,7 +143,25 @@ class RayExecutor:
         )  # Ray Data restarts a dead pool actor and retries its task by default (max_restarts=-1); tested
         for row in out.iter_rows():
             rec = json.loads(row["outcome"])
-            yield Outcome(by_line[rec.pop("line")], **rec)
+            finished = gather.add(Outcome(by_line[rec.pop("line")], **rec))
+            if finished:
+                yield finished  # the driver journals each batch once all its rows are back
+
+
+class BatchGather:
+    """Rows come back one by one, batches interleaved; the driver's journal takes whole batches, as the
+    local run's does, so rows are held until every row of their packed batch has arrived."""
+
+    def __init__(self, batches: list[list[Any]]) -> None:
+        self.batch_of = {p.request.line: i for i, b in enumerate(batches) for p in b}
+        self.size = [len(b) for b in batches]
+        self.rows: dict[int, list[Outcome]] = {}
+
+    def add(self, oc: Outcome) -> list[Outcome] | None:
+        i = self.batch_of[oc.request.line]
+        rows = self.rows.setdefault(i, [])
+        rows.append(oc)
+        return self.rows.pop(i) if len(rows) == self.size[i] else None
 
 
 @contextmanager

@@ -38,8 +38,12 @@ def batch_cmd(
     gpus_per_actor: float = typer.Option(0.0, "--gpus-per-actor", min=0.0, help="Ray: GPUs per actor."),
     device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
     dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
+    restart: bool = typer.Option(
+        False, "--restart", help="Discard the journal of an interrupted run (OUTPUT.celeris-journal) and start over."
+    ),
 ) -> None:
     """Run one file of requests (like `vllm run-batch`): results in input order, failures as records.
+    Each finished batch is journaled beside OUTPUT, so the same command after a crash resumes.
     Exit codes: 0 all done, 1 some requests failed (see --failed), 2 usage error."""
     from ..batch import run_file
     from .progress import Progress
@@ -80,14 +84,17 @@ def batch_cmd(
             shown[0].advance(1)
 
         try:
-            report = run_file(input_file, output, failed, executor, on_progress)
+            # what decides the answers (local and Ray give the same ones, so the executor is not in it)
+            key = {**engine, "model": str(model.resolve()) if model else None, "batch_size": batch_size}
+            report = run_file(input_file, output, failed, executor, on_progress, key, restart)
         finally:
             if shown:
                 shown[0].__exit__(None, None, None)
     except CelerisError as e:
         fail(e)
     typer.echo(
-        f"{report.results} results, {report.failures} failures of {report.requests} requests in "
+        (f"resumed: {report.resumed} requests were finished by an interrupted run; " if report.resumed else "")
+        + f"{report.results} results, {report.failures} failures of {report.requests} requests in "
         f"{report.wall_s:.1f}s ({report.prompts_per_s} prompts/s) -> {report.output}"
         + (f", failures in {report.failed}" if report.failures else ""),
         err=True,
