@@ -101,9 +101,9 @@ def run_file(
     try:
         finished = journal.open(input_identity(source, data), settings or {}, restart)
         if errors and not finished.lines & {e.line for e in errors}:  # one run, one arrival: claim 0
-            bad = [failure_of_line(source.name, 0, err) for err in errors]
-            journal.append([], bad, [r["source"]["line"] for r in bad])
-            finished.failures.update((r["source"]["line"], r) for r in bad)
+            unread = {err.line: failure_of_line(source.name, 0, err) for err in errors}
+            journal.append([], list(unread.values()), sorted(unread))
+            finished.failures.update(unread)
         resumed = len(finished.lines)
         todo = [r for r in requests if r.line not in finished.lines]
         n = 0

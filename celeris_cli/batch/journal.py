@@ -80,8 +80,9 @@ class BatchJournal:
                     finished.failures[int(fail["source"]["line"])] = fail
             log.info("resuming from %s: %d requests already finished", self.path, len(finished.lines))
             return finished
-        if self.path.exists():  # not a journal this version can read: not ours to delete silently
+        if records:  # not a journal this version can read: not ours to delete silently
             raise UsageError(f"{self.path} is not a journal of this version of celeris; rerun with --restart")
+        self.path.unlink(missing_ok=True)  # absent, or only a key torn by a crash: nothing was finished
         append_line(self.path, dumps({"celeris_batch_journal": VERSION, "input": identity, "settings": settings}))
         fsync_dir(self.path.parent)
         return Finished()
