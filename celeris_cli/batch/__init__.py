@@ -22,7 +22,7 @@ from ..errors import CelerisError, UsageError
 from ..spool.formats import FileRejected, LineError, Request, parse_file, result_line
 from ..spool.fsutil import atomic_write, crashpoint
 from ..spool.ledger import failure_of_line, failure_of_request
-from .journal import BatchJournal, input_identity, journal_path
+from .journal import BatchJournal, input_identity, journal_path, remove_stale_temps
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +100,13 @@ def run_file(
     journal = BatchJournal(journal_path(output))
     try:
         finished = journal.open(input_identity(source, data), settings or {}, restart)
+        resumed = len(finished.lines)
+        if resumed:
+            remove_stale_temps([output, failed])
         if errors and not finished.lines & {e.line for e in errors}:  # one run, one arrival: claim 0
             unread = {err.line: failure_of_line(source.name, 0, err) for err in errors}
             journal.append([], list(unread.values()), sorted(unread))
             finished.failures.update(unread)
-        resumed = len(finished.lines)
         todo = [r for r in requests if r.line not in finished.lines]
         n = 0
         for batch in executor.run(requests, frozenset(finished.lines)):

@@ -14,6 +14,7 @@ with a message naming the change (`--restart` starts over). The journal is remov
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -96,6 +97,15 @@ class BatchJournal:
         self.path.unlink(missing_ok=True)
         if self.path.parent.is_dir():
             fsync_dir(self.path.parent)
+
+
+def remove_stale_temps(paths: list[Path]) -> None:
+    """Temp files of `atomic_write` (`.NAME.PID.tmp`) that a killed run left beside its outputs."""
+    for path in paths:
+        for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+            if tmp.name[len(path.name) + 2 : -4].isdigit():
+                log.info("removing %s, left by an interrupted run", tmp)
+                tmp.unlink(missing_ok=True)
 
 
 def _check_key(path: Path, head: dict[str, Any], identity: dict[str, Any], settings: dict[str, Any]) -> None:
