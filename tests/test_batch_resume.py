@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -138,3 +140,24 @@ def test_ray_rows_are_journaled_by_whole_packed_batch() -> None:
     got = [gather.add(Outcome(reqs[i], body={})) for i in (0, 3, 1, 4, 2)]
     assert got[:3] == [None, None, None]
     assert [o.request.line for o in got[3] or []] == [4, 5] and [o.request.line for o in got[4] or []] == [1, 2, 3]
+
+
+def test_ctrl_c_keeps_finished_batches_and_exits_130(tmp_path: Path, tiny_model: Path) -> None:
+    (tmp_path / "in.txt").write_text("".join(f"prompt {i}\n" for i in range(400)))
+    out = tmp_path / "out.jsonl"
+    journal = tmp_path / "out.jsonl.celeris-journal"
+    settings = '{"denoise_steps": 4, "gen_length": 8}'
+    cmd = [sys.executable, "-m", "celeris_cli", "batch", "-i", str(tmp_path / "in.txt"), "-o", str(out), "--model",
+           str(tiny_model), "--device", "cpu", "--batch-size", "2", "--set", settings]  # fmt: skip
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (journal.exists() and len(journal.read_bytes().splitlines()) >= 3):  # key and two batches
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill() if proc.poll() is None else None
+    assert proc.returncode == 130 and "run the same command again to resume" in err and "Traceback" not in err
+    assert not out.exists() and len(journal.read_bytes().splitlines()) >= 3

@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from ..errors import CelerisError
+from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CelerisError
 from .app import DeviceOpt, DtypeOpt, _json_setting, app, fail
 
 
@@ -92,6 +92,14 @@ def batch_cmd(
                 shown[0].__exit__(None, None, None)
     except CelerisError as e:
         fail(e)
+    except KeyboardInterrupt:
+        from ..batch.journal import journal_path
+
+        typer.echo(
+            f"Interrupted: finished batches are kept in {journal_path(output)}; run the same command again to resume",
+            err=True,
+        )
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     typer.echo(
         (f"resumed: {report.resumed} requests were finished by an interrupted run; " if report.resumed else "")
         + f"{report.results} results, {report.failures} failures of {report.requests} requests in "
@@ -99,4 +107,4 @@ def batch_cmd(
         + (f", failures in {report.failed}" if report.failures else ""),
         err=True,
     )
-    raise typer.Exit(1 if report.failures else 0)
+    raise typer.Exit(EXIT_FAILED if report.failures else EXIT_OK)
