@@ -223,6 +223,8 @@ def test_guidance_hides_exactly_the_prompt() -> None:
     from celeris_cli.decode.strategies import _plan
 
     cond, un = _views(cv, _plan(BlockPlan, params))
+    idx = torch.arange(cv.x.shape[1])
+    cv.x[cv.real & (idx[None, :] >= cv.gen[:, None])] = 9  # answer positions committed since (the views read x live)
     rows = torch.arange(2)
     assert torch.equal(cond.ids(cv, rows, 0, cv.x.shape[1], 1), cv.x)
     shown = un.ids(cv, rows, 0, cv.x.shape[1], 1)
