@@ -8,22 +8,22 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..params import KNOBS, PER_REQUEST, STRATEGY_PARTS, honoured, model_layer, script_layers
+from ..errors import UsageError
+from ..params import PER_REQUEST, STRATEGY_PARTS, GenerationParams, honoured, model_layer, script_layers
 
 EMBEDDED_CONFIG = Path(__file__).parents[1] / "models" / "celeris-block" / "generation_config.json"
 
 
 @functools.cache
-def effective_defaults(path: Path = EMBEDDED_CONFIG) -> dict[str, Any]:
-    values: dict[str, Any] = {name: knob.default for name, knob in KNOBS.items()}
+def effective_defaults(path: Path = EMBEDDED_CONFIG) -> GenerationParams:
+    """The embedded model's layer of defaults over the built-in ones, layered as the engine layers it (so
+    its spelling of the steps, `steps_total`, is decided by the same rule)."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
         settings, _, _ = model_layer(raw) if isinstance(raw, dict) else ({}, None, None)
-    except (OSError, ValueError):
-        return values  # a broken embedded model is reported when it loads, not in help
-    values.update({("denoise_steps" if k == "steps" else k): v for k, v in settings.items()})
-    values["steps_per_block"] = "block_steps" in honoured(values["strategy"]) and "block_steps" in settings
-    return values
+        return GenerationParams.defaults_from(settings)
+    except (OSError, ValueError, UsageError):
+        return GenerationParams()  # a broken embedded model is reported when it loads, not in help
 
 
 @functools.cache
@@ -47,15 +47,16 @@ def knob_help(name: str, text: str) -> str:
     users = [s for s in STRATEGY_PARTS if name in PER_REQUEST or name in honoured(s)]
     lead = "" if len(users) == len(STRATEGY_PARTS) else f"{', '.join(users)}: "
     defaults = effective_defaults()
-    strategy = defaults["strategy"]
+    strategy = defaults.strategy
     if name not in PER_REQUEST and name not in honoured(strategy):
         return f"{lead}{text}  [not used by the default model's {strategy} strategy]"
     per_script = "".join(
         f"; {script} prompts: {_shown(layer[name])}" for script, layer in script_defaults().items() if name in layer
     )
-    if defaults[name] == ():
+    value = getattr(defaults, name)
+    if value == ():
         return f"{lead}{text}"  # an empty list: nothing to show
-    shown = _shown(defaults[name])
-    if name == "denoise_steps" and defaults["steps_per_block"]:
-        shown, per_script = f"{defaults['block_steps']} per block (--block-steps)", ""
+    shown = _shown(value)
+    if name == "denoise_steps" and "block_steps" in honoured(strategy) and not defaults.steps_total:
+        shown, per_script = f"{defaults.block_steps} per block (--block-steps)", ""
     return f"{lead}{text}  [default: {shown}{per_script}]"
