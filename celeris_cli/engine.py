@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -21,8 +21,9 @@ from .arch.checkpoint import load_model, read_folder
 from .arch.layers import Model
 from .arch.registry import ARCHITECTURES, Architecture
 from .arch.tokenizer import Tokenizer, load_tokenizer
+from .decode.running import BlockRequest, BlockScheduler, Occupancy, supports
 from .decode.sampling import RowNoise, request_seed
-from .decode.strategies import Net, SpecialTokens, get_strategy
+from .decode.strategies import Net, SpecialTokens, get_strategy, plan_of
 from .device import resolve_device, resolve_dtype
 from .errors import ModelError, PromptTooLong, UsageError
 from .params import GenerationParams, model_layer, script_layers, script_of
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "celeris-block"
 GENERATION_CONFIG = "generation_config.json"  # the model's own default settings
+Scheduling = Literal["continuous", "static"]
 
 
 def embedded_models() -> dict[str, Path]:
@@ -106,6 +108,7 @@ class Engine:
             raise ModelError(f"{GENERATION_CONFIG}: eos_token_id {outside[0]} is outside the embedding table")
         self.special = SpecialTokens(tokenizer.mask_id, tokenizer.stop_ids | extra_stops, tokenizer.pad_id)
         self.positions_computed = 0  # positions through the network over every decode (for `bench`)
+        self.last_occupancy: Occupancy | None = None  # the last running set's (for `bench`)
 
     def with_defaults(self, settings: dict[str, Any]) -> Engine:
         """Replace this engine's model-folder layer of defaults with `settings`, a generation_config.json's
@@ -150,19 +153,43 @@ class Engine:
         self, batch: Sequence[list[int]], params: GenerationParams, seeds: Sequence[int] | None = None
     ) -> tuple[list[list[int]], int]:
         """Decode one batch of token-id prompts; returns each row's generated ids (uncut) and the NFE. Row
-        b draws its randomness from seeds[b] and its own prompt alone (default seed: params.seed)."""
+        b draws its randomness from seeds[b] and its own prompt alone (default seed: params.seed). Rows the
+        running set can decode go through it, all admitted at once."""
+        seeds = seeds if seeds is not None else [params.seed] * len(batch)
+        if self.continuous(params):
+            scheduler, net = self._scheduler([params], len(batch))
+            plan = plan_of(params)
+            requests = [
+                BlockRequest(i, ids, plan, request_seed(s, ids)) for i, (ids, s) in enumerate(zip(batch, seeds))
+            ]
+            outs: dict[int, list[int]] = {i: out for i, out, _ in scheduler.run(requests)}
+            self._account(scheduler, net)
+            return [outs[i] for i in range(len(batch))], net.nfe
         decode = get_strategy(params.strategy)
         self.arch.check_strategy(params.strategy)
         P = max(len(ids) for ids in batch)
         pad = self.tokenizer.pad_id
         prompt = torch.tensor([[pad] * (P - len(ids)) + ids for ids in batch], device=self.device)
         prompt_mask = torch.tensor([[False] * (P - len(ids)) + [True] * len(ids) for ids in batch], device=self.device)
-        seeds = seeds if seeds is not None else [params.seed] * len(batch)
         noise = RowNoise([request_seed(s, ids) for s, ids in zip(seeds, batch)], self.device)
         net = Net(self.model)
         out = decode(net, prompt, prompt_mask, params, self._special(params), noise)
         self.positions_computed += net.positions_computed
         return out[:, P:].tolist(), net.nfe
+
+    def _scheduler(
+        self, params: Sequence[GenerationParams], max_batch: int, refill: bool = True
+    ) -> tuple[BlockScheduler, Net]:
+        special = self._special(max(params, key=lambda p: p.subword_min_p))  # word pieces if any row needs them
+        net = Net(self.model)
+        scheduler = BlockScheduler(
+            net, special.mask_id, special.stop_ids, special.pad_id, max_batch, self.device, special.word_pieces, refill
+        )
+        return scheduler, net
+
+    def _account(self, scheduler: BlockScheduler, net: Net) -> None:
+        self.positions_computed += net.positions_computed
+        self.last_occupancy = scheduler.occupancy
 
     def _special(self, params: GenerationParams) -> SpecialTokens:
         """The special tokens, with the word-continuing pieces when subword_min_p needs them (found once,
@@ -226,31 +253,77 @@ class Engine:
         t0 = time.perf_counter()
         outs, nfe = self.decode_ids(encoded, params, seeds)
         wall = time.perf_counter() - t0
-        settings = params.report()
-        results = []
-        for prompt, ids_in, out, seed in zip(prompts, encoded, outs, seeds):
-            text, n_out, reason = self.finish(out, params.stop, ids_in)
-            steps = params.steps_for(len(ids_in))
-            results.append(
-                Result(
-                    prompt=prompt,
-                    text=text,
-                    finish_reason=reason,
-                    prompt_tokens=len(ids_in),
-                    output_tokens=n_out,
-                    denoise_steps=sum(steps),
-                    steps_per_block=steps,
-                    nfe=nfe,
-                    wall_s=round(wall, 4),
-                    tokens_per_s=round(n_out / wall, 2) if wall > 0 else 0.0,
-                    batch_size=len(encoded),
-                    device=str(self.device),
-                    dtype=str(self.dtype).replace("torch.", ""),
-                    seed=seed,
-                    settings={**settings, "seed": seed},
-                )
-            )
-        return results
+        return [
+            self._result(prompt, ids_in, out, params, seed, nfe, wall, len(encoded))
+            for prompt, ids_in, out, seed in zip(prompts, encoded, outs, seeds)
+        ]
+
+    def _result(
+        self,
+        prompt: str,
+        ids_in: list[int],
+        out: list[int],
+        params: GenerationParams,
+        seed: int,
+        nfe: int,
+        wall: float,
+        batch_size: int,
+    ) -> Result:
+        text, n_out, reason = self.finish(out, params.stop, ids_in)
+        steps = params.steps_for(len(ids_in))
+        return Result(
+            prompt=prompt,
+            text=text,
+            finish_reason=reason,
+            prompt_tokens=len(ids_in),
+            output_tokens=n_out,
+            denoise_steps=sum(steps),
+            steps_per_block=steps,
+            nfe=nfe,
+            wall_s=round(wall, 4),
+            tokens_per_s=round(n_out / wall, 2) if wall > 0 else 0.0,
+            batch_size=batch_size,
+            device=str(self.device),
+            dtype=str(self.dtype).replace("torch.", ""),
+            seed=seed,
+            settings={**params.report(), "seed": seed},
+        )
+
+    def decode_running(
+        self,
+        prompts: Sequence[str],
+        encoded: Sequence[list[int]],
+        params: Sequence[GenerationParams],
+        seeds: Sequence[int],
+        max_batch: int,
+        on_result: Callable[[int, Result], None] | None = None,
+        refill: bool = True,
+    ) -> list[Result]:
+        """Decode rows (each with its final settings: `continuous` must hold for each) through one running set
+        of at most `max_batch` rows that admits the next row whenever one finishes (`decode.running`). A
+        row's answer is the one it gets alone; its `nfe` counts the forwards it took part in, its `wall_s`
+        runs from the start to its finish. on_result(i, result) is called as row i finishes. refill False:
+        static batches of max_batch rows through the same decoder (for `bench`'s comparison)."""
+        requests = []
+        for i, (ids, p, seed) in enumerate(zip(encoded, params, seeds)):
+            assert self.continuous(p), "a row the running set cannot decode"
+            requests.append(BlockRequest(i, list(ids), plan_of(p), request_seed(seed, ids)))
+        scheduler, net = self._scheduler(params, max_batch, refill)
+        t0 = time.perf_counter()
+        results: list[Result | None] = [None] * len(encoded)
+        for i, out, forwards in scheduler.run(requests):
+            wall = time.perf_counter() - t0
+            r = self._result(prompts[i], list(encoded[i]), out, params[i], seeds[i], forwards, wall, max_batch)
+            results[i] = r
+            if on_result is not None:
+                on_result(i, r)
+        self._account(scheduler, net)
+        return [r for r in results if r is not None]
+
+    def continuous(self, params: GenerationParams) -> bool:
+        """Whether rows with these settings decode through the running set (`decode.running`): block
+        diffusion's cached decoder without guidance; other strategies decode in static batches."""
+        return params.strategy == "block-fast" and supports(plan_of(params))
 
     # -- text level --------------------------------------------------------------------------------
     def generate(
@@ -261,11 +334,16 @@ class Engine:
         chat: bool = False,
         on_batch: Callable[[int], None] | None = None,
         seeds: Sequence[int] | None = None,
+        scheduling: Scheduling = "continuous",
     ) -> list[Result]:
         """Generate an answer for each prompt, in order, with the model's defaults unless `params` is
         given. Prompt i draws its randomness from seeds[i] (default: params.seed), so its answer does not
-        depend on the other prompts or the batch size. Prompts are grouped into batches of similar length
-        so one long prompt does not pad a whole batch."""
+        depend on the other prompts or the batch size.
+
+        `continuous` (where every row's settings allow it, `continuous()`): one running set of batch_size
+        rows, each finished row's place taken by the next prompt at once. `static`, or otherwise: batches of
+        batch_size prompts of similar length (so one long prompt does not pad a whole batch), each decoded to
+        its end before the next starts. The answers are the same either way."""
         params = params or self.params()
         seeds = list(seeds) if seeds is not None else [params.seed] * len(prompts)
         if len(seeds) != len(prompts):
@@ -275,6 +353,11 @@ class Engine:
         encoded = [self.encode_prompt(p, chat) for p in prompts]
         for ids in encoded:
             self.check_fits(len(ids), params)
+        if scheduling == "continuous":
+            final = [self.params_for(p, params) for p in prompts]
+            if all(self.continuous(p) for p in final):
+                done = (lambda i, r: on_batch(1)) if on_batch is not None else None
+                return self.decode_running(prompts, encoded, final, seeds, batch_size, done)
         order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
         results: list[Result | None] = [None] * len(prompts)
         for start in range(0, len(order), batch_size):

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
-
-KV = tuple[torch.Tensor, torch.Tensor]  # (B, kv_heads, L, head_dim) each
+from .kv import KV, Cache, LayerKV
 
 
 class ArchConfig(Protocol):
@@ -60,8 +59,8 @@ class Model(Protocol):
         ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
-        cache: list[KV] | None = None,
-        start: int = 0,
+        cache: Cache | None = None,
+        start: int | torch.Tensor = 0,
         keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]: ...
 
@@ -98,17 +97,21 @@ def attend(
     k: torch.Tensor,
     v: torch.Tensor,
     attn_mask: torch.Tensor | None,
-    cache: KV | None,
-    start: int,
+    cache: KV | LayerKV | None,
+    start: int | torch.Tensor,
     upcast: bool,
 ) -> tuple[torch.Tensor, KV]:
     """Scaled dot-product attention of q (B, H, T, D) over k, v (B, Hkv, T, D), or over a cached canvas
-    with positions [start, start+T) overwritten in place by the fresh k, v. Returns (B, T, H*D) and the
+    with positions [start, start+T) overwritten in place by the fresh k, v (`start` one per row where the
+    cache is a `LayerKV` and rows decode at different places). Returns (B, T, H*D) and the
     fresh (k, v). attn_mask: bool, broadcastable to (B, H, T, L); True = may attend. Grouped-query heads
     are SDPA's own (`enable_gqa`), so the keys/values are never repeated per query head. A float32 cache
     under upcast is used as it is (see `Net.cache_of`), not cast again at every step."""
     fresh = (k, v)
-    if cache is not None:
+    if isinstance(cache, LayerKV):
+        k, v = cache.update(k, v, start)
+    elif cache is not None:
+        assert isinstance(start, int), "a tuple cache is written at one start for every row"
         ck, cv = cache
         ck[:, :, start : start + k.shape[2]] = k
         cv[:, :, start : start + v.shape[2]] = v
@@ -207,8 +210,8 @@ class DiffusionLM(nn.Module):
         ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
-        cache: list[KV] | None = None,
-        start: int = 0,
+        cache: Cache | None = None,
+        start: int | torch.Tensor = 0,
         keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]:
         """Final hidden states (after the final norm) for `ids`, and each layer's fresh keys/values (none
@@ -223,6 +226,7 @@ class DiffusionLM(nn.Module):
         """
         B, T = ids.shape
         if positions is None:
+            assert isinstance(start, int), "rows decoding at their own places pass their positions"
             positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
         rope = rope_tables(positions, *self.rope_dims())
         mask = key_mask_4d(key_mask)

@@ -1,5 +1,7 @@
 """Answering prepared prompts: each checked up front (a bad file line is named and skipped), then decoded
-in input order, batch by batch, each batch written as soon as it finishes."""
+and written in input order: through one running set that admits the next prompt as each row finishes
+(where the settings allow it, `Engine.continuous`), each answer written once every answer before it is;
+otherwise batch by batch, each batch written as soon as it finishes."""
 
 from __future__ import annotations
 
@@ -58,23 +60,23 @@ def prepare(
 
 
 def run(engine: Any, params: Any, jobs: list[Job], batch_size: int, sink: Sink, quiet: bool) -> None:
-    """Decode in input order, batch by batch, writing each batch as it finishes. An answer depends only
-    on its prompt, settings and seed, so input-order batches give the same answers as any other packing."""
-    tokens = 0
-    last: Any = None
+    """Decode and write every job in input order. An answer depends only on its prompt, settings and seed,
+    so the running set and input-order batches give the same answers as any other packing."""
+    written = _Written(sink, len(jobs), quiet)
     t0 = time.perf_counter()
     try:
-        with Progress(len(jobs), quiet) as progress:
-            for start in range(0, len(jobs), batch_size):
-                batch = jobs[start : start + batch_size]
-                results = engine.decode_batch(
-                    [j.text for j in batch], [j.ids for j in batch], params, [j.seed for j in batch]
-                )
-                with deferred_interrupt(), progress.hidden() if sink.on_terminal else nullcontext():
-                    sink.write([r.to_dict() for r in results])  # a record is written whole or not at all
-                tokens += sum(r.output_tokens for r in results)
-                last = results[-1]
-                progress.advance(len(batch), tokens)
+        with written.progress:
+            final = [engine.params_for(j.text, params) for j in jobs]
+            if jobs and all(engine.continuous(p) for p in final):
+                texts, ids, seeds = [j.text for j in jobs], [j.ids for j in jobs], [j.seed for j in jobs]
+                engine.decode_running(texts, ids, final, seeds, batch_size, written.one)
+            else:
+                for start in range(0, len(jobs), batch_size):
+                    batch = jobs[start : start + batch_size]
+                    results = engine.decode_batch(
+                        [j.text for j in batch], [j.ids for j in batch], params, [j.seed for j in batch]
+                    )
+                    written.many(results)
     except KeyboardInterrupt:
         with deferred_interrupt():
             sink.close()
@@ -85,6 +87,7 @@ def run(engine: Any, params: Any, jobs: list[Job], batch_size: int, sink: Sink, 
         fail(e)
     sink.close()
     seconds = time.perf_counter() - t0
+    tokens, last = written.tokens, written.last
     if not quiet and last is not None:
         prompts = sum(j.sample == 0 for j in jobs)
         answers = f", {sink.written} answers" if sink.written != prompts else ""
@@ -94,3 +97,29 @@ def run(engine: Any, params: Any, jobs: list[Job], batch_size: int, sink: Sink, 
             + (f" -> {sink.path}" if sink.path else ""),
             err=True,
         )
+
+
+class _Written:
+    """Results written in input order, each record whole (an interrupt never splits one), with progress."""
+
+    def __init__(self, sink: Sink, total: int, quiet: bool) -> None:
+        self.sink, self.progress = sink, Progress(total, quiet)
+        self.held: dict[int, Any] = {}  # finished out of order, waiting for those before them
+        self.count = self.tokens = 0
+        self.last: Any = None
+
+    def one(self, index: int, result: Any) -> None:
+        self.held[index] = result
+        ready: list[Any] = []
+        while self.count + len(ready) in self.held:
+            ready.append(self.held.pop(self.count + len(ready)))
+        if ready:
+            self.many(ready)
+
+    def many(self, results: list[Any]) -> None:
+        with deferred_interrupt(), self.progress.hidden() if self.sink.on_terminal else nullcontext():
+            self.sink.write([r.to_dict() for r in results])  # a record is written whole or not at all
+        self.count += len(results)
+        self.tokens += sum(r.output_tokens for r in results)
+        self.last = results[-1]
+        self.progress.advance(len(results), self.tokens)

@@ -125,6 +125,13 @@ def bench_cmd(
     invariance: int = typer.Option(
         0, "--invariance", min=0, help="Only measure: N prompts alone versus batched, share of identical answers."
     ),
+    workload: str = typer.Option(
+        None,
+        "--workload",
+        metavar="mixed",
+        help="Only measure: the mixed workload (--prompts poem and English openings, answers of 16 to 256 "
+        "tokens) in static batches and through the running set, side by side.",
+    ),
     ray_compare: int = typer.Option(
         0, "--ray-compare", min=0, help="Only measure: celeris batch over N prompts, local and on Ray (1, 2 actors)."
     ),
@@ -192,6 +199,18 @@ def bench_cmd(
         except CelerisError as e:
             fail(e)
         _emit(result, out, as_json, render_scaling)
+        return
+    if workload:
+        from ..measure.scheduling import compare_scheduling, render_scheduling
+
+        try:
+            if workload != "mixed":
+                raise UsageError(f"--workload must be mixed, got {workload!r}")
+            engine = load_engine(model, device.value, dtype.value, threads)
+            result = compare_scheduling(engine, prompts, batch_size, _json_setting(set_name))
+        except CelerisError as e:
+            fail(e)
+        _emit(result, out, as_json, render_scheduling)
         return
     if invariance:
         try:

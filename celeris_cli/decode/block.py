@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from ..arch.layers import KV
+from ..arch.kv import KV, Cache
 from ..params import Blocks, Commit, Guidance, Ordering, Sampling, Shaping
 from .predict import sample_with_probability
 from .reference import commit_order, guide, select_top_k
@@ -57,8 +57,8 @@ class BlockNet(Protocol):
         ids: torch.Tensor,
         positions: torch.Tensor,
         key_mask: torch.Tensor,
-        cache: list[KV] | None = None,
-        start: int = 0,
+        cache: Cache | None = None,
+        start: int | torch.Tensor = 0,
         keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]: ...
 

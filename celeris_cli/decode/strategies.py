@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ..arch.layers import KV, Model
+from ..arch.kv import KV, Cache
+from ..arch.layers import Model
 from ..errors import UsageError
 from ..params import STRATEGY_PARTS, GenerationParams
 from .block import BlockPlan, generate_block, generate_block_cached
@@ -62,8 +63,8 @@ class Net:
         ids: torch.Tensor,
         positions: torch.Tensor,
         key_mask: torch.Tensor,
-        cache: list[KV] | None = None,
-        start: int = 0,
+        cache: Cache | None = None,
+        start: int | torch.Tensor = 0,
         keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]:
         self.nfe += 1
@@ -118,6 +119,12 @@ Strategy = Callable[[Net, torch.Tensor, torch.Tensor, GenerationParams, SpecialT
 def _plan(cls: type, params: GenerationParams) -> Any:
     """The decoder's settings: exactly the parts its strategy declares in `params.STRATEGY_PARTS`."""
     return cls(**{name: params.part(name) for name in STRATEGY_PARTS[params.strategy]})
+
+
+def plan_of(params: GenerationParams) -> BlockPlan:
+    """The block decoders' settings (for the running set, `decode.running`)."""
+    plan: BlockPlan = _plan(BlockPlan, params)
+    return plan
 
 
 def _reference(

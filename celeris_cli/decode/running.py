@@ -1,0 +1,298 @@
+"""Continuous batching for block diffusion: a running set of rows that admits waiting requests as rows
+finish, each row at its own place, so the batch stays full while answers of every length run through it.
+
+Each row owns a slot of a preallocated `KVCache` and its own positions: its prompt's whole blocks are
+prefilled into its slot when it joins, then every round runs one block-wide window per row, at the row's
+own start, over its own slot (key j is seen by a row's window when j is before the end of the row's
+block: causal between blocks, bidirectional inside one). A window is either a denoising step of the row's
+current block, or the store pass of a block it has just completed, which writes that block's final keys
+and values before the row's next block reads them (SDAR's and JetEngine's "one store pass when a block is
+full"). Rows of one block width share a lane (a cache and one forward per round); rows of another width
+run in their own lane's forward in the same round. So no window is ever padded, and a row's forward has
+the same shape beside any batch mates as alone: only the number of rows changes, which the kernels'
+per-row results do not depend on in float32 (the property the static batches have always had).
+
+Every block-diffusion decode without guidance runs here: a batch alone is a running set admitted at once,
+and `refill=False` gives static batches for comparison.
+
+A row's answer is what it would be alone: its noise comes from its own stream at its own (block, step)
+(`RowNoise`), its schedule is its own (`Blocks`), and the commit step runs per group of rows that share
+their settings and block width, on their own unpadded blocks. So requests with different samplers,
+shaping, steps, lengths and block widths share one running set; only guidance keeps a request out (its second,
+unconditional view would need a second cache per row: `supports` says which requests can run here).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ..arch.kv import KVCache
+from ..params import Blocks
+from .block import BlockNet, BlockPlan, block_mask, commit_step
+from .sampling import stream_seed
+
+
+@dataclass(frozen=True)
+class BlockRequest:
+    """One request for the running set: its prompt ids, its settings and its row seed (`request_seed`)."""
+
+    key: int  # the caller's name for it, handed back with the answer
+    prompt: list[int]
+    plan: BlockPlan
+    seed: int
+
+
+def supports(plan: BlockPlan) -> bool:
+    """Whether a request with these settings can join a running set (guidance cannot: see the module)."""
+    return plan.guidance.cfg_scale == 0
+
+
+@dataclass
+class _Row:
+    req: BlockRequest
+    x: torch.Tensor  # (end,) the row's canvas in its own positions: prompt, then masks to its last block's end
+    transfers: list[list[int]]  # tokens each step of each generated block commits
+    first: int  # the row's first generated block (it may hold the prompt's tail)
+    block: int  # the block being decoded, or stored
+    step: int = 0
+    storing: bool = False  # the next window stores the block just completed
+    forwards: int = 0  # forwards the row took part in, its prefill included
+
+    @property
+    def width(self) -> int:
+        return self.req.plan.blocks.block_length
+
+    @property
+    def start(self) -> int:
+        return self.block * self.width
+
+    @property
+    def gen(self) -> int:
+        return len(self.req.prompt)
+
+    def answer(self) -> list[int]:
+        """The generated part: gen_length ids (the canvas always runs past them)."""
+        return self.x[self.gen : self.gen + self.req.plan.blocks.gen_length].tolist()
+
+
+@dataclass
+class Occupancy:
+    """What the running set did: its decoding forwards (steps and stores), rows per such forward, and
+    prompt prefills (one row each, apart)."""
+
+    forwards: int = 0
+    rows: int = 0  # summed over forwards
+    positions: int = 0  # through the network, prefills included
+    prefills: int = 0
+    rounds: int = 0  # each running row advances once per round (one forward per block width)
+    in_flight: int = 0  # summed over rounds
+
+    @property
+    def mean_rows(self) -> float:
+        """Rows per decoding forward."""
+        return self.rows / self.forwards if self.forwards else 0.0
+
+    @property
+    def mean_in_flight(self) -> float:
+        """Rows in the running set per round."""
+        return self.in_flight / self.rounds if self.rounds else 0.0
+
+
+class _Lane:
+    """The running rows of one block width and their cache: row i owns slot i. Rows of one width share
+    their forwards, so every row's window is its own block exactly, never padded: its forward's shape
+    is the same beside any batch mates as alone."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.rows: list[_Row] = []
+
+    def ensure(self, length: int) -> None:
+        if length > self.cache.length:
+            self.cache.grow(max(length, 2 * self.cache.length), len(self.rows))
+
+    def drop(self, gone: set[int]) -> None:
+        """Rows whose id() is in `gone` leave; each later row moves into the first free slot."""
+        kept: list[_Row] = []
+        for slot, r in enumerate(self.rows):
+            if id(r) not in gone:
+                if slot != len(kept):
+                    self.cache.move(slot, len(kept), min(r.start + r.width, self.cache.length))
+                kept.append(r)
+        self.rows = kept
+
+
+class BlockScheduler:
+    """Decodes `BlockRequest`s with at most `max_batch` rows in flight; `run` yields (key, generated ids,
+    forwards) as each row finishes, in the order they finish. `refill` False runs static batches instead:
+    up to max_batch rows are admitted only once the running set is empty (the comparison `bench` makes)."""
+
+    def __init__(
+        self,
+        net: BlockNet,
+        mask_id: int,
+        stop_ids: frozenset[int],
+        pad_id: int,
+        max_batch: int,
+        device: torch.device,
+        word_pieces: frozenset[int] = frozenset(),
+        refill: bool = True,
+    ) -> None:
+        self.net, self.mask_id, self.pad_id, self.max_batch, self.device = net, mask_id, pad_id, max_batch, device
+        self.refill = refill
+        self.stop = torch.tensor(sorted(stop_ids), device=device)
+        self.pieces = torch.tensor(sorted(word_pieces), device=device, dtype=torch.long)
+        self.lanes: dict[int, _Lane] = {}  # by block width
+        self.occupancy = Occupancy()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(lane.rows) for lane in self.lanes.values())
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def run(self, requests: Iterable[BlockRequest]) -> Iterator[tuple[int, list[int], int]]:
+        waiting = deque(requests)  # admitted in this order, each as a slot frees
+        while waiting or self.in_flight:
+            if self.refill or not self.in_flight:
+                while waiting and self.in_flight < self.max_batch:
+                    self._admit(waiting.popleft())
+            self.occupancy.rounds += 1
+            self.occupancy.in_flight += self.in_flight
+            for lane in list(self.lanes.values()):
+                if lane.rows:
+                    yield from self._leave(lane, self._round(lane))
+
+    def _admit(self, req: BlockRequest) -> None:
+        assert supports(req.plan), "guidance runs in static batches"
+        blocks = req.plan.blocks
+        P, W = len(req.prompt), blocks.block_length
+        end = -(-(P + blocks.gen_length) // W) * W
+        x = torch.full((end,), self.mask_id, dtype=torch.long, device=self.device)
+        x[:P] = torch.tensor(req.prompt, device=self.device)
+        transfers = [blocks.transfers(n, m) for n, m in zip(blocks.steps_for(P), blocks.masked(P))]
+        row = _Row(req, x, transfers, first=P // W, block=P // W)
+        if W not in self.lanes:
+            self.lanes[W] = _Lane(self._allocate(self.max_batch, end))
+        lane = self.lanes[W]
+        lane.ensure(end)
+        slot = len(lane.rows)
+        s0 = row.first * W
+        if s0 > 0:  # the prompt's whole blocks, into the row's slot
+            real = torch.ones(1, s0, dtype=torch.bool, device=self.device)
+            pos = torch.arange(s0, device=self.device)[None]
+            self.net.hidden(x[None, :s0], pos, block_mask(real, 0, s0, s0, W), lane.cache.view(slot, s0), 0, False)
+            row.forwards += 1
+            self.occupancy.prefills += 1
+            self.occupancy.positions += s0
+        lane.rows.append(row)
+
+    def _round(self, lane: _Lane) -> list[_Row]:
+        """One forward over the lane's rows, each its own window at its own place, then each stepping row's
+        commit; returns the rows that are done."""
+        rows, n = lane.rows, len(lane.rows)
+        W = rows[0].width
+        starts = torch.tensor([r.start for r in rows], device=self.device)
+        L = int(starts.max()) + W
+        lane.ensure(L)
+        ids = torch.stack([r.x[r.start : r.start + W] for r in rows])
+        positions = starts[:, None] + torch.arange(W, device=self.device)[None, :]
+        key_mask = (torch.arange(L, device=self.device)[None, :] < (starts + W)[:, None])[:, None, None, :]
+        h, _ = self.net.hidden(ids, positions, key_mask, lane.cache.view(slice(0, n), L), starts, False)
+        self.occupancy.forwards += 1
+        self.occupancy.rows += n
+        self.occupancy.positions += n * W
+        for r in rows:
+            r.forwards += 1
+        stepping = [b for b, r in enumerate(rows) if not r.storing]
+        for r in rows:
+            if r.storing:  # its block's final keys and values are in place: on to the next block
+                r.storing, r.block, r.step = False, r.block + 1, 0
+        groups: dict[BlockPlan, list[int]] = {}
+        for b in stepping:
+            groups.setdefault(replace(rows[b].req.plan, blocks=_NO_BLOCKS), []).append(b)
+        for plan, members in groups.items():
+            self._commit([rows[b] for b in members], h[members], plan)
+        done = []
+        for b in stepping:
+            r = rows[b]
+            r.step += 1
+            s, e = r.start, r.start + W
+            if self._finished(r, e):
+                done.append(r)
+            elif not (r.x[s:e] == self.mask_id).any():
+                if e >= len(r.x):
+                    done.append(r)
+                else:
+                    r.storing = True
+        return done
+
+    def _commit(self, rows: list[_Row], h: torch.Tensor, plan: BlockPlan) -> None:
+        """commit_step for rows sharing their settings and width, on their own blocks (b, W)."""
+        W = rows[0].width
+        block = torch.stack([r.x[r.start : r.start + W] for r in rows])
+        k = torch.tensor([_transfer(r, self.mask_id) for r in rows], dtype=torch.long, device=self.device)
+        gens = [torch.Generator(device=self.device).manual_seed(stream_seed(r.req.seed, r.block, r.step)) for r in rows]
+        answer = self._answer(rows, plan)
+        out = commit_step(block, [h], self.net, plan, k, self.mask_id, gens, answer, self.stop, self.pieces)
+        for r, new in zip(rows, out):
+            r.x[r.start : r.start + W] = new
+
+    def _answer(self, rows: list[_Row], plan: BlockPlan) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """`block._answer` for rows at their own places: each row's answer so far (masks elsewhere, padded
+        with masks to the longest) and the answer position of its block's first column."""
+        if not plan.shaping.active:
+            return None
+        offset = torch.tensor([r.start - r.gen for r in rows], device=self.device)
+        if plan.shaping.presence_penalty == 0:
+            return None, offset
+        e = max(r.start + r.width for r in rows)
+        answer = torch.full((len(rows), e), self.mask_id, dtype=torch.long, device=self.device)
+        for b, r in enumerate(rows):
+            answer[b, r.gen : r.start + r.width] = r.x[r.gen : r.start + r.width]
+        return answer, offset
+
+    def _finished(self, r: _Row, upto: int) -> bool:
+        """A stop token committed in the answer with nothing masked before it (`block.finished`)."""
+        gen = r.x[r.gen : upto]
+        stops = torch.isin(gen, self.stop).nonzero()
+        if stops.numel() == 0:
+            return False
+        first = int(stops[0])
+        return not bool((gen[:first] == self.mask_id).any())
+
+    def _leave(self, lane: _Lane, done: list[_Row]) -> Iterator[tuple[int, list[int], int]]:
+        """Hand back finished rows and free their slots."""
+        for r in done:
+            yield r.req.key, r.answer(), r.forwards
+        if done:
+            lane.drop({id(r) for r in done})
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+    def _allocate(self, rows: int, length: int) -> KVCache:
+        """The cache's layers, heads, head size and dtype, from a one-token forward of the model itself (not
+        counted); float32 where attention runs in float32 under low-precision weights (`Net.cache_of`)."""
+        one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        model: Any = getattr(self.net, "model", self.net)
+        _, kv = model.hidden(one, one, None, None, 0, True)
+        up = getattr(model, "upcast", False)
+        k = kv[0][0]
+        dtype = torch.float32 if up else k.dtype
+        return KVCache.empty(len(kv), rows, k.shape[1], length, k.shape[3], dtype, self.device)
+
+
+def _transfer(r: _Row, mask_id: int) -> int:
+    """The tokens this step of the row's block commits by schedule (`Blocks.transfers`); past its steps
+    (which the schedule's sums make unreachable) whatever is still masked, so a row always ends."""
+    per_step = r.transfers[r.block - r.first]
+    if r.step < len(per_step):
+        return per_step[r.step]
+    return int((r.x[r.start : r.start + r.width] == mask_id).sum())
+
+
+# commit_step reads every part of a plan but its blocks: rows group by the rest (their width apart)
+_NO_BLOCKS = Blocks(gen_length=0, block_length=0, block_steps=0, denoise_steps=0, steps_total=False)

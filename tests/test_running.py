@@ -1,0 +1,155 @@
+"""The running set (`decode.running`): rows admitted as others finish, each at its own place over its own
+cache slot, answer exactly as they do alone (float32), whatever they ran beside and whenever they joined."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from celeris_cli import load_engine
+from celeris_cli.arch.kv import KVCache, LayerKV
+from celeris_cli.engine import Engine
+
+from .conftest import make_model
+
+LLADA2 = Path(__file__).parent / "data" / "llada2" / "llada2_tiny"
+PROMPTS = [
+    "床前明月光",
+    "the cat sat on",
+    "春眠不觉晓，处处闻啼鸟。夜来风雨声",
+    "a",
+    "the moon and the sun and",
+    "白日依山尽",
+]
+
+
+@pytest.fixture(scope="module")
+def block_engine(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path) -> Engine:
+    """A random block-causal model whose EOS logit is amplified, so rows end at different places."""
+    from safetensors.torch import load_file, save_file
+
+    folder = make_model(tmp_path_factory.mktemp("blk") / "m", tiny_tokenizer, seed=9, block_causal=True)
+    state = load_file(str(folder / "model.safetensors"))
+    head = state["model.transformer.ff_out.weight"]
+    head[2] = head[2] * 2.5 + head.mean(0)  # eos
+    save_file(state, str(folder / "model.safetensors"))
+    return load_engine(folder, device="cpu", dtype="float32")
+
+
+def _alone(engine: Engine, prompt: str, params, seed: int) -> list[int]:  # type: ignore[no-untyped-def]
+    out, _ = engine.decode_ids([engine.encode_prompt(prompt)], params, [seed])
+    return out[0]
+
+
+def _running(engine: Engine, rows: list[tuple[str, object, int]], max_batch: int) -> list[list[int]]:
+    """Each row's generated ids through the running set (uncut, as `decode_ids` gives them)."""
+    got: dict[int, list[int]] = {}
+    original = engine._result
+
+    def keep(prompt, ids_in, out, params, seed, nfe, wall, batch_size):  # type: ignore[no-untyped-def]
+        got[len(got)] = out
+        return original(prompt, ids_in, out, params, seed, nfe, wall, batch_size)
+
+    order: list[int] = []
+    engine._result = keep  # type: ignore[method-assign]
+    try:
+        engine.decode_running(
+            [p for p, _, _ in rows],
+            [engine.encode_prompt(p) for p, _, _ in rows],
+            [s for _, s, _ in rows],  # type: ignore[misc]
+            [seed for _, _, seed in rows],
+            max_batch,
+            lambda i, r: order.append(i),
+        )
+    finally:
+        del engine._result
+    return [got[order.index(i)] for i in range(len(rows))]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_of_every_length_joining_mid_run_answer_as_they_do_alone(block_engine: Engine, temperature: float) -> None:
+    rows = []
+    for i, prompt in enumerate(PROMPTS * 2):
+        settings = {
+            "temperature": temperature,
+            "gen_length": 8 + 6 * i,  # answers of many lengths: rows leave and others join all along
+            "block_length": 4 if i % 3 == 0 else 8,  # widths mixed in one running set
+            "denoise_steps": 4 + i,
+            "min_p": 0.05 * (i % 2),
+            "seed": i,
+        }
+        rows.append((prompt, block_engine.params(settings), i))
+    running = _running(block_engine, rows, max_batch=3)
+    alone = [_alone(block_engine, p, s, seed) for p, s, seed in rows]
+    assert running == alone
+    occupancy = block_engine.last_occupancy
+    assert (
+        occupancy is not None and occupancy.mean_rows > 2.2
+    )  # three rows ran together nearly always (prefills run alone)
+    lengths = {block_engine.finish(ids)[1] for ids in running}
+    assert len(lengths) > 4  # and they did end at different places
+
+
+def test_shaping_and_thresholds_apply_per_row_in_one_running_set(block_engine: Engine) -> None:
+    rows = []
+    for i, prompt in enumerate(PROMPTS):
+        settings = {"gen_length": 24, "threshold": 0.5 + 0.1 * i, "seed": 3}
+        if i % 2:
+            settings |= {"presence_penalty": 1.5, "min_tokens": 6, "order_temperature": 1.0}
+        rows.append((prompt, block_engine.params(settings), 3))
+    assert _running(block_engine, rows, max_batch=4) == [_alone(block_engine, p, s, seed) for p, s, seed in rows]
+
+
+def test_default_model_presets_share_one_running_set_and_answer_as_alone() -> None:
+    engine = load_engine(None, device="cpu", dtype="float32")
+    prompts = ["床前明月光，", "The old man walked", "春眠不觉晓，", "She opened the door and", "白日依山尽，"]
+    params = engine.params({"gen_length": 24, "seed": 5})
+    running = engine.generate(prompts, params, batch_size=3)
+    occupancy = engine.last_occupancy
+    alone = [engine.generate([p], params, batch_size=1, scheduling="static")[0] for p in prompts]
+    assert [r.text for r in running] == [r.text for r in alone]
+    # two presets (block widths 8 and 4) ran side by side rather than in separate batches
+    assert occupancy is not None and occupancy.mean_rows > 2
+
+
+def test_llada2_rows_joining_mid_run_answer_as_alone() -> None:
+    engine = load_engine(LLADA2, device="cpu", dtype="float32")
+    prompts = ["Bob likes", "What is 3 plus 4? Tell me", "a b c d e f g h i j k l m n o p q r s t u v w x y z", "hi"]
+    rows = [
+        (p, engine.params({"gen_length": 20 + 12 * i, "block_length": 8, "seed": i}), i) for i, p in enumerate(prompts)
+    ]
+    assert _running(engine, rows, max_batch=2) == [_alone(engine, p, s, seed) for p, s, seed in rows]
+
+
+def test_guidance_rows_decode_in_static_batches(block_engine: Engine) -> None:
+    params = block_engine.params({"cfg_scale": 1.0, "gen_length": 8})
+    assert not block_engine.continuous(params)
+    assert block_engine.continuous(block_engine.params({"gen_length": 8}))
+
+
+def test_layer_cache_writes_each_row_at_its_own_start() -> None:
+    k = torch.zeros(3, 2, 10, 4)
+    v = torch.zeros(3, 2, 10, 4)
+    fresh_k, fresh_v = torch.randn(3, 2, 3, 4), torch.randn(3, 2, 3, 4)
+    starts = torch.tensor([0, 4, 7])
+    LayerKV(k, v).update(fresh_k, fresh_v, starts)
+    for b, s in enumerate(starts.tolist()):
+        one_k, one_v = torch.zeros(1, 2, 10, 4), torch.zeros(1, 2, 10, 4)
+        LayerKV(one_k, one_v).update(fresh_k[b : b + 1], fresh_v[b : b + 1], s)
+        assert torch.equal(k[b], one_k[0]) and torch.equal(v[b], one_v[0])
+
+
+def test_cache_move_and_grow_keep_the_written_positions() -> None:
+    cache = KVCache.empty(2, 3, 1, 4, 2, torch.float32, torch.device("cpu"))
+    for layer in cache.layers:
+        for t in layer:
+            t.copy_(torch.arange(t.numel(), dtype=torch.float32).view_as(t))
+    before = [t[2, :, :3].clone() for layer in cache.layers for t in layer]
+    cache.move(2, 0, 3)
+    cache.grow(9, keep_rows=3)
+    assert cache.length == 9
+    after = [t[0, :, :3] for layer in cache.layers for t in layer]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    assert all(float(t[:, :, 4:].abs().sum()) == 0 for layer in cache.layers for t in layer)  # grown zeroed
