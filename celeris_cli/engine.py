@@ -22,7 +22,7 @@ from .arch.layers import Model
 from .arch.registry import ARCHITECTURES, Architecture
 from .arch.tokenizer import Tokenizer, load_tokenizer
 from .decode.sampling import RowNoise, request_seed
-from .decode.strategies import Net, SpecialTokens, get_strategy
+from .decode.strategies import BY_BLOCK, Net, OnBlock, SpecialTokens, get_strategy
 from .device import resolve_device, resolve_dtype
 from .errors import ModelError, PromptTooLong, UsageError
 from .params import GenerationParams, model_layer, script_layers, script_of
@@ -147,10 +147,15 @@ class Engine:
             )
 
     def decode_ids(
-        self, batch: Sequence[list[int]], params: GenerationParams, seeds: Sequence[int] | None = None
+        self,
+        batch: Sequence[list[int]],
+        params: GenerationParams,
+        seeds: Sequence[int] | None = None,
+        on_block: OnBlock | None = None,
     ) -> tuple[list[list[int]], int]:
         """Decode one batch of token-id prompts; returns each row's generated ids (uncut) and the NFE. Row
-        b draws its randomness from seeds[b] and its own prompt alone (default seed: params.seed)."""
+        b draws its randomness from seeds[b] and its own prompt alone (default seed: params.seed).
+        on_block: called as each block is committed (strategies in BY_BLOCK only; for streaming)."""
         decode = get_strategy(params.strategy)
         self.arch.check_strategy(params.strategy)
         P = max(len(ids) for ids in batch)
@@ -160,7 +165,12 @@ class Engine:
         seeds = seeds if seeds is not None else [params.seed] * len(batch)
         noise = RowNoise([request_seed(s, ids) for s, ids in zip(seeds, batch)], self.device)
         net = Net(self.model)
-        out = decode(net, prompt, prompt_mask, params, self._special(params), noise)
+        if on_block is None:
+            out = decode(net, prompt, prompt_mask, params, self._special(params), noise)
+        elif params.strategy in BY_BLOCK:
+            out = decode(net, prompt, prompt_mask, params, self._special(params), noise, on_block)  # type: ignore[call-arg]
+        else:
+            raise UsageError(f"the {params.strategy} strategy commits no blocks to report")
         self.positions_computed += net.positions_computed
         return out[:, P:].tolist(), net.nfe
 
