@@ -108,3 +108,32 @@ def wait_for(predicate: Any, timeout: float = 120.0, every: float = 0.2) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(every)
+
+
+class Watch:
+    """`celeris watch CONFIG` in a subprocess: the queue's daemon beside the server."""
+
+    def __init__(self, config: Path, log: Path) -> None:
+        self.config = config
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Watch:
+        out = open(self.log, "ab")  # noqa: SIM115 - closed with the process
+        cmd = [sys.executable, "-m", "celeris_cli", "watch", str(self.config)]
+        self.proc = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=out)
+        return self
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
