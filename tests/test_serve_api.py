@@ -26,9 +26,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     key_file = root / "keys"
     key_file.write_text(f"{KEY}\n", encoding="utf-8")
     limits = ("--max-body-bytes", "20000", "--max-tokens", "64", "--batch-size", "16")
-    s = Server(
-        *BASE, "--threads", "1", "--api-key-file", str(key_file), *limits, key=KEY, log=root / "serve.log"
-    ).start()
+    s = Server(*BASE, "--api-key-file", str(key_file), *limits, key=KEY, log=root / "serve.log").start()
     yield s
     s.stop()
     assert KEY not in (root / "serve.log").read_text(encoding="utf-8")  # the key is never logged

@@ -79,6 +79,22 @@ def test_waiting_rows_are_decoded_together_grouped_by_settings_and_answer_as_alo
         assert alone.text == answer.text and alone.batch_size == 1
 
 
+def test_no_batch_holds_more_rows_than_the_batch_size(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate(engine)
+    monkeypatch.setattr(engine, "decode_ids", gate)
+    runner = Runner(engine, {"gen_length": 16}, max_batch=2)
+    try:
+        runner.submit([runner.prepare(req("The quick"))])
+        assert gate.started.wait(30)
+        futures = runner.submit([runner.prepare(req(p, seed=i)) for i, p in enumerate(["床前", "To be", "白日"])])
+        gate.release.set()
+        assert all(f.result(60).text is not None for f in futures)
+        assert [len(c) for c in gate.calls] == [1, 2, 1]
+    finally:
+        gate.release.set()
+        runner.close()
+
+
 def test_a_row_whose_client_left_is_dropped_before_decoding(gated: tuple[Runner, Gate]) -> None:
     runner, gate = gated
     runner.submit([runner.prepare(req("The quick"))])

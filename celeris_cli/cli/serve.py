@@ -33,7 +33,6 @@ def serve(
     ),
     device: DeviceOpt = typer.Option(None, "--device", help="auto picks CUDA when present."),
     dtype: DtypeOpt = typer.Option(None, "--dtype", help="auto picks bfloat16 where it is fast."),
-    threads: int = typer.Option(None, "--threads", min=1, metavar="N", help="Torch CPU threads (default: torch's)."),
     batch_size: int = typer.Option(16, "--batch-size", min=1, metavar="N", help="Rows decoded together at most."),
     max_tokens: int = typer.Option(
         512, "--max-tokens", min=1, metavar="N", help="Largest max_tokens a request may ask."
@@ -62,7 +61,7 @@ def serve(
         check_exposure(host, keys, insecure_no_auth)
         limits = Limits(max_body_bytes, max_file_bytes, max_tokens, max_batch_lines, max_concurrent, batch_size)
         _check_port(host, port)
-        state = _build(model, queue, device, dtype, threads, keys, limits)
+        state = _build(model, queue, device, dtype, keys, limits)
     except CelerisError as e:
         fail(e)
     import uvicorn
@@ -79,7 +78,6 @@ def _build(
     queue: Path | None,
     device: DeviceOpt | None,
     dtype: DtypeOpt | None,
-    threads: int | None,
     keys: Any,
     limits: Any,
 ) -> Any:
@@ -95,14 +93,14 @@ def _build(
         from ..spool.folders import create_missing
 
         cfg = load_config(queue)
-        for flag, value in (("--model", model), ("--device", device), ("--dtype", dtype), ("--threads", threads)):
+        for flag, value in (("--model", model), ("--device", device), ("--dtype", dtype)):
             if value is not None:
                 raise UsageError(f"{flag}: with --queue the model and its device come from {queue}")
         create_missing(cfg.folders)
         engine = load_engine(cfg.model, cfg.device, cfg.dtype, cfg.threads)
         generation = cfg.generation
     else:
-        engine = load_engine(model, (device or DeviceOpt.auto).value, (dtype or DtypeOpt.auto).value, threads)
+        engine = load_engine(model, (device or DeviceOpt.auto).value, (dtype or DtypeOpt.auto).value)
     model_id = engine.model_dir.name if engine.model_dir is not None else "celeris"
     runner = Runner(engine, generation, limits.batch_size)
     state = ServeState(runner, model_id, limits, keys, files=None, queue=cfg)

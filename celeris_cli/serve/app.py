@@ -114,7 +114,8 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        state.metrics.requests.labels(request.url.path if exc.status != 404 else "other", str(exc.status)).inc()
+        route = getattr(request.scope.get("route"), "path", "other")  # the template: ids never become labels
+        state.metrics.requests.labels(route, str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)

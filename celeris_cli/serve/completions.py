@@ -95,11 +95,11 @@ async def _answer(state: ServeState, request: Request, body: CompletionBody | Ch
         )
     route = request.url.path
     t0 = time.perf_counter()
-    state.begin()
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _stream(state, request, prepared, rid, chat, include_usage, route, t0)
+        events = _stream(state, prepared, rid, chat, include_usage, route, t0)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+    state.begin()
     try:
         future = state.runner.submit([prepared])[0]
         answer = await _wait(state, request, future)
@@ -130,8 +130,11 @@ async def _wait(state: ServeState, request: Request, future: Future[Answer]) -> 
 
 
 async def _stream(
-    state: ServeState, request: Request, prepared: Any, rid: str, chat: bool, include_usage: bool, route: str, t0: float
+    state: ServeState, prepared: Any, rid: str, chat: bool, include_usage: bool, route: str, t0: float
 ) -> AsyncIterator[str]:
+    """The events of one streamed answer. Nothing is queued until the response starts: a client gone
+    before that costs nothing. Starlette cancels this generator when the client disconnects."""
+    state.begin()
     loop = asyncio.get_running_loop()
     texts: asyncio.Queue[str] = asyncio.Queue()
 

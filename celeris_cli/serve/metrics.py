@@ -9,7 +9,12 @@ class ServeMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("celeris_serve_requests", "HTTP requests answered", ["route", "status"], registry=r)
+        self.requests = Counter(
+            "celeris_serve_requests",
+            "Requests answered, by route template and HTTP status",
+            ["route", "status"],
+            registry=r,
+        )
         self.latency = Histogram(
             "celeris_serve_request_seconds",
             "Time from a completion request's arrival to its last byte",
