@@ -21,7 +21,6 @@ the inbox (the server died in between) is published again at startup.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -34,9 +33,9 @@ from typing import Any
 
 from ..spool.config import BatchConfig
 from ..spool.fsutil import atomic_write
-from ..spool.ledger import read_jsonl
+from .batch_format import error_lines, failures_of, journal_counts, output_lines, request_lines
 from .files import FileStore, derived_file_id
-from .schema import APIError, chat_completion, completion
+from .schema import APIError
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +43,6 @@ BATCH_ID = re.compile(r"^batch_[0-9a-f]{24}$")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 WINDOW_S = 24 * 3600
-
-
-def _stable(*parts: object) -> str:
-    return hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:24]
 
 
 class BatchStore:
@@ -110,7 +105,7 @@ class BatchStore:
         if window != "24h":
             raise APIError(400, "completion_window must be '24h'", param="completion_window")
         data = self.files.path(input_file_id).read_bytes()
-        total = _check_urls(data, endpoint)
+        total = request_lines(data, endpoint)
         batch_id = f"batch_{secrets.token_hex(12)}"
         now = int(time.time())
         meta = {
@@ -170,7 +165,7 @@ class BatchStore:
             now = int(time.time())
             if where == "claimed" and claimed is not None:
                 meta.setdefault("in_progress_at", now)
-                meta["completed"], meta["failed"] = _journal_counts(self.f.work / "journal" / f"{claimed}.jsonl")
+                meta["completed"], meta["failed"] = journal_counts(self.f.work / "journal" / f"{claimed}.jsonl")
                 published = (self.f.outputs / f"{meta['name']}.results.jsonl").exists()
                 if meta["status"] != "cancelling":
                     meta["status"] = "finalizing" if published else "in_progress"
@@ -179,7 +174,7 @@ class BatchStore:
             elif where == "processed":
                 self._finish(meta, now)
             elif where == "quarantined":
-                recs = self._failures(meta)
+                recs = failures_of(self.f.logs / "failed.jsonl", meta["name"])
                 meta.update(status="failed", failed_at=now, failed=0, completed=0)
                 meta["errors"] = {
                     "object": "list",
@@ -217,35 +212,11 @@ class BatchStore:
         files (the same ids and bytes if this is done again after a crash)."""
         meta.setdefault("in_progress_at", now)
         meta.setdefault("finalizing_at", now)
-        created = meta["finalizing_at"]
+        name = meta["name"]
         chat = meta["endpoint"] == "/v1/chat/completions"
-        out = []
-        for rec in read_jsonl(self.f.outputs / f"{meta['name']}.results.jsonl"):
-            line = str(rec.get("id", "")).rpartition(":")[2]
-            body = rec["response"]["body"]
-            build = chat_completion if chat else completion
-            obj = build(
-                f"{'chatcmpl' if chat else 'cmpl'}-{_stable(meta['id'], line)}",
-                self.model,
-                body["text"],
-                body["finish_reason"],
-                body["usage"],
-                created,
-            )
-            out.append(
-                _line(
-                    meta["id"],
-                    line,
-                    rec["custom_id"],
-                    {"status_code": 200, "request_id": f"req_{_stable(meta['id'], line, 'r')}", "body": obj},
-                    None,
-                )
-            )
-        errors = []
-        for r in self._failures(meta):
-            line = r["source"]["line"]
-            message = r["message"] if r.get("custom_id") is not None else f"line {line}: {r['message']}"
-            errors.append(_line(meta["id"], line, r.get("custom_id"), None, {"code": r["code"], "message": message}))
+        results = self.f.outputs / f"{name}.results.jsonl"
+        out = output_lines(meta["id"], results, chat, self.model, meta["finalizing_at"])
+        errors = error_lines(meta["id"], failures_of(self.f.logs / "failed.jsonl", name))
         if out:
             meta["output_file_id"] = self._write(meta, "output", out)
         if errors:
@@ -261,15 +232,6 @@ class BatchStore:
         data = "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode()
         self.files.add_bytes(data, f"{meta['id']}_{role}.jsonl", "batch_output", file_id)
         return file_id
-
-    def _failures(self, meta: dict[str, Any]) -> list[dict[str, Any]]:
-        """The queue's failure records of this batch's file, once each, by line."""
-        seen: dict[Any, dict[str, Any]] = {}
-        for rec in read_jsonl(self.f.logs / "failed.jsonl"):
-            source = rec.get("source") or {}
-            if source.get("file") == meta["name"] and rec.get("output") == f"{meta['name']}.results.jsonl":
-                seen.setdefault(rec.get("key"), rec)
-        return sorted(seen.values(), key=lambda r: r["source"]["line"])
 
     def _publish(self, meta: dict[str, Any]) -> None:
         data = self.files.path(meta["input_file_id"]).read_bytes()
@@ -308,39 +270,3 @@ class BatchStore:
             },
             "metadata": meta.get("metadata"),
         }
-
-
-def _line(batch_id: str, line: Any, custom_id: Any, response: Any, error: Any) -> dict[str, Any]:
-    return {"id": f"batch_req_{_stable(batch_id, line)}", "custom_id": custom_id, "response": response, "error": error}
-
-
-def _journal_counts(path: Path) -> tuple[int, int]:
-    """(results, failures) the queue's journal of a claim has decided so far."""
-    done = failed = 0
-    for rec in read_jsonl(path):
-        for o in rec.get("outcomes", []):
-            if "body" in o:
-                done += 1
-            else:
-                failed += 1
-    return done, failed
-
-
-def _check_urls(data: bytes, endpoint: str) -> int:
-    """The number of request lines; a line that names another endpoint is a 400 (a line that is not a
-    request at all is the queue's to record, in the error file)."""
-    total = 0
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        total += 1
-        try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        url = obj.get("url") if isinstance(obj, dict) else None
-        if url is not None and url != endpoint:
-            raise APIError(
-                400, f"line {number}: url {url!r} is not the batch's endpoint {endpoint}", param="input_file_id"
-            )
-    return total
