@@ -80,6 +80,16 @@ def test_a_streamed_completion_ends_with_its_usage_and_done(server: Server) -> N
     assert text == plain.choices[0].text
 
 
+def test_a_streamed_answer_with_a_stop_string_adds_up_to_the_whole_answer(server: Server) -> None:
+    client = server.client()
+    kw = {"model": MODEL, "prompt": "床前明月光，", "max_tokens": 48, "seed": 9, "stop": ["。"]}
+    whole = client.completions.create(**kw)  # type: ignore[call-overload]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)  # type: ignore[call-overload]
+    assert streamed == whole.choices[0].text and "。" not in streamed
+    free = client.completions.create(**{**kw, "stop": None})  # type: ignore[call-overload]
+    assert free.choices[0].text.startswith(streamed + "。")  # the stop string did cut this answer
+
+
 def test_a_celeris_setting_by_its_own_name_is_honoured(server: Server) -> None:
     client = server.client()
     base = client.completions.create(model=MODEL, prompt="The quick", max_tokens=16, seed=2)

@@ -127,6 +127,9 @@ def test_a_chat_batch_answers_in_chat_objects_and_lists_bad_lines_in_its_error_f
     (err,) = queue.lines(done.error_file_id)
     assert err["custom_id"] == "h-bad" and err["response"] is None and "frobnicate" in err["error"]["message"]
     assert err["error"]["code"] == "bad_param"
+    health = queue.server.get("/health")["queue"]  # the daemon beside the server, by its heartbeat
+    assert queue.watch is not None and queue.watch.proc is not None
+    assert health["daemon_pid"] == queue.watch.proc.pid and health["state"] in ("idle", "busy", "decoding")
 
 
 def test_files_are_fetched_listed_and_deleted_by_opaque_id(queue: Queue) -> None:

@@ -216,3 +216,13 @@ def test_a_client_that_disconnects_frees_its_row(app_server: tuple[Any, str, Gat
     decoded = [ids for call in gate.calls for ids in call]
     assert engine.encode_prompt("To be, or not") not in decoded
     wait_for(lambda: state.in_flight == 0, timeout=30)
+
+
+def test_streamed_text_holds_back_what_a_stop_string_or_a_split_character_could_still_change() -> None:
+    from celeris_cli.serve.completions import held_back
+
+    assert held_back("Hello, wor", ()) == "Hello, wor"
+    assert held_back("Hello, wor", ("world!",)) == "Hello"  # "wor" + later "ld!" may still be cut
+    assert held_back("Hello", ("\n\n", "END")) == "Hel"
+    assert held_back("abc\ufffd\ufffd", ()) == "abc"  # bytes of a character not yet whole
+    assert held_back("ab", ("longer stop",)) == ""

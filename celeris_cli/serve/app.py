@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from ..spool.folders import HEARTBEAT, queue_lock
+from ..spool.folders import HEARTBEAT
 from ..spool.status import read_heartbeat
 from .batch_routes import batch_routes, file_routes
 from .completions import completion_routes
@@ -107,9 +107,10 @@ def create_app(state: ServeState) -> FastAPI:
         """Open without a key, for load balancers: the model, the waiting rows, and the queue's daemon."""
         out: dict[str, Any] = {"status": "ok", "model": state.model_id, "waiting": state.runner.depth}
         if state.queue is not None:
-            holder = queue_lock(state.queue).holder()
-            beat = read_heartbeat(state.queue.folders.logs / HEARTBEAT, holder)
-            out["queue"] = {"daemon": holder, "heartbeat": beat["state"] if beat else None}
+            # the heartbeat only, judged by its pid: probing the queue's flock, even shared, could make a
+            # daemon starting at that instant find its lock held and exit
+            beat = read_heartbeat(state.queue.folders.logs / HEARTBEAT, lock_holder="")
+            out["queue"] = {"daemon_pid": beat.get("pid") if beat else None, "state": beat["state"] if beat else None}
         return out
 
     @app.exception_handler(APIError)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
@@ -23,6 +24,8 @@ from ..errors import CelerisError, PromptTooLong
 from .runner import Answer
 from .schema import APIError, ChatBody, CompletionBody, chat_completion, chunk, completion, new_id, to_request, usage
 from .state import ServeState
+
+log = logging.getLogger(__name__)
 
 
 async def read_body(request: Request, model: type[BaseModel]) -> Any:
@@ -172,6 +175,10 @@ async def _stream(
             yield "data: [DONE]\n\n"
             state.metrics.requests.labels(route, "500").inc()
             return
+        if not answer.text.startswith(sent):  # held_back keeps this from happening; say so if it ever does
+            log.warning(
+                "streamed text is not a prefix of the answer (%d of %d chars sent)", len(sent), len(answer.text)
+            )
         rest = answer.text[len(sent) :] if answer.text.startswith(sent) else ""
         if rest:
             yield event(rest)
