@@ -101,3 +101,12 @@ def test_batches_are_listed_newest_first_a_page_at_a_time(store: BatchStore) -> 
     assert [b["id"] for b in page] == ids[::-1][:2] and more
     page, more = store.page(page[-1]["id"], 2)
     assert [b["id"] for b in page] == [ids[0]] and not more
+
+
+def test_a_lost_publish_whose_input_was_deleted_fails_the_batch(store: BatchStore, tmp_path: Path) -> None:
+    batch = create(store, LINES)
+    (tmp_path / "batch_inputs" / f"{batch['id']}.jsonl").unlink()
+    assert store.files.delete(batch["input_file_id"])
+    store.recover()
+    got = store.get(batch["id"])
+    assert got is not None and got["status"] == "failed" and got["errors"]["data"][0]["code"] == "file_not_found"

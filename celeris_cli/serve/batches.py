@@ -69,6 +69,16 @@ class BatchStore:
         """Publish again the inputs of batches the server died before publishing."""
         for meta in list(self.index.values()):
             if meta["status"] == "validating" and self._where(meta)[0] == "missing":
+                if self.files.get(meta["input_file_id"]) is None:  # deleted meanwhile: nothing to publish
+                    gone = {
+                        "code": "file_not_found",
+                        "message": "the input file was deleted",
+                        "param": None,
+                        "line": None,
+                    }
+                    meta.update(status="failed", failed_at=int(time.time()), errors={"object": "list", "data": [gone]})
+                    self._save(meta)
+                    continue
                 log.warning("batch %s: its file never reached the queue; publishing it now", meta["id"])
                 self._publish(meta)
 
