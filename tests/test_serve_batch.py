@@ -25,8 +25,7 @@ MODEL = "celeris-block"
 class Queue:
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.config = make_queue(root, model=None, generation={}, batch_size=16)
-        self.config.write_text(self.config.read_text().replace('"root"', f'"model": "{MODEL}", "root"', 1))
+        self.config = make_queue(root, model=Path(MODEL), generation={}, batch_size=16)  # an embedded name
         self.server = self._server().start()
         self.watch: Watch | None = None
 
@@ -94,6 +93,7 @@ def test_a_batch_not_yet_claimed_is_cancelled_at_once(queue: Queue) -> None:
 def test_a_batch_claimed_when_cancelled_ends_cancelled_with_what_it_answered(queue: Queue) -> None:
     """The queue cannot stop a claimed file: the batch is `cancelling` until the queue is done with it.
     Here the claim is one a daemon made just before it died; the daemon started next resumes it."""
+    assert queue.watch is None, "runs before any daemon: the claim below is made by hand"
     file_id = queue.upload([line(f"k{i}", p, i) for i, p in enumerate(PROMPTS[:3])])
     batch = queue.client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
     work = queue.root / "batch_inputs" / ".work"
