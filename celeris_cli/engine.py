@@ -23,7 +23,7 @@ from .arch.registry import ARCHITECTURES, Architecture
 from .arch.tokenizer import Tokenizer, load_tokenizer
 from .decode.running import BlockRequest, BlockScheduler, Occupancy, supports
 from .decode.sampling import RowNoise, request_seed
-from .decode.strategies import Net, SpecialTokens, get_strategy, plan_of
+from .decode.strategies import BY_BLOCK, Net, OnBlock, SpecialTokens, get_strategy, plan_of
 from .device import resolve_device, resolve_dtype
 from .errors import ModelError, PromptTooLong, UsageError
 from .params import GenerationParams, model_layer, script_layers, script_of
@@ -150,14 +150,19 @@ class Engine:
             )
 
     def decode_ids(
-        self, batch: Sequence[list[int]], params: GenerationParams, seeds: Sequence[int] | None = None
+        self,
+        batch: Sequence[list[int]],
+        params: GenerationParams,
+        seeds: Sequence[int] | None = None,
+        on_block: OnBlock | None = None,
     ) -> tuple[list[list[int]], int]:
         """Decode one batch of token-id prompts; returns each row's generated ids (uncut) and the NFE. Row
         b draws its randomness from seeds[b] and its own prompt alone (default seed: params.seed). Rows the
-        running set can decode go through it, all admitted at once."""
+        running set can decode go through it, all admitted at once. on_block(row, generated ids so far):
+        called as each row's block is committed (strategies in BY_BLOCK only; for streaming)."""
         seeds = seeds if seeds is not None else [params.seed] * len(batch)
         if self.continuous(params):
-            scheduler, net = self._scheduler([params], len(batch))
+            scheduler, net = self._scheduler([params], len(batch), on_block=on_block)
             plan = plan_of(params)
             requests = [
                 BlockRequest(i, ids, plan, request_seed(s, ids)) for i, (ids, s) in enumerate(zip(batch, seeds))
@@ -173,17 +178,34 @@ class Engine:
         prompt_mask = torch.tensor([[False] * (P - len(ids)) + [True] * len(ids) for ids in batch], device=self.device)
         noise = RowNoise([request_seed(s, ids) for s, ids in zip(seeds, batch)], self.device)
         net = Net(self.model)
-        out = decode(net, prompt, prompt_mask, params, self._special(params), noise)
+        if on_block is None:
+            out = decode(net, prompt, prompt_mask, params, self._special(params), noise)
+        elif params.strategy in BY_BLOCK:
+            out = decode(net, prompt, prompt_mask, params, self._special(params), noise, on_block)  # type: ignore[call-arg]
+        else:
+            raise UsageError(f"the {params.strategy} strategy commits no blocks to report")
         self.positions_computed += net.positions_computed
         return out[:, P:].tolist(), net.nfe
 
     def _scheduler(
-        self, params: Sequence[GenerationParams], max_batch: int, refill: bool = True
+        self,
+        params: Sequence[GenerationParams],
+        max_batch: int,
+        refill: bool = True,
+        on_block: OnBlock | None = None,
     ) -> tuple[BlockScheduler, Net]:
         special = self._special(max(params, key=lambda p: p.subword_min_p))  # word pieces if any row needs them
         net = Net(self.model)
         scheduler = BlockScheduler(
-            net, special.mask_id, special.stop_ids, special.pad_id, max_batch, self.device, special.word_pieces, refill
+            net,
+            special.mask_id,
+            special.stop_ids,
+            special.pad_id,
+            max_batch,
+            self.device,
+            special.word_pieces,
+            refill=refill,
+            on_block=on_block,
         )
         return scheduler, net
 

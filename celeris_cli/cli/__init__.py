@@ -12,7 +12,7 @@ from importlib import import_module
 from .app import app
 
 # Importing a command module registers its commands; --help lists them in this order.
-for _module in ("generate", "batch", "queue", "recipe", "measure", "inspect", "version"):
+for _module in ("generate", "batch", "queue", "serve", "recipe", "measure", "inspect", "version"):
     import_module(f"{__name__}.{_module}")
 
 __all__ = ["app", "main"]

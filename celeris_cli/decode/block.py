@@ -27,6 +27,7 @@ fast decoder), through the same forwards, with its own cache in `generate_block_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,6 +50,11 @@ class BlockPlan:
     guidance: Guidance
     commit: Commit
     shaping: Shaping
+
+
+# Called once a block is committed, for each row that decoded it: (row, the row's generated ids so far).
+# For streaming: a committed block never changes again.
+OnBlock = Callable[[int, list[int]], None]
 
 
 class BlockNet(Protocol):
@@ -229,6 +235,14 @@ def _result(cv: Canvas, prompt: torch.Tensor, gen_length: int, fill: int) -> tor
     return torch.cat([prompt, torch.stack(out)], dim=1)
 
 
+def _committed(cv: Canvas, rows: torch.Tensor, e: int, gen_length: int, on_block: OnBlock | None) -> None:
+    """Hand each of `rows` its generated ids up to canvas index `e` (streaming; no-op without a hook)."""
+    if on_block is not None:
+        for b in rows.tolist():
+            g = int(cv.gen[b])
+            on_block(b, cv.x[b, g : min(e, g + gen_length)].tolist())
+
+
 @torch.no_grad()
 def generate_block(
     net: BlockNet,
@@ -239,6 +253,7 @@ def generate_block(
     stop_ids: frozenset[int],
     noise: RowNoise,
     word_pieces: frozenset[int] = frozenset(),
+    on_block: OnBlock | None = None,
 ) -> torch.Tensor:
     """LLaDA2's reference block decoding. prompt: (B, P) left-padded; returns (B, P + gen_length).
     word_pieces: the tokenizer's pieces that continue a word (for subword_min_p)."""
@@ -263,6 +278,7 @@ def generate_block(
             cv.x[rows, s:e] = commit_step(
                 block, [h[:, s:e] for h in hs], net, plan, k, mask_id, gens, answer, stop, pieces
             )
+        _committed(cv, rows, e, plan.blocks.gen_length, on_block)
         rows = rows[~finished(cv, rows, e, mask_id, stop)]
     return _result(cv, prompt, plan.blocks.gen_length, mask_id)
 
@@ -277,6 +293,7 @@ def generate_block_cached(
     stop_ids: frozenset[int],
     noise: RowNoise,
     word_pieces: frozenset[int] = frozenset(),
+    on_block: OnBlock | None = None,
 ) -> torch.Tensor:
     """Block decoding over an exact cache of committed blocks; rows leave at the step they finish."""
     cv = _canvas(prompt, prompt_mask, plan, mask_id)
@@ -299,6 +316,7 @@ def generate_block_cached(
             for v in views:
                 v.cache = _keep(v.cache, ~out, pending)
             rows = rows[~out]
+        active = rows
         for i in range(int(steps[rows, g].max()) if rows.numel() else 0):
             if rows.numel() == 0 or not (cv.x[rows, s:e] == mask_id).any():
                 break
@@ -321,6 +339,7 @@ def generate_block_cached(
                 for v in views:
                     v.cache = _keep(v.cache, ~done, pending)
                 rows = rows[~done]
+        _committed(cv, active, e, plan.blocks.gen_length, on_block)
         if rows.numel() == 0:
             break
     return _result(cv, prompt, plan.blocks.gen_length, mask_id)

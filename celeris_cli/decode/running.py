@@ -33,7 +33,7 @@ import torch
 
 from ..arch.kv import KVCache
 from ..params import Blocks
-from .block import BlockNet, BlockPlan, block_mask, commit_step
+from .block import BlockNet, BlockPlan, OnBlock, block_mask, commit_step
 from .sampling import stream_seed
 
 
@@ -130,7 +130,8 @@ class _Lane:
 class BlockScheduler:
     """Decodes `BlockRequest`s with at most `max_batch` rows in flight; `run` yields (key, generated ids,
     forwards) as each row finishes, in the order they finish. `refill` False runs static batches instead:
-    up to max_batch rows are admitted only once the running set is empty (the comparison `bench` makes)."""
+    up to max_batch rows are admitted only once the running set is empty (the comparison `bench` makes).
+    on_block(key, generated ids so far): called as each row's block is committed (streaming)."""
 
     def __init__(
         self,
@@ -142,9 +143,10 @@ class BlockScheduler:
         device: torch.device,
         word_pieces: frozenset[int] = frozenset(),
         refill: bool = True,
+        on_block: OnBlock | None = None,
     ) -> None:
         self.net, self.mask_id, self.pad_id, self.max_batch, self.device = net, mask_id, pad_id, max_batch, device
-        self.refill = refill
+        self.refill, self.on_block = refill, on_block
         self.stop = torch.tensor(sorted(stop_ids), device=device)
         self.pieces = torch.tensor(sorted(word_pieces), device=device, dtype=torch.long)
         self.lanes: dict[int, _Lane] = {}  # by block width
@@ -222,13 +224,13 @@ class BlockScheduler:
             r = rows[b]
             r.step += 1
             s, e = r.start, r.start + W
-            if self._finished(r, e):
+            finished, complete = self._finished(r, e), not (r.x[s:e] == self.mask_id).any()
+            if self.on_block is not None and (finished or complete):
+                self.on_block(r.req.key, r.x[r.gen : min(e, r.gen + r.req.plan.blocks.gen_length)].tolist())
+            if finished or (complete and e >= len(r.x)):
                 done.append(r)
-            elif not (r.x[s:e] == self.mask_id).any():
-                if e >= len(r.x):
-                    done.append(r)
-                else:
-                    r.storing = True
+            elif complete:
+                r.storing = True
         return done
 
     def _commit(self, rows: list[_Row], h: torch.Tensor, plan: BlockPlan) -> None:

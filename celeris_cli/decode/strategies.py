@@ -19,7 +19,7 @@ from ..arch.kv import KV, Cache
 from ..arch.layers import Model
 from ..errors import UsageError
 from ..params import STRATEGY_PARTS, GenerationParams
-from .block import BlockPlan, generate_block, generate_block_cached
+from .block import BlockPlan, OnBlock, generate_block, generate_block_cached
 from .dream import DreamPlan, generate_dream
 from .fast import FastPlan, generate_fast
 from .reference import ReferencePlan, generate_reference
@@ -177,10 +177,11 @@ def _block(
     params: GenerationParams,
     tokens: SpecialTokens,
     noise: RowNoise,
+    on_block: OnBlock | None = None,
 ) -> torch.Tensor:
     decode = generate_block_cached if params.strategy == "block-fast" else generate_block
     plan = _plan(BlockPlan, params)
-    return decode(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces)
+    return decode(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces, on_block)
 
 
 STRATEGIES: dict[str, Strategy] = {
@@ -190,6 +191,7 @@ STRATEGIES: dict[str, Strategy] = {
     "block": _block,
     "block-fast": _block,
 }
+BY_BLOCK = frozenset({"block", "block-fast"})  # the strategies that take an `on_block` hook (streaming)
 PLANS: dict[str, type] = {
     "reference": ReferencePlan,
     "fast": FastPlan,

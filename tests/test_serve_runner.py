@@ -1,0 +1,228 @@
+"""The runner under the routes: waiting rows decoded together and grouped by settings, a row whose client
+left dropped before decoding, a failing row failing alone, the block hook that streaming reads, and the
+concurrency limit and disconnects through the real app (in-process, on a loopback port). A tiny random
+block-causal model; a gate at the engine's decode_ids holds a batch while the test arranges the queue."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celeris_cli.engine import Engine, load_engine
+from celeris_cli.serve.runner import Runner
+from celeris_cli.spool.formats import Request
+
+from .conftest import make_model
+from .serve_helpers import free_port, wait_for
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path) -> Engine:
+    folder = make_model(tmp_path_factory.mktemp("block") / "m", tiny_tokenizer, block_causal=True)
+    return load_engine(folder, device="cpu", dtype="float32")
+
+
+class Gate:
+    """Wraps engine.decode_ids: records each batch's prompts, and holds every batch until released."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.real = engine.decode_ids
+        self.calls: list[list[list[int]]] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.fail_on: list[int] | None = None
+
+    def __call__(self, batch: Any, params: Any, seeds: Any = None, on_block: Any = None) -> Any:
+        self.calls.append([list(ids) for ids in batch])
+        self.started.set()
+        assert self.release.wait(60)
+        if self.fail_on is not None and self.fail_on in [list(ids) for ids in batch]:
+            raise RuntimeError("simulated out of memory")
+        return self.real(batch, params, seeds, on_block=on_block)
+
+
+@pytest.fixture()
+def gated(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Runner, Gate]]:
+    gate = Gate(engine)
+    monkeypatch.setattr(engine, "decode_ids", gate)
+    runner = Runner(engine, {"gen_length": 16, "temperature": 1.0}, max_batch=8)
+    yield runner, gate
+    gate.release.set()
+    runner.close()
+
+
+def req(prompt: str, **params: Any) -> Request:
+    return Request("r", 0, prompt=prompt, params={"seed": 1, **params})
+
+
+def test_waiting_rows_are_decoded_together_grouped_by_settings_and_answer_as_alone(
+    gated: tuple[Runner, Gate], engine: Engine
+) -> None:
+    runner, gate = gated
+    first = runner.submit([runner.prepare(req("The quick"))])
+    assert gate.started.wait(30)  # the worker holds the first batch; the rest wait together
+    same = [runner.prepare(req(p, seed=i)) for i, p in enumerate(["床前明月光，", "To be, or not", "白日依山尽，"])]
+    other = runner.prepare(req("The quick", block_steps=2))
+    futures = runner.submit([same[0], other, same[1], same[2]])
+    gate.release.set()
+    answers = [f.result(60) for f in first + futures]
+    assert [len(c) for c in gate.calls] == [1, 3, 1]  # the three of equal settings in one batch
+    assert answers[1].batch_size == 3 and answers[2].batch_size == 1
+    for prepared, answer in zip([same[0], other, same[1], same[2]], answers[1:]):
+        alone = runner.submit([prepared])[0].result(60)
+        assert alone.text == answer.text and alone.batch_size == 1
+
+
+def test_no_batch_holds_more_rows_than_the_batch_size(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate(engine)
+    monkeypatch.setattr(engine, "decode_ids", gate)
+    runner = Runner(engine, {"gen_length": 16}, max_batch=2)
+    try:
+        runner.submit([runner.prepare(req("The quick"))])
+        assert gate.started.wait(30)
+        futures = runner.submit([runner.prepare(req(p, seed=i)) for i, p in enumerate(["床前", "To be", "白日"])])
+        gate.release.set()
+        assert all(f.result(60).text is not None for f in futures)
+        assert [len(c) for c in gate.calls] == [1, 2, 1]
+    finally:
+        gate.release.set()
+        runner.close()
+
+
+def test_a_row_whose_client_left_is_dropped_before_decoding(gated: tuple[Runner, Gate]) -> None:
+    runner, gate = gated
+    runner.submit([runner.prepare(req("The quick"))])
+    assert gate.started.wait(30)
+    gone, kept = runner.submit([runner.prepare(req("床前明月光，")), runner.prepare(req("To be, or not"))])
+    assert gone.cancel()
+    gate.release.set()
+    assert kept.result(60).text is not None
+    decoded = [ids for call in gate.calls for ids in call]
+    assert runner.prepare(req("床前明月光，")).payload[1] not in decoded
+    assert runner.prepare(req("To be, or not")).payload[1] in decoded
+
+
+def test_a_row_that_fails_its_batch_fails_alone(gated: tuple[Runner, Gate]) -> None:
+    runner, gate = gated
+    bad = runner.prepare(req("床前明月光，"))
+    gate.fail_on = bad.payload[1]
+    futures = runner.submit([runner.prepare(req("The quick")), bad, runner.prepare(req("To be, or not"))])
+    gate.release.set()
+    assert futures[0].result(60).text is not None and futures[2].result(60).text is not None
+    with pytest.raises(RuntimeError, match="simulated"):
+        futures[1].result(60)
+
+
+@pytest.mark.parametrize("strategy", ["block", "block-fast"])
+def test_the_block_hook_sees_each_rows_committed_ids_grow_to_its_answer(engine: Engine, strategy: str) -> None:
+    params = engine.params({"strategy": strategy, "gen_length": 24, "temperature": 1.0, "seed": 4})
+    prompts = [engine.encode_prompt(p) for p in ["The quick", "床前明月光，疑是地上霜。"]]
+    seen: dict[int, list[list[int]]] = {0: [], 1: []}
+    hooked, _ = engine.decode_ids(prompts, params, [4, 5], on_block=lambda b, ids: seen[b].append(ids))
+    plain, _ = engine.decode_ids(prompts, params, [4, 5])
+    assert hooked == plain  # the hook only reads
+    for b in (0, 1):
+        grown = seen[b]
+        assert len(grown) > 1 and all(a == b_[: len(a)] and len(a) < len(b_) for a, b_ in zip(grown, grown[1:]))
+        assert grown[-1] == plain[b][: len(grown[-1])]
+        assert mask_free(grown, engine)
+
+
+def mask_free(grown: list[list[int]], engine: Engine) -> bool:
+    """Committed ids hold no mask before the row's first stop token."""
+    for ids in grown:
+        for t in ids:
+            if t in engine.special.stop_ids:
+                break
+            if t == engine.special.mask_id:
+                return False
+    return True
+
+
+# -- through the app: the concurrency limit and a client that disconnects --------------------------------
+@pytest.fixture()
+def app_server(gated: tuple[Runner, Gate]) -> Iterator[tuple[Any, str, Gate]]:
+    import uvicorn
+
+    from celeris_cli.serve.app import create_app
+    from celeris_cli.serve.settings import Keys, Limits
+    from celeris_cli.serve.state import ServeState
+
+    runner, gate = gated
+    state = ServeState(runner, "tiny", Limits(max_concurrent=2), Keys())
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, timeout=30)
+    yield state, f"http://127.0.0.1:{port}", gate
+    gate.release.set()
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def _post(url: str, body: bytes) -> tuple[int, Any]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    r = urllib.request.Request(url + "/v1/completions", data=body, method="POST")
+    try:
+        with urllib.request.urlopen(r, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_requests_over_the_concurrency_limit_get_429(app_server: tuple[Any, str, Gate]) -> None:
+    state, url, gate = app_server
+    results: list[int] = []
+    threads = [
+        threading.Thread(target=lambda p=p: results.append(_post(url, p)[0]))
+        for p in (b'{"prompt": "The quick"}', b'{"prompt": "To be"}')
+    ]
+    for t in threads:
+        t.start()
+    wait_for(lambda: state.in_flight == 2, timeout=30)
+    status, body = _post(url, b'{"prompt": "one too many"}')
+    assert status == 429 and body["error"]["type"] == "rate_limit_error"
+    gate.release.set()
+    for t in threads:
+        t.join()
+    assert results == [200, 200]
+
+
+def test_a_client_that_disconnects_frees_its_row(app_server: tuple[Any, str, Gate], engine: Engine) -> None:
+    state, url, gate = app_server
+    first = threading.Thread(target=lambda: _post(url, b'{"prompt": "The quick"}'))
+    first.start()
+    assert gate.started.wait(30)
+    port = int(url.rsplit(":", 1)[1])
+    body = b'{"prompt": "To be, or not"}'
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+        s.sendall(b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(lambda: state.in_flight == 2, timeout=30)
+    wait_for(lambda: state.metrics.dropped._value.get() == 1, timeout=30)
+    gate.release.set()
+    first.join()
+    time.sleep(0.2)
+    decoded = [ids for call in gate.calls for ids in call]
+    assert engine.encode_prompt("To be, or not") not in decoded
+    wait_for(lambda: state.in_flight == 0, timeout=30)
+
+
+def test_streamed_text_holds_back_what_a_stop_string_or_a_split_character_could_still_change() -> None:
+    from celeris_cli.serve.completions import held_back
+
+    assert held_back("Hello, wor", ()) == "Hello, wor"
+    assert held_back("Hello, wor", ("world!",)) == "Hello"  # "wor" + later "ld!" may still be cut
+    assert held_back("Hello", ("\n\n", "END")) == "Hel"
+    assert held_back("abc\ufffd\ufffd", ()) == "abc"  # bytes of a character not yet whole
+    assert held_back("ab", ("longer stop",)) == ""
