@@ -202,6 +202,10 @@ class DiffusionLM(nn.Module):
     def set_upcast(self, on: bool) -> None:
         self.upcast = on
 
+    def optional_tensors(self) -> frozenset[str]:
+        """Tensors a saved folder may carry or not: the LM head where it is tied to the embedding."""
+        return frozenset({"lm_head.weight"}) if getattr(self.cfg, "tie_word_embeddings", False) else frozenset()
+
     def hidden(
         self,
         ids: torch.Tensor,
