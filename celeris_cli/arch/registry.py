@@ -66,6 +66,8 @@ class Architecture:
 
 
 _BLOCK = ("block-fast", "block")
+# SDAR's own generate.py: block 4, 4 denoising steps per block, low_confidence_dynamic at 0.85
+_SDAR_GENERATE = {"block_length": 4, "block_steps": 4, "threshold": 0.85}
 _ENTRIES = (
     Architecture(
         name="llada",
@@ -107,6 +109,26 @@ _ENTRIES = (
         attention="block-causal",
         strategies=_BLOCK,
         defaults={"block_length": 32, "block_steps": 32, "threshold": 0.95},  # LLaDA2's own generate() defaults
+    ),
+    Architecture(
+        name="sdar",
+        classes=("SDARForCausalLM",),
+        model_types=("sdar",),
+        module="sdar",
+        layout="Qwen3 (q/k norm per head)",
+        attention="block-causal",
+        strategies=_BLOCK,
+        defaults=_SDAR_GENERATE,
+    ),
+    Architecture(
+        name="sdar_moe",
+        classes=("SDARMoeForCausalLM",),
+        model_types=("sdar_moe",),
+        module="sdar",
+        layout="Qwen3-MoE (q/k norm per head, softmax router)",
+        attention="block-causal",
+        strategies=_BLOCK,
+        defaults=_SDAR_GENERATE,
     ),
 )
 

@@ -30,7 +30,7 @@ class _Backend(Protocol):
 # End-of-turn tokens of the chat formats in use, for folders whose config.json does not name one
 # (LLaDA-8B-Instruct's config has no eot id; its tokenizer has <|eot_id|>).
 END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|role_end|>", "<|end|>")
-MASKS = ("<|mask|>", "<|mdm_mask|>", "[MASK]")  # for folders whose config.json names no mask id
+MASKS = ("<|mask|>", "<|MASK|>", "<|mdm_mask|>", "[MASK]")  # for folders whose config.json names no mask id
 LETTERS = re.compile(r"[A-Za-z]+")
 STARTED = re.compile(r"[▁Ġ][A-Za-z]+")  # a word's first piece, as sentencepiece and byte-level BPE mark it
 CONTINUED = re.compile(r"##[A-Za-z]+")  # WordPiece marks the pieces after a word's first instead
@@ -244,6 +244,9 @@ def load_tokenizer(folder: Path, cfg: ArchConfig) -> Tokenizer:
         if not isinstance(settings, dict):
             raise ModelError(f"{tc}: expected a JSON object")
     template = settings.get("chat_template")
+    jinja = folder / "chat_template.jinja"  # where transformers >= 4.50 saves it, in place of the key
+    if jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
     backend: _Backend
     if (folder / "tokenizer.model").is_file():
         backend = _SentencePiece(folder / "tokenizer.model")
