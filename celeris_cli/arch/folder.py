@@ -57,9 +57,12 @@ class ModelFolder:
         if not (path / CONFIG).is_file():
             raise ModelError(f"{path} is not a model folder: {CONFIG} is missing")
         config = _read_json(path / CONFIG)
+        arch = architecture_of(config, path / CONFIG)
         gen = path / GENERATION_CONFIG
-        generation = _read_json(gen) if gen.is_file() else {}
-        return cls(path, config, generation, architecture_of(config, path / CONFIG))
+        generation = _read_json(gen) if gen.is_file() and arch.generation_config else {}
+        if gen.is_file() and not arch.generation_config:
+            log.info("%s: not read (%s's own code never reads it)", gen, arch.name)
+        return cls(path, config, generation, arch)
 
     @functools.cached_property
     def cfg(self) -> ArchConfig:

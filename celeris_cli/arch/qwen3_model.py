@@ -28,7 +28,7 @@ class Qwen3Config:
     num_hidden_layers: int
     num_attention_heads: int
     vocab_size: int
-    eos_token_id: int
+    eos_token_id: int | None = None  # required but for CoDA's, whose tokenizer names it
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     max_position_embeddings: int = 32768
@@ -95,8 +95,8 @@ class Qwen3Config:
         )
 
     @classmethod
-    def read(cls, raw: dict[str, Any], model_type: str, **defaults: Any) -> Any:
-        """A family's config: Qwen3's keys, its own `model_type`, and its special ids' defaults."""
+    def read(cls, raw: dict[str, Any], model_type: str, required: tuple[str, ...] = ("eos_token_id",)) -> Any:
+        """A family's config: Qwen3's keys (those in `required` too) and its own `model_type`."""
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelError(f"config.json: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
         for key in ("rope_scaling", "use_sliding_window"):
@@ -106,12 +106,12 @@ class Qwen3Config:
         if any(t != "full_attention" for t in layer_types):
             kinds = sorted(set(layer_types))
             raise ModelError(f"config.json: layer_types {kinds} are not supported (only full_attention)")
-        kwargs = read_fields(cls, raw, REQUIRED + ("eos_token_id",))
+        kwargs = read_fields(cls, raw, REQUIRED + required)
         only = kwargs.get("mlp_only_layers", ())
         if not isinstance(only, (list, tuple)) or not all(isinstance(i, int) for i in only):
             raise ModelError(f"config.json: mlp_only_layers must be a list of layer numbers, got {only!r}")
         kwargs["mlp_only_layers"] = tuple(only)
-        return cls(**{**defaults, **kwargs, "model_type": model_type})
+        return cls(**{**kwargs, "model_type": model_type})
 
 
 class Qwen3DiffusionLM(DiffusionLM):

@@ -32,6 +32,7 @@ class Architecture:
     strategies: tuple[str, ...]  # supported decoding strategies, the default first
     defaults: Mapping[str, Any] = field(default_factory=dict, hash=False)  # under generation_config.json
     when: Mapping[str, Any] = field(default_factory=dict, hash=False)  # config.json keys telling a variant
+    generation_config: bool = True  # False: the family's code never reads its generation_config.json
 
     @property
     def default_strategy(self) -> str:
@@ -66,6 +67,7 @@ class Architecture:
 
 
 _BLOCK = ("block-fast", "block")
+_DREAM = ("dream", "fast", "reference")  # Dream-style families: their own algorithm first
 # SDAR's own generate.py: block 4, 4 denoising steps per block, low_confidence_dynamic at 0.85
 _SDAR_GENERATE = {"block_length": 4, "block_steps": 4, "threshold": 0.85}
 _ENTRIES = (
@@ -109,6 +111,25 @@ _ENTRIES = (
         attention="block-causal",
         strategies=_BLOCK,
         defaults={"block_length": 32, "block_steps": 32, "threshold": 0.95},  # LLaDA2's own generate() defaults
+    ),
+    Architecture(
+        name="llada_moe",
+        classes=("LLaDAMoEModelLM",),
+        model_types=("lladamoe",),  # its config class's; the configs it saves say "llada"
+        module="llada_moe",
+        layout="OLMoE (q/k norm per head, softmax router)",
+        attention="bidirectional",
+        strategies=("fast", "reference"),
+    ),
+    Architecture(
+        name="coda",
+        classes=("CoDALanguageModel",),
+        model_types=("CoDA",),
+        module="coda",
+        layout="Qwen3 (q/k norm per head)",
+        attention="bidirectional",
+        strategies=_DREAM,
+        generation_config=False,
     ),
     Architecture(
         name="sdar",

@@ -138,7 +138,11 @@ class _Qwen2BPE(_HFTokenizer):
 
 
 class Tokenizer:
-    def __init__(self, backend: _Backend, cfg: ArchConfig, chat_template: str | None, folder: Path) -> None:
+    def __init__(
+        self, backend: _Backend, cfg: ArchConfig, chat_template: str | None, folder: Path, eos_piece: str | None = None
+    ) -> None:
+        """eos_piece: the tokenizer's own end-of-sequence token (tokenizer_config.json), for a config.json
+        that names no eos_token_id (CoDA's)."""
         self.backend = backend
         self.chat_template = chat_template
         mask_id = cfg.mask_token_id
@@ -147,11 +151,14 @@ class Tokenizer:
             if mask_id is None:
                 raise ModelError(f"{folder}: config.json has no mask_token_id and the tokenizer no mask token")
         self.mask_id: int = mask_id
-        self.eos_id = cfg.eos_token_id
+        eos_id = cfg.eos_token_id if cfg.eos_token_id is not None else backend.find(eos_piece or "")
+        if eos_id is None:
+            raise ModelError(f"{folder}: config.json has no eos_token_id and the tokenizer no eos_token")
+        self.eos_id: int = eos_id
         self.eot_id = cfg.eot_token_id
         if self.eot_id is None:
             self.eot_id = next((i for i in map(backend.find, END_OF_TURN) if i is not None), None)
-        self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
+        self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_id
         self.bos_id = cfg.bos_token_id
         self.stop_ids = frozenset(i for i in (self.eos_id, self.eot_id) if i is not None)
         size = backend.size()
@@ -259,4 +266,12 @@ def load_tokenizer(folder: Path, cfg: ArchConfig) -> Tokenizer:
         backend = _Qwen2BPE(folder, added)
     else:
         raise ModelError(f"{folder} is incomplete: no tokenizer.model, tokenizer.json or vocab.json + merges.txt")
-    return Tokenizer(backend, cfg, template if isinstance(template, str) else None, folder)
+    eos = settings.get("eos_token")
+    eos_piece = eos.get("content") if isinstance(eos, dict) else eos
+    return Tokenizer(
+        backend,
+        cfg,
+        template if isinstance(template, str) else None,
+        folder,
+        eos_piece if isinstance(eos_piece, str) else None,
+    )
