@@ -26,6 +26,7 @@ DATA = Path(__file__).parent / "data" / "sdar"
 FOLDER = DATA / "sdar_tiny"
 REF = json.loads((DATA / "sdar_reference.json").read_text(encoding="utf-8"))
 CASES = REF["generate"]["cases"]
+MASK = REF["ids"]["mask"]
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +89,11 @@ def through_stop(ids: list[int], stops: frozenset[int]) -> list[int]:
     return ids if cut is None else ids[: cut + 1]
 
 
-def _rewrites(case: dict[str, Any]) -> bool:
+def rewrites(case: dict[str, Any], mask: int) -> bool:
     """Whether some step of generate.py scheduled more commits than its block had masked positions: its
     top-k then picks (and rewrites) already-decided positions, the prompt's own tokens included, where
     Celeris commits masked positions only (see docs/models.md). Read from the case's forward trace."""
-    kw, mask = case["generate_kwargs"], REF["ids"]["mask"]
+    kw = case["generate_kwargs"]
     W, steps = kw["block_length"], kw["denoising_steps"]
     k = [W // steps + (1 if i < W % steps else 0) for i in range(steps)]
     step, start = 0, None
@@ -107,21 +108,21 @@ def _rewrites(case: dict[str, Any]) -> bool:
     return False
 
 
-def _expressible(case: dict[str, Any]) -> bool:
-    """generate.py's `sequential` rule (leftmost first) has no Celeris ordering; see `_rewrites`."""
-    return case["generate_kwargs"]["remasking_strategy"] != "sequential" and not _rewrites(case)
+def expressible(case: dict[str, Any], mask: int) -> bool:
+    """generate.py's `sequential` rule (leftmost first) has no Celeris ordering; see `rewrites`."""
+    return case["generate_kwargs"]["remasking_strategy"] != "sequential" and not rewrites(case, mask)
 
 
 def test_the_cases_left_out_are_the_ones_generate_py_rewrites_in() -> None:
     """The parity cases cover every setting but `sequential`; the rewriting quirk is found by the trace."""
-    assert any(_rewrites(c) for c in CASES if c["prompt_rewritten"])
-    kept = {c["setting"] for c in CASES if _expressible(c)}
+    assert any(rewrites(c, MASK) for c in CASES if c["prompt_rewritten"])
+    kept = {c["setting"] for c in CASES if expressible(c, MASK)}
     assert kept == {c["setting"] for c in CASES} - {"b4_s4_sequential"}, kept
 
 
 @pytest.mark.parametrize("strategy", ["block-fast", "block"])
 @pytest.mark.parametrize(
-    "case", [c for c in CASES if _expressible(c)], ids=lambda c: f"{c['prompt']}-{c['setting']}-{c['stop']}"
+    "case", [c for c in CASES if expressible(c, MASK)], ids=lambda c: f"{c['prompt']}-{c['setting']}-{c['stop']}"
 )
 def test_greedy_generation_equals_sdar_generate(engine, case, strategy) -> None:  # type: ignore[no-untyped-def]
     kw = case["generate_kwargs"]
