@@ -30,6 +30,9 @@ class _Backend(Protocol):
 # End-of-turn tokens of the chat formats in use, for folders whose config.json does not name one
 # (LLaDA-8B-Instruct's config has no eot id; its tokenizer has <|eot_id|>).
 END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|role_end|>", "<|end|>")
+# padding a family trains its answers to end in (DiffuCoder's runs of <|dlm_pad|> after the answer): its own
+# code cuts the output at the first one, so it is a stop token
+PAD_STOPS = ("<|dlm_pad|>",)
 MASKS = ("<|mask|>", "<|MASK|>", "<|mdm_mask|>", "[MASK]")  # for folders whose config.json names no mask id
 LETTERS = re.compile(r"[A-Za-z]+")
 STARTED = re.compile(r"[▁Ġ][A-Za-z]+")  # a word's first piece, as sentencepiece and byte-level BPE mark it
@@ -160,7 +163,8 @@ class Tokenizer:
             self.eot_id = next((i for i in map(backend.find, END_OF_TURN) if i is not None), None)
         self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_id
         self.bos_id = cfg.bos_token_id
-        self.stop_ids = frozenset(i for i in (self.eos_id, self.eot_id) if i is not None)
+        pads = [backend.find(p) for p in PAD_STOPS]
+        self.stop_ids = frozenset(i for i in (self.eos_id, self.eot_id, *pads) if i is not None)
         size = backend.size()
         if size > cfg.rows:
             raise ModelError(
