@@ -132,6 +132,15 @@ _ENTRIES = (
         generation_config=False,
     ),
     Architecture(
+        name="rnd1",
+        classes=("RND1LM",),
+        model_types=("rnd1",),
+        module="rnd1",
+        layout="Qwen3-MoE (q/k norm per head, softmax router)",
+        attention="bidirectional",
+        strategies=_DREAM,
+    ),
+    Architecture(
         name="sdar",
         classes=("SDARForCausalLM",),
         model_types=("sdar",),

@@ -171,14 +171,16 @@ class Tokenizer:
                 f"{folder}: tokenizer has {size} tokens but the model's embedding has {cfg.rows} "
                 "rows; the tokenizer does not belong to this model"
             )
+        # RND1's mask is the row after the tokenizer's last token: no piece to check it by
+        outside = getattr(cfg, "mask_outside_tokenizer", False) and size <= self.mask_id < cfg.rows
         for name, i in (("mask_token_id", self.mask_id), ("eos_token_id", self.eos_id)):
-            if i >= size:
+            if i >= size and not (outside and name == "mask_token_id"):
                 raise ModelError(
                     f"{folder}: config.json {name}={i} is not in the tokenizer ({size} tokens); "
                     "the tokenizer does not match the config"
                 )
         mask_piece = backend.piece(self.mask_id) or ""
-        if "mask" not in mask_piece.lower():
+        if "mask" not in mask_piece.lower() and not outside:
             raise ModelError(
                 f"{folder}: config.json mask_token_id={self.mask_id} is {mask_piece!r} in the "
                 "tokenizer, not a mask token; the tokenizer does not match the config"
