@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -97,32 +94,3 @@ def save_model(model: LLaDAModel, folder: Path, max_shard_bytes: int | None = No
     (folder / INDEX).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2), encoding="utf-8"
     )
-
-
-def describe(folder: Path) -> dict[str, Any]:
-    """A model folder's facts, from config.json, the safetensors headers and the tokenizer; no weight is
-    read, so it answers at once even for a large checkpoint."""
-    mf = ModelFolder.open(folder)
-    arch, cfg = mf.arch, mf.cfg
-    tok = mf.tokenizer()
-    params, dtypes = 0, Counter[str]()
-    for f in mf.weight_files:
-        for entry in read_header(f)[0].values():
-            n = math.prod(shape_of(entry))
-            params += n
-            dtypes[str(entry.get("dtype"))] += n
-    defaults, extra_stops = mf.defaults(), mf.extra_stops
-    special = {"mask": tok.mask_id, "eos": tok.eos_id, "end_of_turn": tok.eot_id, "pad": tok.pad_id, "bos": tok.bos_id}
-    return {
-        "folder": str(folder),
-        "architecture": f"{arch.name} (model_type {cfg.model_type!r})",
-        "parameters": f"{params:,}",
-        "weights": {k: f"{v:,}" for k, v in dtypes.most_common()},
-        "special_ids": {k: (f"{v} {tok.backend.piece(v)!r}" if v is not None else "none") for k, v in special.items()},
-        "stop_ids": sorted(tok.stop_ids | extra_stops),
-        "vocabulary": f"{tok.backend.size():,} tokens, {cfg.rows:,} embedding rows",
-        "context": cfg.max_sequence_length,
-        "chat_template": "yes" if tok.chat_template else "no",
-        "strategies": ", ".join(arch.strategies) + f" (default {defaults.strategy})",
-        "logit_shift": "yes (position j-1 predicts j)" if arch.model_class.logit_shift else "no",
-    }
