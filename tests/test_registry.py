@@ -61,3 +61,15 @@ def test_the_folder_reads_its_generation_config_once_with_its_stops_and_presets(
     (folder / "generation_config.json").write_text(json.dumps({"by_script": {"klingon": {}}}))
     with pytest.raises(ModelError, match="generation_config.json: by_script: unknown script"):
         ModelFolder.open(folder).by_script()
+
+
+def test_the_random_moe_checkpoint_bench_loads_is_an_sdar_moe_of_experts() -> None:
+    import torch
+
+    from celeris_cli.measure.loading import _moe
+
+    with torch.device("meta"):
+        raw, model = _moe(2)
+    params = {k: v.numel() for k, v in model.state_dict().items()}
+    experts = sum(n for k, n in params.items() if ".experts." in k)
+    assert architecture_of(raw).name == "sdar_moe" and experts > 0.8 * sum(params.values())
