@@ -6,7 +6,6 @@ delegated to the pure functions in `decoding` (and `fast`), chosen by name.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -17,10 +16,11 @@ from typing import Any, Literal
 
 import torch
 
-from .arch.checkpoint import load_model, read_folder
+from .arch.checkpoint import load_model
+from .arch.folder import CONFIG, GENERATION_CONFIG, ModelFolder
 from .arch.layers import Model
 from .arch.registry import ARCHITECTURES, Architecture
-from .arch.tokenizer import Tokenizer, load_tokenizer
+from .arch.tokenizer import Tokenizer
 from .decode.running import BlockRequest, BlockScheduler, Occupancy, supports
 from .decode.sampling import RowNoise, request_seed
 from .decode.strategies import BY_BLOCK, Net, OnBlock, SpecialTokens, get_strategy, plan_of
@@ -31,20 +31,19 @@ from .params import GenerationParams, model_layer, script_layers, script_of
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "celeris-block"
-GENERATION_CONFIG = "generation_config.json"  # the model's own default settings
 Scheduling = Literal["continuous", "static"]
 
 
 def embedded_models() -> dict[str, Path]:
     """The models shipped inside the package, by name."""
     root = Path(str(resources.files("celeris_cli"))) / "models"
-    return {p.name: p for p in sorted(root.iterdir()) if (p / "config.json").is_file()} if root.is_dir() else {}
+    return {p.name: p for p in sorted(root.iterdir()) if (p / CONFIG).is_file()} if root.is_dir() else {}
 
 
 def default_model_dir() -> Path:
     """The embedded model shipped inside the package."""
     path = Path(str(resources.files("celeris_cli"))) / "models" / DEFAULT_MODEL
-    if not (path / "config.json").is_file():
+    if not (path / CONFIG).is_file():
         raise ModelError(f"the embedded model is not installed ({path}); pass --model FOLDER")
     return path
 
@@ -91,18 +90,22 @@ class Engine:
         tokenizer: Tokenizer,
         device: torch.device,
         dtype: torch.dtype,
-        model_dir: Path | None = None,
-        arch: Architecture = ARCHITECTURES[0],
+        model_dir: ModelFolder | Path | None = None,
+        arch: Architecture | None = None,
     ) -> None:
+        """model_dir: the folder the model came from (its generation_config.json gives the defaults); without
+        one, the defaults are the built-in ones under `arch`'s (default: LLaDA's)."""
+        folder = ModelFolder.open(model_dir) if isinstance(model_dir, Path) else model_dir
         self.model = model
-        self.arch = arch
+        self.arch = arch or (folder.arch if folder is not None else ARCHITECTURES["llada"])
         self.tokenizer = tokenizer
         self.device = device
         self.dtype = dtype
-        self.model_dir = model_dir
+        self.model_dir = folder.path if folder is not None else None
         self.max_length = model.cfg.max_sequence_length
-        self.defaults, extra_stops = read_generation_config(model_dir, arch)
-        self.by_script = read_script_layers(model_dir)
+        self.defaults = folder.defaults() if folder else GenerationParams.defaults_from(self.arch.layer())
+        self.by_script = folder.by_script() if folder else {}
+        extra_stops = folder.extra_stops if folder else frozenset()
         outside = sorted(i for i in extra_stops if i >= model.cfg.rows)
         if outside:
             raise ModelError(f"{GENERATION_CONFIG}: eos_token_id {outside[0]} is outside the embedding table")
@@ -403,39 +406,8 @@ def load_engine(
     folder = model_dir(model)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    arch, cfg = read_folder(folder)
-    tok = load_tokenizer(folder, cfg)  # a mismatched tokenizer fails before the weights are read
-    m: Model = load_model(folder, dev, dt)  # type: ignore[assignment]
-    log.info("loaded %s (%s) on %s (%s)", folder, arch.name, dev, dt)
-    return Engine(m, tok, dev, dt, folder, arch)
-
-
-def read_script_layers(model_dir: Path | None) -> dict[str, dict[str, Any]]:
-    """The model folder's settings per script of the prompt (`by_script` in its generation_config.json)."""
-    path = model_dir / GENERATION_CONFIG if model_dir is not None else None
-    if path is None or not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        return script_layers(raw) if isinstance(raw, dict) else {}
-    except (json.JSONDecodeError, UnicodeDecodeError, UsageError) as e:
-        raise ModelError(f"{path}: {e}") from None
-
-
-def read_generation_config(model_dir: Path | None, arch: Architecture) -> tuple[GenerationParams, frozenset[int]]:
-    """The model folder's layer of settings over the built-in defaults and the architecture's own (its
-    default strategy first), and any extra stop ids. Accepts both Celeris's own keys and the file
-    `transformers` writes; keys neither knows are ignored (logged)."""
-    path = model_dir / GENERATION_CONFIG if model_dir is not None else None
-    if path is None or not path.is_file():
-        return GenerationParams.defaults_from(arch.layer()), frozenset()
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(raw, dict):
-            raise UsageError("expected a JSON object")
-        settings, stops, ignored = model_layer(raw)
-        if ignored:
-            log.debug("%s: ignoring %s", path, ", ".join(ignored))
-        return GenerationParams.defaults_from(arch.layer(), settings), stops
-    except (json.JSONDecodeError, UnicodeDecodeError, UsageError) as e:
-        raise ModelError(f"{path}: {e}") from None
+    mf = ModelFolder.open(folder)
+    tok = mf.tokenizer()  # a mismatched tokenizer fails before the weights are read
+    m: Model = load_model(mf, dev, dt)  # type: ignore[assignment]
+    log.info("loaded %s (%s) on %s (%s)", folder, mf.arch.name, dev, dt)
+    return Engine(m, tok, dev, dt, mf)

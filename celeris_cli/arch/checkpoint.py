@@ -10,76 +10,38 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import ModelError
+from .folder import INDEX, SINGLE, ModelFolder
 from .layers import ArchConfig
 from .llada import LLaDAModel
-from .registry import Architecture, read_arch_config
+from .registry import Architecture
 from .safetensors_io import read_header, read_tensors, shape_of
 
 log = logging.getLogger(__name__)
 
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-
-
-def read_config(folder: Path) -> ArchConfig:
-    return read_folder(folder)[1]
-
 
 def read_folder(folder: Path) -> tuple[Architecture, ArchConfig]:
     """The architecture config.json names, and its config."""
-    folder = Path(folder)
-    path = folder / "config.json"
-    if not folder.is_dir():
-        raise ModelError(f"model folder not found: {folder}")
-    if not path.is_file():
-        raise ModelError(f"{folder} is not a model folder: config.json is missing")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ModelError(f"{path}: expected a JSON object")
-    return read_arch_config(raw, path)
+    f = ModelFolder.open(folder)
+    return f.arch, f.cfg
 
 
-def weight_files(folder: Path) -> list[Path]:
-    if (folder / SINGLE).is_file():
-        return [folder / SINGLE]
-    index = folder / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ModelError(f"{index}: not a safetensors index ({e})") from None
-        files = [folder / name for name in dict.fromkeys(weight_map.values())]
-        absent = [f.name for f in files if not f.is_file()]
-        if absent:
-            raise ModelError(f"{folder} is incomplete: missing shard(s) {', '.join(absent)}")
-        return files
-    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
-        raise ModelError(f"{folder}: only safetensors weights are loaded (pickle files are never read)")
-    raise ModelError(f"{folder} is incomplete: no {SINGLE} or {INDEX}")
-
-
-def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_model(
+    folder: Path | ModelFolder, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """The folder's model on `device` in `dtype` (floating tensors), in eval mode. Each tensor is read
     from disk into its own memory and cast there, so the peak stays near the loaded weights."""
-    folder = Path(folder)
-    arch, cfg = read_folder(folder)
-    files = weight_files(folder)
+    mf = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder)
+    folder, files = mf.path, mf.weight_files
     with torch.device("meta"):
-        model = arch.build(cfg)
+        model = mf.arch.build(mf.cfg)
     expected = dict(model.state_dict())
-    optional = arch.optional(cfg)
+    optional = model.optional_tensors()
     state: dict[str, torch.Tensor] = {}
     for f in files:
         header, _ = read_header(f)
@@ -132,35 +94,3 @@ def save_model(model: LLaDAModel, folder: Path, max_shard_bytes: int | None = No
     (folder / INDEX).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2), encoding="utf-8"
     )
-
-
-def describe(folder: Path) -> dict[str, Any]:
-    """A model folder's facts, from config.json, the safetensors headers and the tokenizer; no weight is
-    read, so it answers at once even for a large checkpoint."""
-    from ..engine import read_generation_config
-    from .tokenizer import load_tokenizer
-
-    folder = Path(folder)
-    arch, cfg = read_folder(folder)
-    tok = load_tokenizer(folder, cfg)
-    params, dtypes = 0, Counter[str]()
-    for f in weight_files(folder):
-        for entry in read_header(f)[0].values():
-            n = math.prod(shape_of(entry))
-            params += n
-            dtypes[str(entry.get("dtype"))] += n
-    defaults, extra_stops = read_generation_config(folder, arch)
-    special = {"mask": tok.mask_id, "eos": tok.eos_id, "end_of_turn": tok.eot_id, "pad": tok.pad_id, "bos": tok.bos_id}
-    return {
-        "folder": str(folder),
-        "architecture": f"{arch.name} (model_type {cfg.model_type!r})",
-        "parameters": f"{params:,}",
-        "weights": {k: f"{v:,}" for k, v in dtypes.most_common()},
-        "special_ids": {k: (f"{v} {tok.backend.piece(v)!r}" if v is not None else "none") for k, v in special.items()},
-        "stop_ids": sorted(tok.stop_ids | extra_stops),
-        "vocabulary": f"{tok.backend.size():,} tokens, {cfg.rows:,} embedding rows",
-        "context": cfg.max_sequence_length,
-        "chat_template": "yes" if tok.chat_template else "no",
-        "strategies": ", ".join(arch.strategies) + f" (default {defaults.strategy})",
-        "logit_shift": "yes (position j-1 predicts j)" if getattr(arch.build, "logit_shift", 0) else "no",
-    }

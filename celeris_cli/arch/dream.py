@@ -167,3 +167,7 @@ class DreamModel(DiffusionLM):
 
     def rope_dims(self) -> tuple[int, float]:
         return self.cfg.head_dim, self.cfg.rope_theta
+
+
+CONFIG = DreamConfig
+MODEL = DreamModel

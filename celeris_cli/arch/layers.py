@@ -27,7 +27,7 @@ class ArchConfig(Protocol):
     @property
     def mask_token_id(self) -> int | None: ...
     @property
-    def eos_token_id(self) -> int: ...
+    def eos_token_id(self) -> int | None: ...  # None: the tokenizer's eos_token
     @property
     def pad_token_id(self) -> int | None: ...
     @property
@@ -204,6 +204,10 @@ class DiffusionLM(nn.Module):
 
     def set_upcast(self, on: bool) -> None:
         self.upcast = on
+
+    def optional_tensors(self) -> frozenset[str]:
+        """Tensors a saved folder may carry or not: the LM head where it is tied to the embedding."""
+        return frozenset({"lm_head.weight"}) if getattr(self.cfg, "tie_word_embeddings", False) else frozenset()
 
     def hidden(
         self,

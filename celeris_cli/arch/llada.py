@@ -228,3 +228,7 @@ class LLaDAModel(DiffusionLM):
 
     def rope_dims(self) -> tuple[int, float]:
         return self.cfg.head_dim, self.cfg.rope_theta
+
+
+CONFIG = ModelConfig
+MODEL = LLaDAModel

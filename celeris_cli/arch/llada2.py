@@ -266,3 +266,7 @@ class LLaDA2MoeModel(DiffusionLM):
 
     def rope_dims(self) -> tuple[int, float]:
         return self.cfg.rot_dim, self.cfg.rope_theta
+
+
+CONFIG = LLaDA2Config
+MODEL = LLaDA2MoeModel

@@ -1,37 +1,38 @@
-"""The architecture registry: a model folder's config.json (`model_type`, else `architectures`) chooses one.
+"""The architecture registry: which family a model folder's config.json names, as data.
 
-Each architecture is a module of its own (its config keys, tensor names and special ids); adding a family
-means adding that module and one entry here. `strategies` lists the decoding strategies it supports, the
-first being its default.
+An architecture is chosen by the classes config.json lists under `architectures` first, and by its
+`model_type` only where it lists none (our own folders): several families share a model_type (LLaDA-MoE says
+"llada", as LLaDA-8B does), so a model_type alone never overrides a class. A variant of a family (LLaDA
+trained block-causal) is told by config.json keys (`when`). Adding a family means adding its module (a
+`CONFIG` with `from_dict` and a `MODEL`) and one entry here. This module does not import torch: the family's
+module is imported when its config is read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from torch import nn
+from typing import Any, Literal
 
 from ..errors import ModelError, UsageError
-from .dream import DreamConfig, DreamModel
-from .layers import ArchConfig
-from .llada import LLaDAModel, ModelConfig
-from .llada2 import LLaDA2Config, LLaDA2MoeModel
+
+Attention = Literal["bidirectional", "block-causal"]
 
 
 @dataclass(frozen=True)
 class Architecture:
     name: str
-    model_types: tuple[str, ...]  # config.json "model_type"
-    classes: tuple[str, ...]  # config.json "architectures"
-    read_config: Callable[[dict[str, Any]], Any]
-    build: Callable[[Any], nn.Module]
+    classes: tuple[str, ...]  # config.json "architectures" naming it
+    model_types: tuple[str, ...]  # config.json "model_type", read where "architectures" is absent
+    module: str  # celeris_cli.arch.<module>: its CONFIG (with from_dict) and MODEL
+    layout: str  # the tensor layout, in words (for `celeris inspect`)
+    attention: Attention
     strategies: tuple[str, ...]  # supported decoding strategies, the default first
-    optional: Callable[[Any], frozenset[str]] = lambda cfg: frozenset()  # tensors a folder may carry or not
-    defaults: tuple[tuple[str, Any], ...] = ()  # settings under the folder's generation_config.json
-    when: Callable[[dict[str, Any]], bool] = lambda raw: True  # a variant of a model_type, told by its config
+    defaults: Mapping[str, Any] = field(default_factory=dict, hash=False)  # under generation_config.json
+    when: Mapping[str, Any] = field(default_factory=dict, hash=False)  # config.json keys telling a variant
+    generation_config: bool = True  # False: the family's code never reads its generation_config.json
 
     @property
     def default_strategy(self) -> str:
@@ -39,7 +40,7 @@ class Architecture:
 
     def layer(self) -> dict[str, Any]:
         """The architecture's own defaults, under its folders' generation_config.json."""
-        return {"strategy": self.default_strategy, **dict(self.defaults)}
+        return {"strategy": self.default_strategy, **self.defaults}
 
     def check_strategy(self, strategy: str) -> None:
         if strategy not in self.strategies:
@@ -48,79 +49,151 @@ class Architecture:
                 f"(it supports {', '.join(self.strategies)})"
             )
 
+    def _module(self) -> Any:
+        return importlib.import_module(f"{__package__}.{self.module}")
 
-def _tied_head(cfg: Any) -> frozenset[str]:
-    return frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset()
+    def read_config(self, raw: dict[str, Any]) -> Any:
+        return self._module().CONFIG.from_dict(raw)
+
+    @property
+    def model_class(self) -> Any:
+        return self._module().MODEL
+
+    def build(self, cfg: Any) -> Any:
+        return self.model_class(cfg)
+
+    def matches(self, raw: Mapping[str, Any]) -> bool:
+        return all(raw.get(k) == v for k, v in self.when.items())
 
 
-def _block_causal(raw: dict[str, Any]) -> bool:
-    return raw.get("block_causal") is True
-
-
-ARCHITECTURES: tuple[Architecture, ...] = (
+_BLOCK = ("block-fast", "block")
+_DREAM = ("dream", "fast", "reference")  # Dream-style families: their own algorithm first
+# SDAR's own generate.py: block 4, 4 denoising steps per block, low_confidence_dynamic at 0.85
+_SDAR_GENERATE = {"block_length": 4, "block_steps": 4, "threshold": 0.85}
+_ENTRIES = (
     Architecture(
-        "llada", ("llada",), ("LLaDAModelLM",), ModelConfig.from_dict, LLaDAModel, ("fast", "reference", "dream")
+        name="llada",
+        classes=("LLaDAModelLM",),
+        model_types=("llada",),
+        module="llada",
+        layout="LLaDA (OLMo names)",
+        attention="bidirectional",
+        strategies=("fast", "reference", "dream"),
     ),
     # LLaDA's layout trained as block diffusion (`celeris train --block-size`): causal between blocks, so only
     # the block decoders run it (a bidirectional decoder would show it blocks it never saw in training)
     Architecture(
-        "llada_block",
-        ("llada",),
-        ("LLaDAModelLM",),
-        ModelConfig.from_dict,
-        LLaDAModel,
-        ("block-fast", "block"),
-        defaults=(("block_length", 8), ("block_steps", 8), ("threshold", 0.9)),
-        when=_block_causal,
+        name="llada_block",
+        classes=("LLaDAModelLM",),
+        model_types=("llada",),
+        module="llada",
+        layout="LLaDA (OLMo names)",
+        attention="block-causal",
+        strategies=_BLOCK,
+        defaults={"block_length": 8, "block_steps": 8, "threshold": 0.9},
+        when={"block_causal": True},
     ),
     Architecture(
-        "dream",
-        ("Dream",),
-        ("DreamModel",),
-        DreamConfig.from_dict,
-        DreamModel,
-        ("fast", "dream", "reference"),
-        _tied_head,
+        name="dream",
+        classes=("DreamModel",),
+        model_types=("Dream",),
+        module="dream",
+        layout="Qwen2 (q/k/v bias)",
+        attention="bidirectional",
+        strategies=("fast", "dream", "reference"),
     ),
     Architecture(
-        "llada2_moe",
-        ("llada2_moe",),
-        ("LLaDA2MoeModelLM",),
-        LLaDA2Config.from_dict,
-        LLaDA2MoeModel,
-        ("block-fast", "block"),
-        _tied_head,
-        # LLaDA2's own generate() defaults
-        (("block_length", 32), ("block_steps", 32), ("threshold", 0.95)),
+        name="llada2_moe",
+        classes=("LLaDA2MoeModelLM",),
+        model_types=("llada2_moe",),
+        module="llada2",
+        layout="LLaDA2-MoE (fused qkv, sigmoid router)",
+        attention="block-causal",
+        strategies=_BLOCK,
+        defaults={"block_length": 32, "block_steps": 32, "threshold": 0.95},  # LLaDA2's own generate() defaults
+    ),
+    Architecture(
+        name="llada_moe",
+        classes=("LLaDAMoEModelLM",),
+        model_types=("lladamoe",),  # its config class's; the configs it saves say "llada"
+        module="llada_moe",
+        layout="OLMoE (q/k norm per head, softmax router)",
+        attention="bidirectional",
+        strategies=("fast", "reference"),
+    ),
+    Architecture(
+        name="coda",
+        classes=("CoDALanguageModel",),
+        model_types=("CoDA",),
+        module="coda",
+        layout="Qwen3 (q/k norm per head)",
+        attention="bidirectional",
+        strategies=_DREAM,
+        generation_config=False,
+    ),
+    Architecture(
+        name="rnd1",
+        classes=("RND1LM",),
+        model_types=("rnd1",),
+        module="rnd1",
+        layout="Qwen3-MoE (q/k norm per head, softmax router)",
+        attention="bidirectional",
+        strategies=_DREAM,
+    ),
+    Architecture(
+        name="sdar",
+        classes=("SDARForCausalLM",),
+        model_types=("sdar",),
+        module="sdar",
+        layout="Qwen3 (q/k norm per head)",
+        attention="block-causal",
+        strategies=_BLOCK,
+        defaults=_SDAR_GENERATE,
+    ),
+    Architecture(
+        name="sdar_moe",
+        classes=("SDARMoeForCausalLM",),
+        model_types=("sdar_moe",),
+        module="sdar",
+        layout="Qwen3-MoE (q/k norm per head, softmax router)",
+        attention="block-causal",
+        strategies=_BLOCK,
+        defaults=_SDAR_GENERATE,
     ),
 )
 
-
-_VARIANTS = {"llada_block"}
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in _ENTRIES}
 
 
 def supported() -> str:
-    return ", ".join(dict.fromkeys(t for a in ARCHITECTURES for t in a.model_types))
+    """Every architecture by its class and model type, for error messages."""
+    return ", ".join(dict.fromkeys(f"{c} ({a.model_types[0]})" for a in _ENTRIES for c in a.classes))
 
 
-def architecture_of(raw: dict[str, Any], path: Path | str = "config.json") -> Architecture:
-    """The architecture a config.json names. A config naming neither a model_type nor an architecture is
-    read as LLaDA's (the format of our own models before the registry)."""
+def _choose(candidates: list[Architecture], raw: Mapping[str, Any]) -> Architecture | None:
+    """The variant whose `when` holds, else the base (the one with no `when`)."""
+    told = [a for a in candidates if a.when and a.matches(raw)]
+    if told:
+        assert len(told) == 1, [a.name for a in told]
+        return told[0]
+    return next((a for a in candidates if not a.when), None)
+
+
+def architecture_of(raw: Mapping[str, Any], path: Path | str = "config.json") -> Architecture:
+    """The architecture a config.json names: by `architectures` where it lists any, else by `model_type`. A
+    config naming neither is read as LLaDA's (the format of our own models before the registry)."""
     model_type, classes = raw.get("model_type"), raw.get("architectures") or []
-    variants = sorted(ARCHITECTURES, key=lambda a: a.name not in _VARIANTS)  # a variant before its base
-    for arch in variants:
-        if model_type in arch.model_types and arch.when(raw):
-            return arch
-    if model_type is None:
-        for arch in variants:
-            if arch.when(raw) and any(c in arch.classes for c in classes if isinstance(c, str)):
-                return arch
-        if not classes:
-            return next(a for a in variants if a.when(raw) and "llada" in a.model_types)
-    named = f"model_type {model_type!r}" if model_type is not None else f"architectures {classes!r}"
-    raise ModelError(f"{path}: {named} is not supported (supported model types: {supported()})")
-
-
-def read_arch_config(raw: dict[str, Any], path: Path | str = "config.json") -> tuple[Architecture, ArchConfig]:
-    arch = architecture_of(raw, path)
-    return arch, arch.read_config(raw)
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise ModelError(f"{path}: architectures must be a list of class names, got {classes!r}")
+    if classes:
+        arch = _choose([a for a in _ENTRIES if any(c in a.classes for c in classes)], raw)
+    elif model_type is not None:
+        arch = _choose([a for a in _ENTRIES if model_type in a.model_types], raw)
+    else:
+        arch = _choose([a for a in _ENTRIES if "llada" in a.model_types], raw)
+    if arch is None:
+        raise ModelError(
+            f"{path}: architectures {classes!r} with model_type {model_type!r} is not supported "
+            f"(supported: {supported()})"
+        )
+    return arch

@@ -30,7 +30,10 @@ class _Backend(Protocol):
 # End-of-turn tokens of the chat formats in use, for folders whose config.json does not name one
 # (LLaDA-8B-Instruct's config has no eot id; its tokenizer has <|eot_id|>).
 END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|role_end|>", "<|end|>")
-MASKS = ("<|mask|>", "<|mdm_mask|>", "[MASK]")  # for folders whose config.json names no mask id
+# padding a family trains its answers to end in (DiffuCoder's runs of <|dlm_pad|> after the answer): its own
+# code cuts the output at the first one, so it is a stop token
+PAD_STOPS = ("<|dlm_pad|>",)
+MASKS = ("<|mask|>", "<|MASK|>", "<|mdm_mask|>", "[MASK]")  # for folders whose config.json names no mask id
 LETTERS = re.compile(r"[A-Za-z]+")
 STARTED = re.compile(r"[▁Ġ][A-Za-z]+")  # a word's first piece, as sentencepiece and byte-level BPE mark it
 CONTINUED = re.compile(r"##[A-Za-z]+")  # WordPiece marks the pieces after a word's first instead
@@ -138,7 +141,11 @@ class _Qwen2BPE(_HFTokenizer):
 
 
 class Tokenizer:
-    def __init__(self, backend: _Backend, cfg: ArchConfig, chat_template: str | None, folder: Path) -> None:
+    def __init__(
+        self, backend: _Backend, cfg: ArchConfig, chat_template: str | None, folder: Path, eos_piece: str | None = None
+    ) -> None:
+        """eos_piece: the tokenizer's own end-of-sequence token (tokenizer_config.json), for a config.json
+        that names no eos_token_id (CoDA's)."""
         self.backend = backend
         self.chat_template = chat_template
         mask_id = cfg.mask_token_id
@@ -147,27 +154,33 @@ class Tokenizer:
             if mask_id is None:
                 raise ModelError(f"{folder}: config.json has no mask_token_id and the tokenizer no mask token")
         self.mask_id: int = mask_id
-        self.eos_id = cfg.eos_token_id
+        eos_id = cfg.eos_token_id if cfg.eos_token_id is not None else backend.find(eos_piece or "")
+        if eos_id is None:
+            raise ModelError(f"{folder}: config.json has no eos_token_id and the tokenizer no eos_token")
+        self.eos_id: int = eos_id
         self.eot_id = cfg.eot_token_id
         if self.eot_id is None:
             self.eot_id = next((i for i in map(backend.find, END_OF_TURN) if i is not None), None)
-        self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
+        self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_id
         self.bos_id = cfg.bos_token_id
-        self.stop_ids = frozenset(i for i in (self.eos_id, self.eot_id) if i is not None)
+        pads = [backend.find(p) for p in PAD_STOPS]
+        self.stop_ids = frozenset(i for i in (self.eos_id, self.eot_id, *pads) if i is not None)
         size = backend.size()
         if size > cfg.rows:
             raise ModelError(
                 f"{folder}: tokenizer has {size} tokens but the model's embedding has {cfg.rows} "
                 "rows; the tokenizer does not belong to this model"
             )
+        # RND1's mask is the row after the tokenizer's last token: no piece to check it by
+        outside = getattr(cfg, "mask_outside_tokenizer", False) and size <= self.mask_id < cfg.rows
         for name, i in (("mask_token_id", self.mask_id), ("eos_token_id", self.eos_id)):
-            if i >= size:
+            if i >= size and not (outside and name == "mask_token_id"):
                 raise ModelError(
                     f"{folder}: config.json {name}={i} is not in the tokenizer ({size} tokens); "
                     "the tokenizer does not match the config"
                 )
         mask_piece = backend.piece(self.mask_id) or ""
-        if "mask" not in mask_piece.lower():
+        if "mask" not in mask_piece.lower() and not outside:
             raise ModelError(
                 f"{folder}: config.json mask_token_id={self.mask_id} is {mask_piece!r} in the "
                 "tokenizer, not a mask token; the tokenizer does not match the config"
@@ -244,6 +257,9 @@ def load_tokenizer(folder: Path, cfg: ArchConfig) -> Tokenizer:
         if not isinstance(settings, dict):
             raise ModelError(f"{tc}: expected a JSON object")
     template = settings.get("chat_template")
+    jinja = folder / "chat_template.jinja"  # where transformers >= 4.50 saves it, in place of the key
+    if jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
     backend: _Backend
     if (folder / "tokenizer.model").is_file():
         backend = _SentencePiece(folder / "tokenizer.model")
@@ -256,4 +272,12 @@ def load_tokenizer(folder: Path, cfg: ArchConfig) -> Tokenizer:
         backend = _Qwen2BPE(folder, added)
     else:
         raise ModelError(f"{folder} is incomplete: no tokenizer.model, tokenizer.json or vocab.json + merges.txt")
-    return Tokenizer(backend, cfg, template if isinstance(template, str) else None, folder)
+    eos = settings.get("eos_token")
+    eos_piece = eos.get("content") if isinstance(eos, dict) else eos
+    return Tokenizer(
+        backend,
+        cfg,
+        template if isinstance(template, str) else None,
+        folder,
+        eos_piece if isinstance(eos_piece, str) else None,
+    )

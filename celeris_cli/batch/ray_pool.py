@@ -77,17 +77,10 @@ def init_ray(ray: Any, address: str | None) -> bool:
 def check_engine(engine: dict[str, Any]) -> None:
     """What each actor will load, checked on the driver first: a missing model folder or a settings
     combination the model's defaults reject is one clear error here, not a retried actor crash there."""
-    from ..arch.checkpoint import read_folder, weight_files
-    from ..arch.tokenizer import load_tokenizer
-    from ..engine import model_dir, read_generation_config
-    from ..params import GenerationParams
+    from ..arch.folder import ModelFolder
+    from ..engine import model_dir
 
-    folder = model_dir(engine.get("model"))
-    arch, cfg = read_folder(folder)
-    load_tokenizer(folder, cfg)
-    weight_files(folder)
-    defaults, _ = read_generation_config(folder, arch)
-    arch.check_strategy(GenerationParams.from_mapping(engine.get("generation", {}), defaults).strategy)
+    ModelFolder.open(model_dir(engine.get("model"))).check(engine.get("generation", {}))
 
 
 class RayExecutor:

@@ -4,35 +4,32 @@ model's generation_config.json, read as JSON, without torch, so help tells what 
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
-from ..params import PER_REQUEST, STRATEGY_PARTS, GenerationParams, honoured, model_layer, script_layers
+from ..arch.folder import ModelFolder
+from ..errors import CelerisError
+from ..params import PER_REQUEST, STRATEGY_PARTS, GenerationParams, honoured
 
-EMBEDDED_CONFIG = Path(__file__).parents[1] / "models" / "celeris-block" / "generation_config.json"
+EMBEDDED = Path(__file__).parents[1] / "models" / "celeris-block"
 
 
 @functools.cache
-def effective_defaults(path: Path = EMBEDDED_CONFIG) -> GenerationParams:
+def effective_defaults(path: Path = EMBEDDED) -> GenerationParams:
     """The embedded model's layer of defaults over the built-in ones, layered as the engine layers it (so
     its spelling of the steps, `steps_total`, is decided by the same rule)."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        settings, _, _ = model_layer(raw) if isinstance(raw, dict) else ({}, None, None)
-        return GenerationParams.defaults_from(settings)
-    except (OSError, ValueError, UsageError):
+        return ModelFolder.open(path).defaults()
+    except CelerisError:
         return GenerationParams()  # a broken embedded model is reported when it loads, not in help
 
 
 @functools.cache
-def script_defaults(path: Path = EMBEDDED_CONFIG) -> dict[str, dict[str, Any]]:
+def script_defaults(path: Path = EMBEDDED) -> dict[str, dict[str, Any]]:
     """The embedded model's settings per script of the prompt (`by_script`)."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        return script_layers(raw) if isinstance(raw, dict) else {}
-    except (OSError, ValueError):
+        return ModelFolder.open(path).by_script()
+    except CelerisError:
         return {}
 
 

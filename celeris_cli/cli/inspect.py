@@ -16,10 +16,11 @@ def inspect(
     model: Path = typer.Argument(None, metavar="FOLDER", help="Model folder (default: the embedded model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
-    """Print a model folder's architecture, parameter count, weight dtypes, special ids, chat template and
-    the decoding strategies it supports, from config.json, the safetensors headers and the tokenizer."""
+    """Print a model folder's architecture, layout, attention, parameters (active ones for a mixture of
+    experts), weight dtypes and bf16 size, special ids, chat template, logit shift, block and the decoding
+    strategies it supports, from config.json, the safetensors headers and the tokenizer."""
     try:
-        from ..arch.checkpoint import describe
+        from ..arch.describe import describe
         from ..engine import model_dir
 
         info = describe(model_dir(model))

@@ -28,12 +28,8 @@ print(json.dumps({"base": base, "peak": peak, "weights": weights, "load_s": wall
 """
 
 
-def write_random_checkpoint(folder: Path, size_gb: float) -> int:
-    """A LLaDA-layout checkpoint of about `size_gb` GB in bfloat16 (uninitialised values; only the size
-    matters here), as 2 shards with an index, as published checkpoints are. Returns its bytes."""
-    import torch
-    from safetensors.torch import save_file
-
+def _llada(size_gb: float) -> tuple[dict[str, Any], Any]:
+    """A LLaDA-layout config of about `size_gb` GB in bfloat16, and its model class."""
     from ..arch.llada import LLaDAModel, ModelConfig
 
     d, mlp, vocab = 2048, 5632, 32000
@@ -43,10 +39,39 @@ def write_random_checkpoint(folder: Path, size_gb: float) -> int:
         d_model=d, n_layers=layers, n_heads=16, mlp_hidden_size=mlp, vocab_size=vocab,
         mask_token_id=vocab - 1, eos_token_id=vocab - 2,
     )  # fmt: skip
+    return cfg.to_dict(), LLaDAModel(cfg)
+
+
+def _moe(size_gb: float) -> tuple[dict[str, Any], Any]:
+    """A Qwen3-MoE-layout (SDAR-MoE) config of about `size_gb` GB in bfloat16: 64 experts of 768 per layer,
+    so nearly every byte is an expert's, as in the 30B-A3B checkpoints."""
+    from ..arch.sdar import SDARConfig, SDARModel
+
+    d, experts, ffn, vocab = 1024, 64, 768, 32000
+    per_layer = 4 * d * d + experts * 3 * d * ffn + experts * d
+    layers = max(1, round((size_gb * 2**30 / 2 - 2 * vocab * d) / per_layer))
+    raw = {
+        "architectures": ["SDARMoeForCausalLM"], "model_type": "sdar_moe", "hidden_size": d,
+        "intermediate_size": 4 * d, "num_hidden_layers": layers, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "head_dim": 64, "vocab_size": vocab, "num_experts": experts,
+        "num_experts_per_tok": 8, "moe_intermediate_size": ffn, "norm_topk_prob": True,
+        "mask_token_id": vocab - 1, "eos_token_id": vocab - 2,
+    }  # fmt: skip
+    return raw, SDARModel(SDARConfig.from_dict(raw))
+
+
+def write_random_checkpoint(folder: Path, size_gb: float, moe: bool = False) -> int:
+    """A checkpoint of about `size_gb` GB in bfloat16 (uninitialised values; only the size matters here),
+    LLaDA's layout or (`moe`) a mixture of experts in Qwen3-MoE's, as 2 shards with an index, as published
+    checkpoints are. Returns its bytes."""
+    import torch
+    from safetensors.torch import save_file
+
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in LLaDAModel(cfg).state_dict().items()}
+        config, model = (_moe if moe else _llada)(size_gb)
+        shapes = {k: v.shape for k, v in model.state_dict().items()}
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(cfg.to_dict()), encoding="utf-8")
+    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
     names = list(shapes)
     halves = [names[: len(names) // 2], names[len(names) // 2 :]]
     weight_map, total = {}, 0
@@ -62,12 +87,14 @@ def write_random_checkpoint(folder: Path, size_gb: float) -> int:
     return total
 
 
-def measure_loading(size_gb: float, dtypes: tuple[str, ...] = ("bfloat16", "float32")) -> list[dict[str, Any]]:
+def measure_loading(
+    size_gb: float, dtypes: tuple[str, ...] = ("bfloat16", "float32"), moe: bool = False
+) -> list[dict[str, Any]]:
     """One row per target dtype: weights loaded, process memory before and at peak, and their ratio."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="celeris-load-") as tmp:
         folder = Path(tmp) / "random"
-        on_disk = write_random_checkpoint(folder, size_gb)
+        on_disk = write_random_checkpoint(folder, size_gb, moe)
         for dtype in dtypes:
             out = subprocess.run([sys.executable, "-c", CHILD, str(folder), dtype], capture_output=True, text=True)
             if out.returncode != 0:

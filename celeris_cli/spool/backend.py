@@ -54,21 +54,19 @@ class Preparer:
     def load(cls, model: str | None, generation: dict[str, Any]) -> Preparer:
         """From a model folder without its weights (they are only checked to be there)."""
 
-        from ..arch.checkpoint import read_folder, weight_files
-        from ..arch.tokenizer import load_tokenizer
-        from ..engine import model_dir, read_generation_config, read_script_layers
+        from ..arch.folder import ModelFolder
+        from ..engine import model_dir
         from ..params import GenerationParams
 
-        folder = model_dir(model)
-        arch, cfg = read_folder(folder)
-        tokenizer = load_tokenizer(folder, cfg)
-        weight_files(folder)
-        defaults, _ = read_generation_config(folder, arch)
+        folder = ModelFolder.open(model_dir(model))
+        tokenizer = folder.tokenizer()
+        _ = folder.weight_files  # only checked to be there
+        defaults = folder.defaults()
         base = _settings(lambda: GenerationParams.from_mapping(generation, defaults))
-        _settings(lambda: arch.check_strategy(base.strategy))
+        _settings(lambda: folder.arch.check_strategy(base.strategy))
         if base.subword_min_p > 0:  # the daemon refuses it at startup, not batch by batch
             _settings(tokenizer.require_word_pieces)
-        return cls(tokenizer, cfg.max_sequence_length, base, arch, read_script_layers(folder))
+        return cls(tokenizer, folder.cfg.max_sequence_length, base, folder.arch, folder.by_script())
 
     def prepare(self, request: Request) -> Prepared:
         params = self.base.with_(**request.params)

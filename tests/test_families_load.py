@@ -1,0 +1,60 @@
+"""The families of the families wave through the command line: `celeris inspect` tells each one's layout,
+attention, shift, block, strategies and (for a mixture of experts) its active parameters; `celeris generate
+--model FOLDER` runs each tiny folder as its own code saved it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .test_families_cli import celeris
+
+DATA = Path(__file__).parent / "data"
+FOLDERS = {
+    "sdar": DATA / "sdar" / "sdar_tiny",
+    "sdar_moe": DATA / "sdar_moe" / "sdarmoe_tiny",
+    "llada_moe": DATA / "llada_moe" / "lladamoe_tiny",
+    "coda": DATA / "coda" / "coda_tiny",
+    "rnd1": DATA / "rnd1" / "rnd1_tiny",
+    "dream": DATA / "diffucoder" / "diffucoder_tiny",  # DiffuCoder
+}
+# architecture: attention, logit shift, block, mixture of experts
+FACTS = {
+    "sdar": ("block-causal", "no", "4 (default block_length)", False),
+    "sdar_moe": ("block-causal", "no", "4 (default block_length)", True),
+    "llada_moe": ("bidirectional", "no", "none", True),
+    "coda": ("bidirectional", "yes", "none", False),
+    "rnd1": ("bidirectional", "yes", "none", True),
+    "dream": ("bidirectional", "yes", "none", False),
+}
+
+
+@pytest.mark.parametrize("family", FOLDERS)
+def test_inspect_tells_each_familys_layout_attention_shift_block_and_experts(family: str) -> None:
+    p = celeris("inspect", str(FOLDERS[family]), "--json")
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["architecture"].startswith(family + " ")
+    attention, shift, block, moe = FACTS[family]
+    assert (info["attention"], info["logit_shift"].split()[0], info["block"]) == (attention, shift, block)
+    assert ("active_parameters" in info) == moe
+    if moe:
+        active = int(info["active_parameters"].split()[0].replace(",", ""))
+        assert 0 < active < int(info["parameters"].replace(",", ""))
+    assert info["bf16_weights"].endswith("MiB") and info["layout"]
+
+
+@pytest.mark.parametrize("family", FOLDERS)
+def test_generate_loads_each_folder_as_saved(family: str) -> None:
+    p = celeris(
+        "generate", "--model", str(FOLDERS[family]), "--prompt", "The apples", "--gen-length", "8",
+        "--temperature", "0", "--json", "--quiet", "--dtype", "float32",
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert (
+        r["settings"]["strategy"]
+        == json.loads(celeris("inspect", str(FOLDERS[family]), "--json").stdout)["strategies"].split(",")[0]
+    )
