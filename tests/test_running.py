@@ -85,7 +85,7 @@ def test_rows_of_every_length_joining_mid_run_answer_as_they_do_alone(block_engi
     occupancy = block_engine.last_occupancy
     alone = [_alone(block_engine, p, s, seed) for p, s, seed in rows]
     assert running == alone
-    assert occupancy is not None and occupancy.mean_in_flight > 2.5  # three rows in flight but at the tail
+    assert occupancy is not None and occupancy.mean_in_flight > 2.2  # three rows in flight but at the tail
     lengths = {block_engine.finish(ids)[1] for ids in running}
     assert len(lengths) > 4  # and they did end at different places
 
