@@ -17,10 +17,12 @@ from typing import Any
 
 import torch
 
+from .arch.budget import MemoryBudget
 from .arch.checkpoint import load_model, read_folder
 from .arch.layers import Model
 from .arch.registry import ARCHITECTURES, Architecture
 from .arch.tokenizer import Tokenizer, load_tokenizer
+from .backoff import run_backing_off
 from .decode.sampling import RowNoise, request_seed
 from .decode.strategies import Net, SpecialTokens, get_strategy
 from .device import resolve_device, resolve_dtype
@@ -106,6 +108,7 @@ class Engine:
             raise ModelError(f"{GENERATION_CONFIG}: eos_token_id {outside[0]} is outside the embedding table")
         self.special = SpecialTokens(tokenizer.mask_id, tokenizer.stop_ids | extra_stops, tokenizer.pad_id)
         self.positions_computed = 0  # positions through the network over every decode (for `bench`)
+        self.memory = MemoryBudget(model, dtype)  # the planner's view of this model; no budget unless set
 
     def with_defaults(self, settings: dict[str, Any]) -> Engine:
         """Replace this engine's model-folder layer of defaults with `settings`, a generation_config.json's
@@ -223,6 +226,27 @@ class Engine:
     def _decode_group(
         self, prompts: Sequence[str], encoded: Sequence[list[int]], params: GenerationParams, seeds: list[int]
     ) -> list[Result]:
+        """The rows as one batch, split where the memory budget or an out-of-memory error asks
+        (`backoff`); a row too large alone raises TooLarge once the others are decoded."""
+
+        def run(group: list[tuple[str, list[int], int]]) -> list[Result]:
+            return self._decode_rows([g[0] for g in group], [g[1] for g in group], [g[2] for g in group], params)
+
+        outcomes = run_backing_off(
+            run,
+            list(zip(prompts, encoded, seeds)),
+            lambda group: self.memory.need([ids for _, ids, _ in group], params),
+            self.memory.budget,
+            release=self.memory.release,
+        )
+        failed = [o.error for o in outcomes if o.error is not None]
+        if failed:
+            raise failed[0]
+        return [o.value for o in outcomes if o.value is not None]
+
+    def _decode_rows(
+        self, prompts: Sequence[str], encoded: Sequence[list[int]], seeds: list[int], params: GenerationParams
+    ) -> list[Result]:
         t0 = time.perf_counter()
         outs, nfe = self.decode_ids(encoded, params, seeds)
         wall = time.perf_counter() - t0
@@ -290,9 +314,15 @@ class Engine:
 
 
 def load_engine(
-    model: str | Path | None = None, device: str = "auto", dtype: str = "auto", threads: int | None = None
+    model: str | Path | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    threads: int | None = None,
+    quantize: str = "none",
+    max_memory: str | int | None = None,
 ) -> Engine:
-    """Load a model folder (default: the embedded model) onto a device, ready to generate."""
+    """Load a model folder (default: the embedded model) onto a device, ready to generate. `quantize`:
+    "int8" weights (`arch.quantize`); `max_memory`: the budget batches are sized to (`arch.budget`)."""
     if threads:
         torch.set_num_threads(threads)
     folder = model_dir(model)
@@ -300,9 +330,11 @@ def load_engine(
     dt = resolve_dtype(dtype, dev)
     arch, cfg = read_folder(folder)
     tok = load_tokenizer(folder, cfg)  # a mismatched tokenizer fails before the weights are read
-    m: Model = load_model(folder, dev, dt)  # type: ignore[assignment]
+    m: Model = load_model(folder, dev, dt, quantize)  # type: ignore[assignment]
     log.info("loaded %s (%s) on %s (%s)", folder, arch.name, dev, dt)
-    return Engine(m, tok, dev, dt, folder, arch)
+    engine = Engine(m, tok, dev, dt, folder, arch)
+    engine.memory = MemoryBudget(m, dt, quantize, max_memory, dev)
+    return engine
 
 
 def read_script_layers(model_dir: Path | None) -> dict[str, dict[str, Any]]:

@@ -21,6 +21,7 @@ from torch import nn
 from ..errors import ModelError
 from .layers import ArchConfig
 from .llada import LLaDAModel
+from .quantize import converter
 from .registry import Architecture, read_arch_config
 from .safetensors_io import read_header, read_tensors, shape_of
 
@@ -70,14 +71,18 @@ def weight_files(folder: Path) -> list[Path]:
     raise ModelError(f"{folder} is incomplete: no {SINGLE} or {INDEX}")
 
 
-def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_model(
+    folder: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, quantize: str = "none"
+) -> nn.Module:
     """The folder's model on `device` in `dtype` (floating tensors), in eval mode. Each tensor is read
-    from disk into its own memory and cast there, so the peak stays near the loaded weights."""
+    from disk into its own memory and cast there, so the peak stays near the loaded weights. `quantize`
+    ("int8"): each weight is quantized as it is read (`quantize`)."""
     folder = Path(folder)
     arch, cfg = read_folder(folder)
     files = weight_files(folder)
     with torch.device("meta"):
         model = arch.build(cfg)
+        convert = converter(model, quantize, dtype)  # the identity unless quantizing
     expected = dict(model.state_dict())
     optional = arch.optional(cfg)
     state: dict[str, torch.Tensor] = {}
@@ -95,7 +100,7 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
                 )
             wanted.append(name)
         for name, t in read_tensors(f, wanted, device, dtype):
-            state[name] = t
+            state.update(convert(name, t))
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ModelError(f"{folder}: weights do not match config.json (missing {missing[:3]})")
