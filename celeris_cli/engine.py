@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .arch.budget import MemoryBudget
+from .arch.budget import MemoryBudget, read_peak, reset_peak
 from .arch.checkpoint import load_model, read_folder
 from .arch.layers import Model
 from .arch.registry import ARCHITECTURES, Architecture
@@ -78,6 +78,7 @@ class Result:
     device: str
     dtype: str
     seed: int = 0
+    peak_memory_mb: float = 0.0  # the batch's peak: CUDA's allocator, or the process's resident memory (CPU)
     settings: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -247,9 +248,11 @@ class Engine:
     def _decode_rows(
         self, prompts: Sequence[str], encoded: Sequence[list[int]], seeds: list[int], params: GenerationParams
     ) -> list[Result]:
+        reset_peak(self.device)
         t0 = time.perf_counter()
         outs, nfe = self.decode_ids(encoded, params, seeds)
         wall = time.perf_counter() - t0
+        peak = round(read_peak(self.device) / 2**20, 1)
         settings = params.report()
         results = []
         for prompt, ids_in, out, seed in zip(prompts, encoded, outs, seeds):
@@ -271,6 +274,7 @@ class Engine:
                     device=str(self.device),
                     dtype=str(self.dtype).replace("torch.", ""),
                     seed=seed,
+                    peak_memory_mb=peak,
                     settings={**settings, "seed": seed},
                 )
             )

@@ -87,3 +87,15 @@ def test_max_memory_caps_the_batches_and_leaves_the_answers_unchanged(tiny_model
     results = capped.generate(prompts, params, batch_size=6)
     assert max(r.batch_size for r in free) == 6 and max(r.batch_size for r in results) < 6
     assert [r.text for r in results] == [r.text for r in free]
+
+
+def test_each_result_and_the_queue_metrics_carry_the_batch_peak_memory(engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from celeris_cli.spool.metrics import Metrics
+
+    [result] = engine.generate(["the cat"], engine.params({"gen_length": 8, "denoise_steps": 4, "block_length": 8}))
+    assert result.peak_memory_mb > 0 and "peak_memory_mb" in result.to_dict()
+    metrics = Metrics(tmp_path / "celeris.prom")
+    metrics.batch(8, 1.0, result.peak_memory_mb)
+    metrics.write(force=True)
+    [line] = [x for x in (tmp_path / "celeris.prom").read_text().splitlines() if x.startswith("celeris_queue_peak")]
+    assert float(line.split()[1]) == result.peak_memory_mb * 2**20

@@ -60,6 +60,34 @@ class MemoryBudget:
             torch.cuda.empty_cache()
 
 
+def reset_peak(device: torch.device) -> None:
+    """Start a new peak: the CUDA allocator's, or on the CPU the process's resident high-water mark
+    (`/proc/self/clear_refs`; where it cannot be reset, the peak is the process's since it started)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def read_peak(device: torch.device) -> int:
+    """Bytes at the peak since `reset_peak`: allocated by torch on CUDA, resident (the whole process,
+    weights included) on the CPU; 0 where neither can be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def folder_report(
     folder: Path,
     batch: int,

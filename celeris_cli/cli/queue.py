@@ -184,4 +184,6 @@ def status(
     table.add_row("last heartbeat", f"{hb['state']} {hb['age_s']}s ago (pid {hb['pid']})" if hb else "-")
     last = hb.get("last_batch_age_s") if hb else None
     table.add_row("last batch", f"{last}s ago" if last is not None else "-")
+    peak = hb.get("peak_memory_mb") if hb else None
+    table.add_row("last batch's peak memory", f"{peak} MiB" if peak else "-")
     Console().print(table)

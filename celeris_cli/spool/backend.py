@@ -154,6 +154,7 @@ class EngineBackend:
                     "tokens_per_s": r.tokens_per_s,
                     "device": r.device,
                     "dtype": r.dtype,
+                    "peak_memory_mb": r.peak_memory_mb,
                 },
                 "settings": r.settings,
             }
