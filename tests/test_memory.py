@@ -35,6 +35,7 @@ def test_a_published_shape_counts_its_published_parameters() -> None:
 def test_the_peak_grows_with_the_batch_and_the_lengths(field: str) -> None:
     small, large = plan(LLADA_8B, BASE), plan(LLADA_8B, replace(BASE, **{field: 2 * getattr(BASE, field)}))
     assert large.peak > small.peak and large.weights == small.weights
+    assert large.kv_cache > small.kv_cache  # the fast decoder's cache spans every row's canvas
 
 
 @pytest.mark.parametrize("strategy", ["fast", "block-fast", "block", "reference", "dream"])

@@ -159,11 +159,12 @@ def _activations(shape: Shape, tokens: int, a: int, upcast: bool) -> int:
     return tokens * (2 * shape.hidden * a + max(attention, mlp))
 
 
-def _head(shape: Shape, positions: int, a: int, upcast: bool) -> int:
-    """The LM head's output for `positions`, its sampling copies, and a large head's per-call float32 cast."""
+def _head(shape: Shape, positions: int, a: int, upcast: bool, int8: bool) -> int:
+    """The LM head's output for `positions`, its sampling copies, a large head's per-call float32 cast,
+    and an int8 head's dequantized copy (`quantize`: the head is read as a matrix)."""
     f32 = upcast and a < 4
     cast = shape.rows * shape.hidden * 4 if f32 and shape.rows * shape.hidden * 4 > HEAD_CACHE_BYTES else 0
-    return positions * shape.rows * 4 * LOGIT_COPIES + cast
+    return positions * shape.rows * 4 * LOGIT_COPIES + cast + (shape.rows * shape.hidden * a if int8 else 0)
 
 
 def plan(shape: Shape, req: Request) -> Estimate:
@@ -173,7 +174,7 @@ def plan(shape: Shape, req: Request) -> Estimate:
     if req.dtype not in DTYPE_BYTES:
         raise UsageError(f"unknown dtype {req.dtype!r} (choose {', '.join(DTYPE_BYTES)})")
     a, B, V = DTYPE_BYTES[req.dtype], req.batch, req.views
-    f32 = req.upcast and a < 4
+    f32, int8 = req.upcast and a < 4, req.quantize == "int8"
     head_copy = shape.rows * shape.hidden * 4 if f32 and shape.rows * shape.hidden * 4 <= HEAD_CACHE_BYTES else 0
     weights = weights_bytes(shape, req.dtype, req.quantize) + head_copy
     L = req.prompt + req.gen_length  # the canvas
@@ -184,7 +185,7 @@ def plan(shape: Shape, req: Request) -> Estimate:
         seen = L  # a bounded canvas (suffix_window) still reaches the whole canvas at its last block
         act = _activations(shape, B * seen, a, req.upcast)
         if req.cache == "none":
-            phases.append(Estimate(weights, 0, act, _head(shape, masked, a, req.upcast)))
+            phases.append(Estimate(weights, 0, act, _head(shape, masked, a, req.upcast, int8)))
         else:
             cache = V * _kv(shape, B, seen, 4 if f32 else a)
             fresh = _kv(shape, B, seen, a)
@@ -192,12 +193,12 @@ def plan(shape: Shape, req: Request) -> Estimate:
             phases.append(Estimate(weights, 2 * cache + fresh, 0, 0))  # the new cache built beside the old
             window = W if req.cache == "dual" else seen - req.prompt
             step = _activations(shape, B * window, a, req.upcast)
-            phases.append(Estimate(weights, cache, step, _head(shape, masked, a, req.upcast)))
+            phases.append(Estimate(weights, cache, step, _head(shape, masked, a, req.upcast, int8)))
     elif req.strategy in ("block-fast", "block"):
         C = math.ceil(L / W) * W + W  # block-aligned canvas (a row's first block may hold its prompt's tail)
         if req.strategy == "block":
             act = V * _activations(shape, B * C, a, req.upcast)
-            phases.append(Estimate(weights, 0, act, _head(shape, masked, a, req.upcast)))
+            phases.append(Estimate(weights, 0, act, _head(shape, masked, a, req.upcast, int8)))
         else:
             cache = V * _kv(shape, B, C, a)
             prefill = (req.prompt // W) * W
@@ -205,12 +206,12 @@ def plan(shape: Shape, req: Request) -> Estimate:
                 Estimate(weights, cache + _kv(shape, B, prefill, a), _activations(shape, B * prefill, a, req.upcast), 0)
             )
             step = _activations(shape, B * 2 * W, a, req.upcast) + (_kv(shape, B, C, 4) // shape.layers if f32 else 0)
-            phases.append(Estimate(weights, cache, step, _head(shape, masked, a, req.upcast)))
+            phases.append(Estimate(weights, cache, step, _head(shape, masked, a, req.upcast, int8)))
             if B > 1:  # a finished row leaves: the cache is copied for the rows that stay
                 phases.append(Estimate(weights, cache + cache * (B - 1) // B, 0, 0))
     elif req.strategy in ("reference", "dream"):
         act = _activations(shape, B * L, a, req.upcast)
-        phases.append(Estimate(weights, 0, act, _head(shape, B * V * L, a, req.upcast)))
+        phases.append(Estimate(weights, 0, act, _head(shape, B * V * L, a, req.upcast, int8)))
     else:
         raise UsageError(f"no memory plan for strategy {req.strategy!r}")
     return max(phases, key=lambda e: e.peak)

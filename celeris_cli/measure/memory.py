@@ -131,7 +131,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One row: the shape, the estimate split, the peak added with glibc's allocator as it comes and with
     a fixed mmap threshold (the live memory), and the estimate over the latter."""
     live = _run_child(spec, FIXED_MMAP)
-    default = _run_child(spec, {})
+    default = _run_child(spec, {}) if spec.get("glibc_default", True) else None
     est = predicted(spec)
     mib = 2**20
     return {
@@ -147,7 +147,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "logits_mib": round(est.logits / mib, 1),
         "predicted_mib": round(est.peak / mib, 1),
         "measured_mib": round(live["added"] / mib, 1),
-        "measured_glibc_default_mib": round(default["added"] / mib, 1),
+        "measured_glibc_default_mib": round(default["added"] / mib, 1) if default else None,
         "loaded_weights_mib": round(live["weights"] / mib, 1),
         "predicted_over_measured": round(est.peak / live["added"], 3),
         "decode_s": round(live["wall_s"], 1),
