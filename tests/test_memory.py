@@ -100,3 +100,15 @@ def test_each_result_and_the_queue_metrics_carry_the_batch_peak_memory(engine, t
     metrics.write(force=True)
     [line] = [x for x in (tmp_path / "celeris.prom").read_text().splitlines() if x.startswith("celeris_queue_peak")]
     assert float(line.split()[1]) == result.peak_memory_mb * 2**20
+
+
+def test_batch_yaml_takes_quantize_and_max_memory_and_refuses_bad_values_by_key(tmp_path: Path) -> None:
+    from celeris_cli.errors import ConfigError
+    from celeris_cli.spool.config import parse_config
+
+    cfg = parse_config({"quantize": "int8", "max_memory": "8GiB"}, tmp_path / "batch.yaml")
+    assert (cfg.quantize, cfg.max_memory) == ("int8", "8GiB")
+    with pytest.raises(ConfigError, match="quantize: must be none or int8, got 'int4'"):
+        parse_config({"quantize": "int4"}, tmp_path / "batch.yaml")
+    with pytest.raises(ConfigError, match="max_memory must be a size"):
+        parse_config({"max_memory": "lots"}, tmp_path / "batch.yaml")

@@ -28,7 +28,9 @@ def _spool(cfg: Any, progress: Any = None) -> Any:
             return RayActorPool(cfg)
         from ..spool.backend import EngineBackend
 
-        return EngineBackend(cfg.model, cfg.device, cfg.dtype, cfg.threads, cfg.generation)
+        return EngineBackend(
+            cfg.model, cfg.device, cfg.dtype, cfg.threads, cfg.generation, cfg.quantize, cfg.max_memory
+        )
 
     return Spool(cfg, backend, progress=progress)
 
