@@ -81,7 +81,10 @@ def child() -> None:
     special = SpecialTokens(cfg.mask_token_id, frozenset({cfg.eos_token_id}), cfg.pad_token_id or cfg.eos_token_id)
     noise = RowNoise(list(range(B)), torch.device("cpu"))
     t0 = time.perf_counter()
-    get_strategy(params.strategy)(Net(model), prompt, torch.ones(B, P, dtype=torch.bool), params, special, noise)  # type: ignore[arg-type]
+    mask = torch.ones(B, P, dtype=torch.bool)
+    for b in range(B):  # rows `spread` tokens shorter or less (left-padded): they end, and leave, at different blocks
+        mask[b, : b % (spec.get("prompt_spread", 0) + 1)] = False
+    get_strategy(params.strategy)(Net(model), prompt, mask, params, special, noise)  # type: ignore[arg-type]
     wall = time.perf_counter() - t0
     out = {"base": base, "loaded": loaded, "peak": _status("VmHWM"), "weights": weights, "wall_s": wall}
     out["code_pages"] = _status("RssFile") - base_file  # libraries' code paged in after the baseline
@@ -211,7 +214,7 @@ def default_specs(threads: int = 2) -> list[dict[str, Any]]:
     short = {"gen_length": 64, "block_length": 32, "denoise_steps": 4, "early_exit": False}
     return [
         {"name": "celeris-block", "folder": str(models["celeris-block"]), "dtype": "float32", "batch": 16,
-         "prompt": 32, "settings": whole, "threads": threads},
+         "prompt": 32, "prompt_spread": 8, "settings": whole, "threads": threads},
         {"name": "celeris-tiny", "folder": str(models["celeris-tiny"]), "dtype": "float32", "batch": 16,
          "prompt": 32, "settings": {"gen_length": 256, "early_exit": False}, "threads": threads},
         {"name": "random-0.5B", "folder": "random-0.5B", "dtype": "bfloat16", "batch": 2, "prompt": 32,
