@@ -16,11 +16,13 @@ from typing import Any, Literal
 
 import torch
 
+from .arch.budget import MemoryBudget, read_peak, reset_peak
 from .arch.checkpoint import load_model
 from .arch.folder import CONFIG, GENERATION_CONFIG, ModelFolder
 from .arch.layers import Model
 from .arch.registry import ARCHITECTURES, Architecture
 from .arch.tokenizer import Tokenizer
+from .backoff import run_backing_off
 from .decode.running import BlockRequest, BlockScheduler, Occupancy, supports
 from .decode.sampling import RowNoise, request_seed
 from .decode.strategies import BY_BLOCK, Net, OnBlock, SpecialTokens, get_strategy, plan_of
@@ -77,6 +79,7 @@ class Result:
     device: str
     dtype: str
     seed: int = 0
+    peak_memory_mb: float = 0.0  # the batch's peak: CUDA's allocator, or the process's resident memory (CPU)
     settings: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,6 +115,7 @@ class Engine:
         self.special = SpecialTokens(tokenizer.mask_id, tokenizer.stop_ids | extra_stops, tokenizer.pad_id)
         self.positions_computed = 0  # positions through the network over every decode (for `bench`)
         self.last_occupancy: Occupancy | None = None  # the last running set's (for `bench`)
+        self.memory = MemoryBudget(model, dtype)  # the planner's view of this model; no budget unless set
 
     def with_defaults(self, settings: dict[str, Any]) -> Engine:
         """Replace this engine's model-folder layer of defaults with `settings`, a generation_config.json's
@@ -275,11 +279,34 @@ class Engine:
     def _decode_group(
         self, prompts: Sequence[str], encoded: Sequence[list[int]], params: GenerationParams, seeds: list[int]
     ) -> list[Result]:
+        """The rows as one batch, split where the memory budget or an out-of-memory error asks
+        (`backoff`); a row too large alone raises TooLarge once the others are decoded."""
+
+        def run(group: list[tuple[str, list[int], int]]) -> list[Result]:
+            return self._decode_rows([g[0] for g in group], [g[1] for g in group], [g[2] for g in group], params)
+
+        outcomes = run_backing_off(
+            run,
+            list(zip(prompts, encoded, seeds)),
+            lambda group: self.memory.need([ids for _, ids, _ in group], params),
+            self.memory.budget,
+            release=self.memory.release,
+        )
+        failed = [o.error for o in outcomes if o.error is not None]
+        if failed:
+            raise failed[0]
+        return [o.value for o in outcomes if o.value is not None]
+
+    def _decode_rows(
+        self, prompts: Sequence[str], encoded: Sequence[list[int]], seeds: list[int], params: GenerationParams
+    ) -> list[Result]:
+        reset_peak(self.device)
         t0 = time.perf_counter()
         outs, nfe = self.decode_ids(encoded, params, seeds)
         wall = time.perf_counter() - t0
+        peak = round(read_peak(self.device) / 2**20, 1)
         return [
-            self._result(prompt, ids_in, out, params, seed, nfe, wall, len(encoded))
+            self._result(prompt, ids_in, out, params, seed, nfe, wall, len(encoded), peak)
             for prompt, ids_in, out, seed in zip(prompts, encoded, outs, seeds)
         ]
 
@@ -293,6 +320,7 @@ class Engine:
         nfe: int,
         wall: float,
         batch_size: int,
+        peak_memory_mb: float,
     ) -> Result:
         text, n_out, reason = self.finish(out, params.stop, ids_in)
         steps = params.steps_for(len(ids_in))
@@ -311,6 +339,7 @@ class Engine:
             device=str(self.device),
             dtype=str(self.dtype).replace("torch.", ""),
             seed=seed,
+            peak_memory_mb=peak_memory_mb,
             settings={**params.report(), "seed": seed},
         )
 
@@ -333,17 +362,31 @@ class Engine:
         for i, (ids, p, seed) in enumerate(zip(encoded, params, seeds)):
             assert self.continuous(p), "a row the running set cannot decode"
             requests.append(BlockRequest(i, list(ids), plan_of(p), request_seed(seed, ids)))
-        scheduler, net = self._scheduler(params, max_batch, refill)
+        scheduler, net = self._scheduler(params, self._running_width(encoded, params, max_batch), refill)
+        reset_peak(self.device)
         t0 = time.perf_counter()
         results: list[Result | None] = [None] * len(encoded)
         for i, out, forwards in scheduler.run(requests):
             wall = time.perf_counter() - t0
-            r = self._result(prompts[i], list(encoded[i]), out, params[i], seeds[i], forwards, wall, max_batch)
+            peak = round(read_peak(self.device) / 2**20, 1)  # the process's so far
+            r = self._result(prompts[i], list(encoded[i]), out, params[i], seeds[i], forwards, wall, max_batch, peak)
             results[i] = r
             if on_result is not None:
                 on_result(i, r)
         self._account(scheduler, net)
         return [r for r in results if r is not None]
+
+    def _running_width(self, encoded: Sequence[list[int]], params: Sequence[GenerationParams], max_batch: int) -> int:
+        """At most max_batch rows, and under a memory budget (`--max-memory`) as many as fit when every
+        row in flight is as long as the longest prompt with the longest answer (at least one)."""
+        if self.memory.budget is None:
+            return max_batch
+        longest = max(encoded, key=len)
+        worst = max(params, key=lambda p: p.gen_length)
+        width = max_batch
+        while width > 1 and self.memory.need([longest] * width, worst) > self.memory.budget:
+            width -= 1
+        return width
 
     def continuous(self, params: GenerationParams) -> bool:
         """Whether rows with these settings decode through the running set (`decode.running`): block
@@ -398,9 +441,15 @@ class Engine:
 
 
 def load_engine(
-    model: str | Path | None = None, device: str = "auto", dtype: str = "auto", threads: int | None = None
+    model: str | Path | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    threads: int | None = None,
+    quantize: str = "none",
+    max_memory: str | int | None = None,
 ) -> Engine:
-    """Load a model folder (default: the embedded model) onto a device, ready to generate."""
+    """Load a model folder (default: the embedded model) onto a device, ready to generate. `quantize`:
+    "int8" weights (`arch.quantize`); `max_memory`: the budget batches are sized to (`arch.budget`)."""
     if threads:
         torch.set_num_threads(threads)
     folder = model_dir(model)
@@ -408,6 +457,8 @@ def load_engine(
     dt = resolve_dtype(dtype, dev)
     mf = ModelFolder.open(folder)
     tok = mf.tokenizer()  # a mismatched tokenizer fails before the weights are read
-    m: Model = load_model(mf, dev, dt)  # type: ignore[assignment]
+    m: Model = load_model(mf, dev, dt, quantize)  # type: ignore[assignment]
     log.info("loaded %s (%s) on %s (%s)", folder, mf.arch.name, dev, dt)
-    return Engine(m, tok, dev, dt, mf)
+    engine = Engine(m, tok, dev, dt, mf)
+    engine.memory = MemoryBudget(m, dt, quantize, max_memory, dev)
+    return engine

@@ -43,6 +43,12 @@ class InvalidText(UsageError):
     code = "invalid_utf8"
 
 
+class TooLarge(CelerisError):
+    """A request that does not fit the memory it may use even alone (out of memory, or over --max-memory)."""
+
+    code = "too_large"
+
+
 class ModelError(CelerisError):
     """A model folder that is missing, incomplete or inconsistent."""
 

@@ -19,6 +19,7 @@ from ..errors import ModelError
 from .folder import INDEX, SINGLE, ModelFolder
 from .layers import ArchConfig
 from .llada import LLaDAModel
+from .quantize import converter
 from .registry import Architecture
 from .safetensors_io import read_header, read_tensors, shape_of
 
@@ -32,14 +33,19 @@ def read_folder(folder: Path) -> tuple[Architecture, ArchConfig]:
 
 
 def load_model(
-    folder: Path | ModelFolder, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    folder: Path | ModelFolder,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    quantize: str = "none",
 ) -> nn.Module:
     """The folder's model on `device` in `dtype` (floating tensors), in eval mode. Each tensor is read
-    from disk into its own memory and cast there, so the peak stays near the loaded weights."""
+    from disk into its own memory and cast there, so the peak stays near the loaded weights. `quantize`
+    ("int8"): each weight is quantized as it is read (`quantize`)."""
     mf = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder)
     folder, files = mf.path, mf.weight_files
     with torch.device("meta"):
         model = mf.arch.build(mf.cfg)
+        convert = converter(model, quantize, dtype)  # the identity unless quantizing
     expected = dict(model.state_dict())
     optional = model.optional_tensors()
     state: dict[str, torch.Tensor] = {}
@@ -57,7 +63,7 @@ def load_model(
                 )
             wanted.append(name)
         for name, t in read_tensors(f, wanted, device, dtype):
-            state[name] = t
+            state.update(convert(name, t))
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ModelError(f"{folder}: weights do not match config.json (missing {missing[:3]})")

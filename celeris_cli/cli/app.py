@@ -39,6 +39,18 @@ class DtypeOpt(str, Enum):
     bfloat16 = "bfloat16"
 
 
+class QuantizeOpt(str, Enum):
+    none = "none"
+    int8 = "int8"
+
+
+QUANTIZE_HELP = "Weights: int8 quantizes every linear layer and the embedding as they load (per-channel)."
+MAX_MEMORY_HELP = (
+    "Memory the batches may use, as 8GiB or 512MB: each batch is the largest the planner expects to fit "
+    "(default: none on the CPU, 90% of the card's free memory and the weights on CUDA)."
+)
+
+
 def _print_version(value: bool) -> None:
     if value:
         from .. import __version__

@@ -9,7 +9,7 @@ import typer
 
 from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CelerisError, UsageError
 from .answering import prepare, run
-from .app import DeviceOpt, DtypeOpt, app, fail
+from .app import MAX_MEMORY_HELP, QUANTIZE_HELP, DeviceOpt, DtypeOpt, QuantizeOpt, app, fail
 from .knobs import given, with_knob_options
 from .output import Format, Sink
 from .prompts import gather
@@ -37,6 +37,8 @@ def generate(
     batch_size: int = typer.Option(16, "--batch-size", min=1, metavar="N", help="Prompts decoded together."),
     device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device", help="auto picks CUDA when present."),
     dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype", help="auto picks bfloat16 where it is fast."),
+    quantize: QuantizeOpt = typer.Option(QuantizeOpt.none, "--quantize", help=QUANTIZE_HELP),
+    max_memory: str = typer.Option(None, "--max-memory", metavar="SIZE", help=MAX_MEMORY_HELP),
     chat: bool = typer.Option(False, "--chat", help="Render prompts with the model's chat template."),
     as_json: bool = typer.Option(
         False,
@@ -67,7 +69,7 @@ def generate(
         overrides = given(knobs or {})
         from ..engine import load_engine
 
-        engine = load_engine(model, device.value, dtype.value)
+        engine = load_engine(model, device.value, dtype.value, quantize=quantize.value, max_memory=max_memory)
         params = engine.params(overrides)
         jobs, skipped = prepare(engine, params, prompts, bad, chat, strict, samples)
         fmt: Format = "json" if as_json else "jsonl" if as_jsonl else "text"

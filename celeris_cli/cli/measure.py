@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from ..errors import CelerisError, UsageError
-from .app import DeviceOpt, DtypeOpt, _json_setting, app, fail
+from .app import QUANTIZE_HELP, DeviceOpt, DtypeOpt, QuantizeOpt, _json_setting, app, fail
 
 
 @app.command(name="eval")
@@ -27,6 +27,7 @@ def eval_cmd(
     samples: int = typer.Option(1, "--samples", min=1, help="Answers per opening, with seeds seed, seed+1, ..."),
     device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
     dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
+    quantize: QuantizeOpt = typer.Option(QuantizeOpt.none, "--quantize", help=QUANTIZE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
 ) -> None:
     """Quality on a fixed held-out set: verse structure and distinct-2, NLL bound, and English word validity,
@@ -36,7 +37,7 @@ def eval_cmd(
 
     try:
         overrides = _json_setting(set_name)
-        engine = load_engine(model, device.value, dtype.value)
+        engine = load_engine(model, device.value, dtype.value, quantize=quantize.value)
         params = engine.params(overrides)
         report = evaluate(engine, params, EvalSet.load(), poems, english, batch_size, not no_nll, split, samples)
     except CelerisError as e:
@@ -143,6 +144,12 @@ def bench_cmd(
         help="Only measure: peak memory while loading a random checkpoint of this many GB (written to a temp "
         "folder), in bfloat16 and float32.",
     ),
+    memory: bool = typer.Option(
+        False,
+        "--memory",
+        help="Only measure: the memory planner's estimate beside the peak a fresh process adds decoding "
+        "celeris-block, celeris-tiny and random 0.5B and 1.5B-parameter checkpoints (bfloat16) to the end.",
+    ),
     scaling: bool = typer.Option(
         False,
         "--scaling",
@@ -154,10 +161,19 @@ def bench_cmd(
     device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
     dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
     threads: int = typer.Option(None, "--threads", min=1),
+    quantize: QuantizeOpt = typer.Option(QuantizeOpt.none, "--quantize", help=QUANTIZE_HELP),
     out: Path = typer.Option(None, "--out", help="Also write the JSON report here."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
 ) -> None:
     """Reference decoding and every fast mode side by side: speed and quality on the same outputs."""
+    if memory:
+        from ..measure.memory import check_default, render_check
+
+        try:
+            _emit(check_default(threads or 2), out, as_json, render_check)
+        except CelerisError as e:
+            fail(e)
+        return
     if loading:
         from ..measure.bench import hardware
         from ..measure.loading import measure_loading
@@ -227,7 +243,7 @@ def bench_cmd(
         return
     gen_length = gen_length or 256
     try:
-        engine = load_engine(model, device.value, dtype.value, threads)
+        engine = load_engine(model, device.value, dtype.value, threads, quantize.value)
         table, _ = modes_for(engine)
         chosen = [m.strip() for m in modes.split(",")] if modes else None
         for m in chosen or []:

@@ -28,7 +28,9 @@ def _spool(cfg: Any, progress: Any = None) -> Any:
             return RayActorPool(cfg)
         from ..spool.backend import EngineBackend
 
-        return EngineBackend(cfg.model, cfg.device, cfg.dtype, cfg.threads, cfg.generation)
+        return EngineBackend(
+            cfg.model, cfg.device, cfg.dtype, cfg.threads, cfg.generation, cfg.quantize, cfg.max_memory
+        )
 
     return Spool(cfg, backend, progress=progress)
 
@@ -184,4 +186,6 @@ def status(
     table.add_row("last heartbeat", f"{hb['state']} {hb['age_s']}s ago (pid {hb['pid']})" if hb else "-")
     last = hb.get("last_batch_age_s") if hb else None
     table.add_row("last batch", f"{last}s ago" if last is not None else "-")
+    peak = hb.get("peak_memory_mb") if hb else None
+    table.add_row("last batch's peak memory", f"{peak} MiB" if peak else "-")
     Console().print(table)

@@ -112,11 +112,18 @@ class EngineBackend:
     """The real backend over `celeris_cli.engine` (imported here, lazily, not by the queue)."""
 
     def __init__(
-        self, model: str | None, device: str, dtype: str, threads: int | None, generation: dict[str, Any]
+        self,
+        model: str | None,
+        device: str,
+        dtype: str,
+        threads: int | None,
+        generation: dict[str, Any],
+        quantize: str = "none",
+        max_memory: str | None = None,
     ) -> None:
         from ..engine import load_engine
 
-        self.engine = load_engine(model, device, dtype, threads)
+        self.engine = load_engine(model, device, dtype, threads, quantize, max_memory)
         self.base = _settings(lambda: self.engine.params(generation))
 
     def prepare(self, request: Request) -> Prepared:
@@ -152,6 +159,7 @@ class EngineBackend:
                     "tokens_per_s": r.tokens_per_s,
                     "device": r.device,
                     "dtype": r.dtype,
+                    "peak_memory_mb": r.peak_memory_mb,
                 },
                 "settings": r.settings,
             }

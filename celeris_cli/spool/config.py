@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..arch.memory import parse_size
 from ..errors import ConfigError, UsageError
 from ..params import check_values
 
@@ -59,6 +60,8 @@ class BatchConfig:
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = None
+    quantize: str = "none"  # int8: weight-only int8 (`arch.quantize`)
+    max_memory: str | None = None  # the budget batches are sized to, "8GiB" (`arch.budget`)
     generation: dict[str, Any] = field(default_factory=dict)
     engine: EngineSettings = field(default_factory=EngineSettings)
     batch_size: int = 16
@@ -89,6 +92,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "device": (str,),
     "dtype": (str,),
     "threads": (int, type(None)),
+    "quantize": (str,),
+    "max_memory": (str, type(None)),
     "generation": (dict,),
     "engine": (dict, type(None)),
     "batch_size": (int,),
@@ -203,6 +208,13 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
         raise ConfigError(f"device: must be auto, cpu or cuda, got {values['device']!r}")
     if "dtype" in values and values["dtype"] not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"dtype: must be auto, float32 or bfloat16, got {values['dtype']!r}")
+    if "quantize" in values and values["quantize"] not in ("none", "int8"):
+        raise ConfigError(f"quantize: must be none or int8, got {values['quantize']!r}")
+    if values.get("max_memory") is not None:
+        try:
+            parse_size(values["max_memory"], "max_memory")
+        except UsageError as e:
+            raise ConfigError(str(e)) from None
     for key in values.get("generation", {}):
         if not isinstance(key, str):
             raise ConfigError(f"generation: keys must be names, got {key!r}")

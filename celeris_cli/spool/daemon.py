@@ -35,7 +35,7 @@ from .fsutil import crashpoint
 from .intake import Inbox, Job
 from .late import LateLines
 from .ledger import EventLog, FailureLog
-from .metrics import Metrics, output_tokens
+from .metrics import Metrics, output_tokens, peak_memory_mb
 from .pool import Done, Pool, as_pool
 from .publish import Publisher, line_failure, request_failure
 from .reading import Snapshot, read_claimed
@@ -348,7 +348,9 @@ class Spool:
         failed = [o for o in outcomes if o.body is None]
         tokens = sum(o.item[1].cost for o in outcomes)
         out_tokens = sum(output_tokens(o.body) for o in outcomes if o.body is not None)
-        self.metrics.batch(out_tokens, wall)
+        peak = max((peak_memory_mb(o.body) for o in outcomes if o.body is not None), default=0.0)
+        self.metrics.batch(out_tokens, wall, peak)
+        self.beat.peak_memory_mb = peak or self.beat.peak_memory_mb
         self.events(
             "batch",
             ticket=ticket,

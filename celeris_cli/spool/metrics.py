@@ -25,13 +25,15 @@ class Metrics:
         self.batches = Counter("celeris_queue_batches", "Batches decoded", registry=r)
         self.tokens = Counter("celeris_queue_output_tokens", "Output tokens decoded", registry=r)
         self.tok_s = Gauge("celeris_queue_tokens_per_second", "Output tokens per second, last batch", registry=r)
+        self.peak = Gauge("celeris_queue_peak_memory_bytes", "Peak memory of the last batch", registry=r)
         self.depth = Gauge("celeris_queue_depth", "Files waiting in the inbox", registry=r)
         self.claimed = Gauge("celeris_queue_claimed", "Files claimed and not yet published", registry=r)
         self.oldest = Gauge("celeris_queue_oldest_pending_age_seconds", "Age of the oldest inbox file", registry=r)
         self.last_ok = Gauge("celeris_queue_last_success_timestamp_seconds", "Last published result", registry=r)
 
-    def batch(self, output_tokens: int, wall_s: float) -> None:
+    def batch(self, output_tokens: int, wall_s: float, peak_memory_mb: float = 0.0) -> None:
         if self.path is not None:
+            self.peak.set(peak_memory_mb * 2**20)
             self.batches.inc()
             self.tokens.inc(output_tokens)
             self.tok_s.set(output_tokens / wall_s if wall_s > 0 else 0.0)
@@ -60,6 +62,11 @@ class Metrics:
         except OSError:
             pass  # metrics must never stop the queue
         self.written = time.monotonic()
+
+
+def peak_memory_mb(body: dict[str, Any]) -> float:
+    timing = body.get("timing")
+    return float(timing.get("peak_memory_mb", 0.0)) if isinstance(timing, dict) else 0.0
 
 
 def output_tokens(body: dict[str, Any]) -> int:

@@ -19,6 +19,7 @@ class Heartbeat:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.last_batch: float | None = None
+        self.peak_memory_mb: float | None = None  # the last batch's
 
     def write(self, state: str, spool: Any) -> None:
         data = {
@@ -29,6 +30,7 @@ class Heartbeat:
             "done": spool.counts.results,
             "failed": spool.counts.failures,
             "last_batch_unix": self.last_batch,
+            "peak_memory_mb": self.peak_memory_mb,
         }
         try:
             atomic_write(self.path, json.dumps(data).encode(), durable=False)

@@ -1,0 +1,319 @@
+"""The memory planner: the peak a decode is expected to reach, from the network's sizes, the strategy, the
+batch, the lengths, the dtype and the weights' quantization. Pure arithmetic, no torch.
+
+A decode's peak is the largest of a few phases, each the sum of what is alive at that moment (read off the
+decoders in `decode/`):
+
+- every strategy holds the weights, and under bfloat16 with `upcast` a float32 copy of a small LM head
+  (`layers.HEAD_CACHE_BYTES`), or a per-call float32 cast of a large one while the head runs;
+- `fast` with a cache refreshes it with a full-canvas forward at each block: the old cache, the fresh
+  keys/values of every layer (model dtype) and the new float32-or-model-dtype copy are alive together;
+  its steps hold the cache, a window's activations and the logits of the active block's masked positions;
+- `block-fast` keeps an exact cache of the whole canvas in the model dtype, allocated once; when a row
+  finishes the cache is copied for the rows that stay, so two caches are briefly alive; its forwards
+  are a block (or two) wide, the prompt's prefill excepted;
+- `block` recomputes the prefix up to the active block at every step, without a cache;
+- `reference` and `dream` run the whole canvas and the LM head on every position at every step.
+
+Activations are those of the largest forward's widest layer: the residual stream, then either the
+attention's projections (with their float32 rotary and upcast copies) or the SwiGLU's three intermediates.
+SDPA's fused kernels never materialise the (T x T) scores, so they are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from ..errors import UsageError
+from ..params import GenerationParams
+
+Quantize = Literal["none", "int8"]
+QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LOGIT_COPIES = 3  # the head's float32 output, its softmax and the sampler's filtered scores, alive together
+HEAD_CACHE_BYTES = 64 * 2**20  # as `layers.HEAD_CACHE_BYTES` (not imported: that module needs torch)
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes memory depends on. `matrix_params`: parameters in the linear layers and the embedding
+    (what int8 quantizes, one float32 scale per output row); `other_params`: norms, biases, routers.
+    `ffn`: the widest intermediate a token passes through (a mixture of experts: its chosen experts')."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    rows: int  # embedding rows = LM head outputs
+    matrix_params: int
+    matrix_rows: int  # output rows summed over the quantizable matrices (the int8 scales)
+    other_params: int
+
+    @property
+    def params(self) -> int:
+        return self.matrix_params + self.other_params
+
+
+@dataclass(frozen=True)
+class Request:
+    """A decode to plan: `prompt` and `gen_length` in tokens; `window` the tokens a cached step recomputes
+    (fast: block_length, or the block and suffix for `prefix`; block-fast: block_length)."""
+
+    strategy: str
+    batch: int
+    prompt: int
+    gen_length: int
+    block_length: int
+    dtype: str = "float32"
+    quantize: Quantize = "none"
+    cache: str = "dual"  # the fast decoder's cache mode: dual, prefix or none
+    suffix_window: int = 0
+    views: int = 1  # 2 under classifier-free guidance
+    upcast: bool = True
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The expected peak in bytes, split into what is alive at that moment."""
+
+    weights: int
+    kv_cache: int
+    activations: int
+    logits: int
+
+    @property
+    def peak(self) -> int:
+        return self.weights + self.kv_cache + self.activations + self.logits
+
+
+def shape_from_dims(
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    rows: int,
+    head_dim: int | None = None,
+    tied: bool = False,
+    experts: int = 0,
+    expert_ffn: int = 0,
+    experts_per_token: int = 0,
+    shared_experts: int = 0,
+    dense_layers: int = 0,
+) -> Shape:
+    """A Shape from a model card's figures (for published models whose weights are not at hand)."""
+    hd = head_dim or hidden // heads
+    attn = hidden * (heads + 2 * kv_heads) * hd + heads * hd * hidden
+    attn_rows = (heads + 2 * kv_heads) * hd + hidden
+    dense = (3 * hidden * ffn, 2 * ffn + hidden)
+    if experts:
+        moe = 3 * hidden * expert_ffn * (experts + shared_experts)
+        moe_rows = (2 * expert_ffn + hidden) * (experts + shared_experts)
+        per_token = expert_ffn * (experts_per_token + shared_experts)
+        mlp = dense[0] * dense_layers + moe * (layers - dense_layers)
+        mlp_rows = dense[1] * dense_layers + moe_rows * (layers - dense_layers)
+        other = (layers - dense_layers) * experts * hidden  # routers, kept in full precision
+        width = max(ffn if dense_layers else 0, per_token)
+    else:
+        mlp, mlp_rows, other, width = dense[0] * layers, dense[1] * layers, 0, ffn
+    heads_ = 1 if tied else 2
+    return Shape(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=hd,
+        ffn=width,
+        rows=rows,
+        matrix_params=layers * attn + mlp + heads_ * rows * hidden,
+        matrix_rows=layers * attn_rows + mlp_rows + heads_ * rows,
+        other_params=other + layers * 2 * hidden + hidden,
+    )
+
+
+def weights_bytes(shape: Shape, dtype: str, quantize: Quantize = "none") -> int:
+    a = DTYPE_BYTES[dtype]
+    if quantize == "int8":
+        return shape.matrix_params + 4 * shape.matrix_rows + shape.other_params * a
+    return shape.params * a
+
+
+def _kv(shape: Shape, batch: int, length: int, nbytes: int) -> int:
+    """Keys and values of every layer for `batch` rows of `length` positions."""
+    return 2 * shape.layers * batch * shape.kv_heads * length * shape.head_dim * nbytes
+
+
+def _activations(shape: Shape, tokens: int, a: int, upcast: bool) -> int:
+    """The widest layer of one forward over `tokens` (rows x positions) in dtype bytes `a`."""
+    qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+    rope = (shape.heads + shape.kv_heads) * shape.head_dim * 4  # rotary runs in float32
+    up = qkv * 4 if (upcast and a < 4) else 0  # attention in float32 under low precision
+    attention = qkv * a + rope + up + shape.heads * shape.head_dim * a
+    mlp = 3 * shape.ffn * a
+    return tokens * (2 * shape.hidden * a + max(attention, mlp))
+
+
+def _head(shape: Shape, positions: int, a: int, upcast: bool, int8: bool) -> int:
+    """The LM head's output for `positions`, its sampling copies, a large head's per-call float32 cast,
+    and an int8 head's dequantized copy (`quantize`: the head is read as a matrix)."""
+    f32 = upcast and a < 4
+    cast = shape.rows * shape.hidden * 4 if f32 and shape.rows * shape.hidden * 4 > HEAD_CACHE_BYTES else 0
+    return positions * shape.rows * 4 * LOGIT_COPIES + cast + (shape.rows * shape.hidden * a if int8 else 0)
+
+
+def plan(shape: Shape, req: Request) -> Estimate:
+    """The expected peak of decoding `req` on a model of `shape`: the largest of the strategy's phases."""
+    if req.quantize not in QUANTIZE_CHOICES:
+        raise UsageError(f"unknown quantization {req.quantize!r} (choose {', '.join(QUANTIZE_CHOICES)})")
+    if req.dtype not in DTYPE_BYTES:
+        raise UsageError(f"unknown dtype {req.dtype!r} (choose {', '.join(DTYPE_BYTES)})")
+    a, B, V = DTYPE_BYTES[req.dtype], req.batch, req.views
+    f32, int8 = req.upcast and a < 4, req.quantize == "int8"
+    head_copy = shape.rows * shape.hidden * 4 if f32 and shape.rows * shape.hidden * 4 <= HEAD_CACHE_BYTES else 0
+    weights = weights_bytes(shape, req.dtype, req.quantize) + head_copy
+    L = req.prompt + req.gen_length  # the canvas
+    W = min(req.block_length, req.gen_length)
+    masked = B * W * V  # positions the head runs on in a step (at most)
+    phases: list[Estimate] = []
+    if req.strategy == "fast":
+        seen = L  # a bounded canvas (suffix_window) still reaches the whole canvas at its last block
+        act = _activations(shape, B * seen, a, req.upcast)
+        if req.cache == "none":
+            phases.append(Estimate(weights, 0, act, _head(shape, masked, a, req.upcast, int8)))
+        else:
+            cache = V * _kv(shape, B, seen, 4 if f32 else a)
+            fresh = _kv(shape, B, seen, a)
+            phases.append(Estimate(weights, cache + fresh, act, 0))  # the refresh forward
+            phases.append(Estimate(weights, 2 * cache + fresh, 0, 0))  # the new cache built beside the old
+            window = W if req.cache == "dual" else seen - req.prompt
+            step = _activations(shape, B * window, a, req.upcast)
+            phases.append(Estimate(weights, cache, step, _head(shape, masked, a, req.upcast, int8)))
+    elif req.strategy in ("block-fast", "block"):
+        C = math.ceil(L / W) * W + W  # block-aligned canvas (a row's first block may hold its prompt's tail)
+        if req.strategy == "block":
+            act = V * _activations(shape, B * C, a, req.upcast)
+            phases.append(Estimate(weights, 0, act, _head(shape, masked, a, req.upcast, int8)))
+        else:
+            cache = V * _kv(shape, B, C, a)
+            prefill = (req.prompt // W) * W
+            phases.append(
+                Estimate(weights, cache + _kv(shape, B, prefill, a), _activations(shape, B * prefill, a, req.upcast), 0)
+            )
+            step = _activations(shape, B * 2 * W, a, req.upcast) + (_kv(shape, B, C, 4) // shape.layers if f32 else 0)
+            phases.append(Estimate(weights, cache, step, _head(shape, masked, a, req.upcast, int8)))
+            if B > 1:  # a finished row leaves: the cache is copied for the rows that stay
+                phases.append(Estimate(weights, cache + cache * (B - 1) // B, 0, 0))
+    elif req.strategy in ("reference", "dream"):
+        act = _activations(shape, B * L, a, req.upcast)
+        phases.append(Estimate(weights, 0, act, _head(shape, B * V * L, a, req.upcast, int8)))
+    else:
+        raise UsageError(f"no memory plan for strategy {req.strategy!r}")
+    return max(phases, key=lambda e: e.peak)
+
+
+def largest_batch(shape: Shape, req: Request, budget: int, limit: int = 4096) -> int:
+    """The largest batch whose expected peak fits `budget` bytes (0 when not even one row fits)."""
+    if plan(shape, replace(req, batch=1)).peak > budget:
+        return 0
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if plan(shape, replace(req, batch=mid)).peak <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_size(text: str, name: str = "max-memory") -> int:
+    """'8GiB', '512MB', '1.5gb' or a count of bytes -> bytes."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise UsageError(f"{name} must be a size such as 8GiB or 512MB, got {text!r}")
+    value = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+    if value <= 0:
+        raise UsageError(f"{name} must be positive, got {text!r}")
+    return value
+
+
+def human(n: int) -> str:
+    """Bytes for people: 1.2 GiB, 340 MiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.0f} {unit}"
+    return f"{n} B"
+
+
+def _dim(cfg: object, *names: str) -> int:
+    for name in names:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise UsageError(f"{type(cfg).__name__} names none of {', '.join(names)}: no memory plan for it")
+
+
+def shape_of_model(model: Any) -> Shape:
+    """The Shape of a built model (on the meta device is enough): the quantizable parameters counted from
+    its linear layers and embedding, the sizes read from its config."""
+    import torch
+    from torch import nn
+
+    cfg = model.cfg
+    matrices: list[tuple[int, int]] = []  # (rows, columns) of each linear layer and embedding
+    other = 0
+    for m in model.modules():
+        weight = m.qweight if hasattr(m, "qweight") else getattr(m, "weight", None)  # int8 (`quantize`) or float
+        if isinstance(weight, torch.Tensor) and (isinstance(m, (nn.Linear, nn.Embedding)) or hasattr(m, "qweight")):
+            matrices.append((weight.shape[0], weight.shape[1]))
+            bias = getattr(m, "bias", None)
+            other += bias.numel() if isinstance(bias, torch.Tensor) else 0
+        else:
+            other += sum(p.numel() for p in m.parameters(recurse=False))
+    matrix_params = sum(r * c for r, c in matrices)
+    heads = _dim(cfg, "n_heads", "num_attention_heads")
+    hidden = _dim(cfg, "d_model", "hidden_size")
+    experts = getattr(cfg, "num_experts", None) or 0
+    per_token = (getattr(cfg, "num_experts_per_tok", 0) + (getattr(cfg, "num_shared_experts", 0) or 0)) * getattr(
+        cfg, "moe_intermediate_size", 0
+    )
+    ffn = _dim(cfg, "mlp_hidden_size", "intermediate_size")
+    dense_layers = getattr(cfg, "first_k_dense_replace", 0) if experts else 0
+    return Shape(
+        layers=_dim(cfg, "n_layers", "num_hidden_layers"),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=_dim(cfg, "kv_heads", "num_key_value_heads", "n_heads"),
+        head_dim=_dim(cfg, "head_dim", "dim") if hasattr(cfg, "head_dim") or hasattr(cfg, "dim") else hidden // heads,
+        ffn=max(per_token, ffn if dense_layers or not experts else 0),
+        rows=cfg.rows,
+        matrix_params=matrix_params,
+        matrix_rows=sum(r for r, _ in matrices),
+        other_params=other,
+    )
+
+
+def request_of(p: GenerationParams, batch: int, prompt: int, dtype: str, quantize: Quantize = "none") -> Request:
+    """The Request a decode with these settings runs: the parts of them memory depends on."""
+    return Request(
+        strategy=p.strategy,
+        batch=batch,
+        prompt=prompt,
+        gen_length=p.gen_length,
+        block_length=p.block_length,
+        dtype=dtype,
+        quantize=quantize,
+        cache=p.cache,
+        suffix_window=p.suffix_window,
+        views=2 if p.cfg_scale > 0 else 1,
+    )
