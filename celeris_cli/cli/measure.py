@@ -164,7 +164,8 @@ def bench_cmd(
     import tempfile
 
     from ..engine import load_engine
-    from ..measure.bench import batch_invariance, bench, bench_queue, modes_for, render
+    from ..measure.bench import bench, bench_queue, modes_for, render
+    from ..measure.invariance import batch_invariance
 
     if ray_compare:
         import tempfile
