@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .arch import invariant
 from .arch.checkpoint import load_model, read_folder
 from .arch.layers import Model
 from .arch.registry import ARCHITECTURES, Architecture
@@ -160,7 +161,8 @@ class Engine:
         seeds = seeds if seeds is not None else [params.seed] * len(batch)
         noise = RowNoise([request_seed(s, ids) for s, ids in zip(seeds, batch)], self.device)
         net = Net(self.model)
-        out = decode(net, prompt, prompt_mask, params, self._special(params), noise)
+        with invariant.enabled(params.deterministic):
+            out = decode(net, prompt, prompt_mask, params, self._special(params), noise)
         self.positions_computed += net.positions_computed
         return out[:, P:].tolist(), net.nfe
 
