@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from ..engine import Engine
 from .bench import agreement
 from .evaluate import EvalSet
@@ -44,4 +46,46 @@ def batch_invariance(
         "seeds": f"0..{len(prompts) - 1}, one per prompt",
         "wall_s": round(time.perf_counter() - t0, 1),
         **agreement(alone, batched),
+    }
+
+
+def deterministic_cost(
+    engine: Engine, batch_sizes: list[int], n_prompts: int, settings: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Output tokens/s with the batch-invariant mode on and off (`deterministic`), side by side, at each batch
+    size: the same mixed-length prompts (at least one full batch's worth), one seed each, the model's
+    defaults under `settings`. On and off alternate which runs first from one batch size to the next, so a
+    drift in the machine's load does not favour one. Also whether each mode's answers are the same at every
+    batch size (share of rows identical to the batch-1 or smallest batch's answers)."""
+    base = engine.params(settings or {})
+    rows: list[dict[str, Any]] = []
+    texts: dict[bool, dict[int, list[str]]] = {True: {}, False: {}}
+    n = max(n_prompts, *batch_sizes)
+    prompts = mixed_prompts(n)
+    seeds = list(range(len(prompts)))
+    for i, batch in enumerate(batch_sizes):
+        cell: dict[str, Any] = {"batch_size": batch, "prompts": len(prompts)}
+        for on in (True, False) if i % 2 == 0 else (False, True):
+            t0 = time.perf_counter()
+            results = engine.generate(prompts, base.with_(deterministic=on), batch_size=batch, seeds=seeds)
+            wall = time.perf_counter() - t0
+            tokens = sum(r.output_tokens for r in results)
+            cell["on" if on else "off"] = {"wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 2)}
+            texts[on][batch] = [r.text for r in results]
+        cell["cost"] = round(1 - cell["on"]["tokens_per_s"] / cell["off"]["tokens_per_s"], 4)
+        rows.append(cell)
+    first = batch_sizes[0]
+    return {
+        "prompts": len(prompts),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads(),
+        "settings": {k: v for k, v in base.report().items() if k not in ("seed", "deterministic")},
+        "rows": rows,
+        "same_answers_as_batch": {
+            "batch": first,
+            **{
+                ("on" if on else "off"): {b: agreement(texts[on][first], t)["identical_rows"] for b, t in by.items()}
+                for on, by in texts.items()
+            },
+        },
     }
