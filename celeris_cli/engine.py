@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import torch
 
+from .arch import invariant
 from .arch.budget import MemoryBudget, read_peak, reset_peak
 from .arch.checkpoint import load_model
 from .arch.folder import CONFIG, GENERATION_CONFIG, ModelFolder
@@ -174,7 +175,8 @@ class Engine:
             requests = [
                 BlockRequest(i, ids, plan, request_seed(s, ids)) for i, (ids, s) in enumerate(zip(batch, seeds))
             ]
-            outs: dict[int, list[int]] = {i: out for i, out, _ in scheduler.run(requests)}
+            with invariant.enabled(params.deterministic):
+                outs: dict[int, list[int]] = {i: out for i, out, _ in scheduler.run(requests)}
             self._account(scheduler, net)
             return [outs[i] for i in range(len(batch))], net.nfe
         decode = get_strategy(params.strategy)
@@ -185,12 +187,13 @@ class Engine:
         prompt_mask = torch.tensor([[False] * (P - len(ids)) + [True] * len(ids) for ids in batch], device=self.device)
         noise = RowNoise([request_seed(s, ids) for s, ids in zip(seeds, batch)], self.device)
         net = Net(self.model)
-        if on_block is None:
-            out = decode(net, prompt, prompt_mask, params, self._special(params), noise)
-        elif params.strategy in BY_BLOCK:
-            out = decode(net, prompt, prompt_mask, params, self._special(params), noise, on_block)  # type: ignore[call-arg]
-        else:
-            raise UsageError(f"the {params.strategy} strategy commits no blocks to report")
+        with invariant.enabled(params.deterministic):
+            if on_block is None:
+                out = decode(net, prompt, prompt_mask, params, self._special(params), noise)
+            elif params.strategy in BY_BLOCK:
+                out = decode(net, prompt, prompt_mask, params, self._special(params), noise, on_block)  # type: ignore[call-arg]
+            else:
+                raise UsageError(f"the {params.strategy} strategy commits no blocks to report")
         self.positions_computed += net.positions_computed
         return out[:, P:].tolist(), net.nfe
 
@@ -366,7 +369,9 @@ class Engine:
         reset_peak(self.device)
         t0 = time.perf_counter()
         results: list[Result | None] = [None] * len(encoded)
-        for i, out, forwards in scheduler.run(requests):
+        deterministic = {p.deterministic for p in params}
+        assert len(deterministic) == 1, "rows of one running set compute one way"  # a run-wide setting
+        for i, out, forwards in _running(scheduler.run(requests), deterministic.pop()):
             wall = time.perf_counter() - t0
             peak = round(read_peak(self.device) / 2**20, 1)  # the process's so far
             r = self._result(prompts[i], list(encoded[i]), out, params[i], seeds[i], forwards, wall, max_batch, peak)
@@ -438,6 +443,17 @@ class Engine:
             if on_batch is not None:
                 on_batch(len(idx))
         return [r for r in results if r is not None]
+
+
+def _running(rows: Iterator[tuple[int, list[int], int]], deterministic: bool) -> Iterator[tuple[int, list[int], int]]:
+    """The running set's rows as they finish, each forward computed batch-invariantly or not; the mode is
+    set around each step of the generator only, so a caller's code between rows runs outside it."""
+    while True:
+        with invariant.enabled(deterministic):
+            row = next(rows, None)
+        if row is None:
+            return
+        yield row
 
 
 def load_engine(

@@ -190,6 +190,12 @@ KNOBS: dict[str, Knob] = {
         "block-fast (block diffusion, LLaDA2; block-fast keeps an exact cache). The model folder's architecture "
         "says which run on it (celeris inspect).",
     ),
+    "deterministic": Knob(
+        bool,
+        True,
+        help="Compute each row as it is computed alone (batch-invariant matmuls and attention), so that in "
+        "bfloat16 too an answer does not depend on its batch mates or their padding; off is the plain kernels.",
+    ),
     "stop": Knob(
         tuple,
         (),
@@ -371,7 +377,7 @@ STRATEGY_PARTS: dict[str, tuple[str, ...]] = {
     "block": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping"),
     "block-fast": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping"),
 }
-PER_REQUEST = ("seed", "strategy", "stop")  # honoured by every strategy, outside the decoder
+PER_REQUEST = ("seed", "strategy", "deterministic", "stop")  # honoured by every strategy, outside the decoder
 
 
 def honoured(strategy: str) -> tuple[str, ...]:
@@ -408,6 +414,7 @@ class GenerationParams:
     block_steps: int = KNOBS["block_steps"].default
     seed: int = KNOBS["seed"].default
     strategy: str = KNOBS["strategy"].default
+    deterministic: bool = KNOBS["deterministic"].default
     stop: tuple[str, ...] = KNOBS["stop"].default
     # which spelling of the steps block diffusion runs: denoise_steps in total (True) or block_steps per
     # block (False); the last layer that named one of them decides (`steps_unit`)

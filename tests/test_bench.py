@@ -9,8 +9,9 @@ from typer.testing import CliRunner
 
 from celeris_cli.cli import app
 from celeris_cli.engine import Engine
-from celeris_cli.measure.bench import MODES, agreement, batch_invariance, bench, bench_queue
+from celeris_cli.measure.bench import MODES, agreement, bench, bench_queue
 from celeris_cli.measure.evaluate import EvalSet
+from celeris_cli.measure.invariance import batch_invariance
 
 
 def test_bench_reports_every_mode_with_speed_and_quality_figures(eos_prone: Engine) -> None:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
+from . import invariant
 from .kv import KV, Cache, LayerKV
 
 
@@ -117,12 +118,14 @@ def attend(
         cv[:, :, start : start + v.shape[2]] = v
         k, v = ck, cv
     gqa = q.shape[1] != k.shape[1]
-    if q.dtype != torch.float32 and upcast:  # low-precision rounding would depend on the batch's shape
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask, enable_gqa=gqa).to(
-            q.dtype
-        )
+    dtype = q.dtype
+    if dtype != torch.float32 and upcast:  # low-precision rounding would depend on the batch's shape
+        q, k, v = q.float(), k.float(), v.float()
+    if invariant.active():
+        y = invariant.attention(q, k, v, attn_mask, start, gqa)
     else:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+    y = y.to(dtype)
     B, H, T, D = y.shape
     return y.transpose(1, 2).reshape(B, T, H * D), fresh
 
@@ -187,6 +190,7 @@ class DiffusionLM(nn.Module):
     decoded in a batch often drifts from the same prompt decoded alone (README, "Reproducible answers")."""
 
     upcast = True
+    _routed = False  # whether the linear layers compute through `invariant.linear` yet (`hidden`)
     logit_shift = 0  # 1 where position j-1's logits predict position j (Dream)
     block_causal = False  # True where attention is causal between blocks (LLaDA2)
     cfg: Any
@@ -234,6 +238,9 @@ class DiffusionLM(nn.Module):
             positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
         rope = rope_tables(positions, *self.rope_dims())
         mask = key_mask_4d(key_mask)
+        if not self._routed:
+            invariant.route_linears(self)
+            self._routed = True
         embed, layers, norm = self.parts()
         x = embed(ids)
         fresh: list[KV] = []
@@ -247,8 +254,8 @@ class DiffusionLM(nn.Module):
         """LM head (B, T, vocab_size); call it on the positions whose logits are needed only."""
         w = self.head_weight()
         if h.dtype != torch.float32 and self.upcast:
-            return F.linear(h.float(), self._float_head(w))[..., : self.cfg.vocab_size]
-        return F.linear(h, w)[..., : self.cfg.vocab_size]
+            return invariant.linear(h.float(), self._float_head(w))[..., : self.cfg.vocab_size]
+        return invariant.linear(h, w)[..., : self.cfg.vocab_size]
 
     def _float_head(self, w: torch.Tensor) -> torch.Tensor:
         """The head's weight in float32 for the upcast head: cast once and kept while the weight is

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
+from . import invariant
 from .layers import KV, DiffusionLM, apply_rope, attend, read_fields, rms_norm
 
 
@@ -156,7 +157,7 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (N, d) -> the chosen experts (N, k) and their weights (N, k), float32."""
         cfg, N = self.cfg, x.shape[0]
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # (N, E)
+        scores = torch.sigmoid(invariant.linear(x.float(), self.weight.float()))  # (N, E)
         biased = scores + self.expert_bias.float()
         groups = biased.view(N, cfg.n_group, -1)
         group_score = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(-1)  # (N, n_group)

@@ -133,6 +133,14 @@ def bench_cmd(
         help="Only measure: the mixed workload (--prompts poem and English openings, answers of 16 to 256 "
         "tokens) in static batches and through the running set, side by side.",
     ),
+    invariance_cost: str = typer.Option(
+        None,
+        "--invariance-cost",
+        metavar="B,B,...",
+        help="Only measure: tokens/s with --deterministic on and off, side by side, at these batch sizes (e.g. "
+        "1,16,64), on --prompts mixed-length prompts (at least one full batch), and whether the answers change "
+        "with the batch size.",
+    ),
     ray_compare: int = typer.Option(
         0, "--ray-compare", min=0, help="Only measure: celeris batch over N prompts, local and on Ray (1, 2 actors)."
     ),
@@ -187,7 +195,8 @@ def bench_cmd(
     import tempfile
 
     from ..engine import load_engine
-    from ..measure.bench import batch_invariance, bench, bench_queue, modes_for, render
+    from ..measure.bench import bench, bench_queue, modes_for, render
+    from ..measure.invariance import batch_invariance, deterministic_cost
 
     if ray_compare:
         import tempfile
@@ -237,6 +246,15 @@ def bench_cmd(
         if out is not None:
             out.write_text(json.dumps(result, indent=1, ensure_ascii=False), encoding="utf-8")
         typer.echo(json.dumps(result, ensure_ascii=False))
+        return
+    if invariance_cost:
+        try:
+            engine = load_engine(model, device.value, dtype.value, threads)
+            sizes = list(_int_list("--invariance-cost", invariance_cost))
+            result = deterministic_cost(engine, sizes, prompts, _json_setting(set_name))
+        except CelerisError as e:
+            fail(e)
+        _emit(result, out, True, lambda r: None)
         return
     if sweep:
         _sweep(sweep, model, versus, prompts, batch_size, gen_length, set_name, device, dtype, threads, out, as_json)
