@@ -48,9 +48,9 @@ def _running(engine: Engine, rows: list[tuple[str, object, int]], max_batch: int
     got: dict[int, list[int]] = {}
     original = engine._result
 
-    def keep(prompt, ids_in, out, params, seed, nfe, wall, batch_size):  # type: ignore[no-untyped-def]
+    def keep(prompt, ids_in, out, *rest):  # type: ignore[no-untyped-def]
         got[len(got)] = out
-        return original(prompt, ids_in, out, params, seed, nfe, wall, batch_size)
+        return original(prompt, ids_in, out, *rest)
 
     order: list[int] = []
     engine._result = keep  # type: ignore[method-assign]
