@@ -184,3 +184,26 @@ def test_a_rows_noise_and_commit_do_not_change_with_the_rows_beside_it(block_eng
     assert torch.equal(step(list(range(16))), alone)
     assert torch.equal(step([0, 5, 9]), alone[[0, 5, 9]])
     assert not torch.equal(step(list(range(16)))[0], block[0])  # something was committed
+
+
+def test_a_block_ends_after_its_steps_when_the_model_predicts_the_mask_itself(
+    block_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Committing the mask token commits nothing; a row still leaves its block after its own steps (as the
+    static decoders do) instead of stepping forever."""
+    mask, head, calls = block_engine.tokenizer.mask_id, block_engine.model.head, [0]
+
+    def predicts_the_mask(h: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] > 200:
+            raise RuntimeError("the row never left its block")
+        logits = head(h).clone()
+        logits[..., mask] = 1e4
+        return logits
+
+    monkeypatch.setattr(block_engine.model, "head", predicts_the_mask)
+    params = block_engine.params({"gen_length": 16, "temperature": 0.0})
+    prompt = block_engine.encode_prompt("the cat sat on")
+    [out], _ = block_engine.decode_ids([prompt], params)
+    assert out[:16] == [mask] * 16
+    assert calls[0] == sum(params.steps_for(len(prompt)))  # each block's steps, then on

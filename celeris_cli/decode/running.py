@@ -226,7 +226,9 @@ class BlockScheduler:
             r = rows[b]
             r.step += 1
             s, e = r.start, r.start + W
-            complete = not (r.x[s:e] == self.mask_id).any()
+            # a block ends when nothing in it is masked, or after its own steps: a model may predict the mask
+            # token itself, which commits nothing (the static decoders stop there too)
+            complete = not (r.x[s:e] == self.mask_id).any() or r.step >= len(r.transfers[r.block - r.first])
             if self.on_block is not None and (finished or complete):
                 self.on_block(r.req.key, r.x[r.gen : min(e, r.gen + r.req.plan.blocks.gen_length)].tolist())
             if finished or (complete and e >= len(r.x)):
@@ -239,7 +241,7 @@ class BlockScheduler:
         """commit_step for rows sharing their settings and width, on their own blocks (b, W)."""
         W = rows[0].width
         block = torch.stack([r.x[r.start : r.start + W] for r in rows])
-        k = torch.tensor([_transfer(r, self.mask_id) for r in rows], dtype=torch.long, device=self.device)
+        k = torch.tensor([_transfer(r) for r in rows], dtype=torch.long, device=self.device)
         gens = [torch.Generator(device=self.device).manual_seed(stream_seed(r.req.seed, r.block, r.step)) for r in rows]
         answer = self._answer(rows, plan)
         out = commit_step(block, [h], self.net, plan, k, self.mask_id, gens, answer, self.stop, self.pieces)
@@ -292,13 +294,9 @@ class BlockScheduler:
         return KVCache.empty(len(kv), rows, k.shape[1], length, k.shape[3], dtype, self.device)
 
 
-def _transfer(r: _Row, mask_id: int) -> int:
-    """The tokens this step of the row's block commits by schedule (`Blocks.transfers`); past its steps
-    (which the schedule's sums make unreachable) whatever is still masked, so a row always ends."""
-    per_step = r.transfers[r.block - r.first]
-    if r.step < len(per_step):
-        return per_step[r.step]
-    return int((r.x[r.start : r.start + r.width] == mask_id).sum())
+def _transfer(r: _Row) -> int:
+    """The tokens this step of the row's block commits by schedule (`Blocks.transfers`)."""
+    return r.transfers[r.block - r.first][r.step]
 
 
 # commit_step reads every part of a plan but its blocks: rows group by the rest (their width apart)
