@@ -4,9 +4,15 @@ and a 2-layer random LLaDA-layout model saved as safetensors."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+
+# One torch thread in the tests and the processes they start: their models are tiny, and two OpenMP threads
+# spinning on each small op wait for a core whenever anything runs beside the suite (measured: a running-set
+# decode of one row took 4.4 s with two threads beside another job, 0.34 s with one). Set before torch loads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 LINES = [
     "床前明月光，疑是地上霜。举头望明月，低头思故乡。",

@@ -151,3 +151,59 @@ def test_cache_move_and_grow_keep_the_written_positions() -> None:
     after = [t[0, :, :3] for layer in cache.layers for t in layer]
     assert all(torch.equal(a, b) for a, b in zip(after, before))
     assert all(float(t[:, :, 4:].abs().sum()) == 0 for layer in cache.layers for t in layer)  # grown zeroed
+
+
+@pytest.mark.parametrize(
+    "settings", [{"temperature": 0.9}, {"temperature": 0.7, "min_p": 0.05, "order_temperature": 0.5}]
+)
+def test_a_rows_noise_and_commit_do_not_change_with_the_rows_beside_it(block_engine: Engine, settings: dict) -> None:  # type: ignore[type-arg]
+    """The commit step draws each row's noise from its own generator and as many numbers as its own masked
+    positions need: a row commits the same tokens alone, beside 2 rows, or beside 15."""
+    from types import SimpleNamespace
+
+    from celeris_cli.decode.block import commit_step
+    from celeris_cli.decode.sampling import stream_seed
+    from celeris_cli.decode.strategies import plan_of
+
+    plan = plan_of(block_engine.params(settings))
+    mask, V, W = block_engine.tokenizer.mask_id, 48, 8
+    net = SimpleNamespace(head=lambda h: h)  # logits are the hidden states: no matmul whose shape could round
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(16, W, V, generator=g) * 3
+    block = torch.randint(0, V, (16, W), generator=g)
+    block[torch.rand(16, W, generator=g) < 0.6] = mask  # each row its own masked positions
+    block[0, :] = mask
+    k = torch.tensor([1 + b % 3 for b in range(16)])
+    stop = torch.tensor([2])
+
+    def step(rows: list[int]) -> torch.Tensor:
+        gens = [torch.Generator().manual_seed(stream_seed(100 + b, 0, 1)) for b in rows]
+        return commit_step(block[rows], [hidden[rows]], net, plan, k[rows], mask, gens, None, stop)  # type: ignore[arg-type]
+
+    alone = torch.stack([step([b])[0] for b in range(16)])
+    assert torch.equal(step(list(range(16))), alone)
+    assert torch.equal(step([0, 5, 9]), alone[[0, 5, 9]])
+    assert not torch.equal(step(list(range(16)))[0], block[0])  # something was committed
+
+
+def test_a_block_ends_after_its_steps_when_the_model_predicts_the_mask_itself(
+    block_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Committing the mask token commits nothing; a row still leaves its block after its own steps (as the
+    static decoders do) instead of stepping forever."""
+    mask, head, calls = block_engine.tokenizer.mask_id, block_engine.model.head, [0]
+
+    def predicts_the_mask(h: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] > 200:
+            raise RuntimeError("the row never left its block")
+        logits = head(h).clone()
+        logits[..., mask] = 1e4
+        return logits
+
+    monkeypatch.setattr(block_engine.model, "head", predicts_the_mask)
+    params = block_engine.params({"gen_length": 16, "temperature": 0.0})
+    prompt = block_engine.encode_prompt("the cat sat on")
+    [out], _ = block_engine.decode_ids([prompt], params)
+    assert out[:16] == [mask] * 16
+    assert calls[0] == sum(params.steps_for(len(prompt)))  # each block's steps, then on

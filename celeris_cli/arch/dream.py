@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
-from .layers import KV, DiffusionLM, apply_rope, attend, read_fields, rms_norm
+from .layers import KV, MLP, DiffusionLM, Weight, apply_rope, attend, check_special_ids, read_fields, rms_norm
 
 
 @dataclass(frozen=True)
@@ -50,9 +49,7 @@ class DreamConfig:
                 f"config.json: hidden_size {self.hidden_size}, num_attention_heads {self.num_attention_heads} and "
                 f"num_key_value_heads {self.kv_heads} do not divide evenly"
             )
-        for name in ("mask_token_id", "eos_token_id"):
-            if not 0 <= getattr(self, name) < self.rows:
-                raise ModelError(f"config.json: {name} {getattr(self, name)} is outside the embedding table")
+        check_special_ids(self)
 
     @property
     def kv_heads(self) -> int:
@@ -87,9 +84,9 @@ class DreamLayer(nn.Module):
         d, hd = cfg.hidden_size, cfg.head_dim
         self.cfg = cfg
         self.self_attn = _Attention(d, cfg.num_attention_heads * hd, cfg.kv_heads * hd)
-        self.mlp = _MLP(d, cfg.intermediate_size)
-        self.input_layernorm = _Norm(d)
-        self.post_attention_layernorm = _Norm(d)
+        self.mlp = MLP(d, cfg.intermediate_size)
+        self.input_layernorm = Weight(d)
+        self.post_attention_layernorm = Weight(d)
 
     def forward(
         self,
@@ -110,7 +107,7 @@ class DreamLayer(nn.Module):
         y, kv = attend(q, k, v, attn_mask, cache, start, upcast)
         x = x + a.o_proj(y)
         h = rms_norm(x, self.post_attention_layernorm.weight, cfg.rms_norm_eps)
-        return x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h)), kv
+        return x + m(h), kv
 
 
 class _Attention(nn.Module):
@@ -122,26 +119,12 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, d, bias=False)
 
 
-class _MLP(nn.Module):
-    def __init__(self, d: int, hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(d, hidden, bias=False)
-        self.up_proj = nn.Linear(d, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d, bias=False)
-
-
 class _Backbone(nn.Module):
     def __init__(self, cfg: DreamConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DreamLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = _Norm(cfg.hidden_size)
-
-
-class _Norm(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.norm = Weight(cfg.hidden_size)
 
 
 class DreamModel(DiffusionLM):

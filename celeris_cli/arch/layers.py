@@ -169,12 +169,41 @@ def read_fields(cls: Any, raw: dict[str, Any], required: tuple[str, ...]) -> dic
     return kwargs
 
 
+def check_special_ids(cfg: Any) -> None:
+    """A config's mask and end-of-text ids (where it names them) inside its embedding table (`cfg.rows`)."""
+    for name in ("mask_token_id", "eos_token_id"):
+        value = getattr(cfg, name)
+        if value is not None and not 0 <= value < cfg.rows:
+            raise ModelError(f"config.json: {name} {value} is outside the embedding table")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm the Llama/Qwen2 way: normalised in float32, cast back, then scaled by the weight."""
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
+
+
+class Weight(nn.Module):
+    """A norm's scale, saved as `<name>.weight`."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class MLP(nn.Module):
+    """The SwiGLU MLP as Llama/Qwen save it: `gate_proj`, `up_proj`, `down_proj`, no biases."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d, hidden, bias=False)
+        self.up_proj = nn.Linear(d, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 HEAD_CACHE_BYTES = 64 * 2**20  # the largest float32 copy of an LM head's weight kept between forwards

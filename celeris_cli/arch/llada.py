@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
-from .layers import KV, DiffusionLM, apply_rope, attend, check_type
+from .layers import KV, DiffusionLM, apply_rope, attend, check_special_ids, check_type
 
 # LLaDA config.json keys that change the architecture, and the only values we implement.
 _UNSUPPORTED = {
@@ -65,9 +65,7 @@ class ModelConfig:
             raise ModelError(f"config.json: d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.kv_heads:
             raise ModelError(f"config.json: n_heads {self.n_heads} is not divisible by n_kv_heads {self.kv_heads}")
-        for name in ("mask_token_id", "eos_token_id"):
-            if not 0 <= getattr(self, name) < self.rows:
-                raise ModelError(f"config.json: {name} {getattr(self, name)} is outside the embedding table")
+        check_special_ids(self)
 
     @property
     def kv_heads(self) -> int:

@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
 from . import invariant
-from .layers import KV, DiffusionLM, apply_rope, attend, read_fields, rms_norm
+from .layers import KV, MLP, DiffusionLM, Weight, apply_rope, attend, check_special_ids, read_fields, rms_norm
 
 
 @dataclass(frozen=True)
@@ -85,10 +84,7 @@ class LLaDA2Config:
                 )
             if self.num_experts_per_tok > self.num_experts // self.n_group * self.topk_group:
                 raise ModelError("config.json: num_experts_per_tok exceeds the experts of the chosen groups")
-        for name in ("mask_token_id", "eos_token_id"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < self.rows:
-                raise ModelError(f"config.json: {name} {value} is outside the embedding table")
+        check_special_ids(self)
 
     @property
     def kv_heads(self) -> int:
@@ -125,23 +121,6 @@ class LLaDA2Config:
                 raise ModelError(f"config.json: {key}={raw[key]!r} is not supported")
         required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
         return cls(**read_fields(cls, raw, required + ("eos_token_id",)))
-
-
-class _Weight(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, d: int, hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(d, hidden, bias=False)
-        self.up_proj = nn.Linear(d, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Gate(nn.Module):
@@ -199,8 +178,8 @@ class Attention(nn.Module):
         H, Hkv, D = cfg.num_attention_heads, cfg.kv_heads, cfg.dim
         self.query_key_value = nn.Linear(cfg.hidden_size, (H + 2 * Hkv) * D, bias=cfg.use_qkv_bias)
         if cfg.use_qk_norm:
-            self.query_layernorm = _Weight(D)
-            self.key_layernorm = _Weight(D)
+            self.query_layernorm = Weight(D)
+            self.key_layernorm = Weight(D)
         self.dense = nn.Linear(H * D, cfg.hidden_size, bias=cfg.use_bias)
 
 
@@ -210,8 +189,8 @@ class Layer(nn.Module):
         self.cfg = cfg
         self.attention = Attention(cfg)
         self.mlp: nn.Module = MoE(cfg) if cfg.is_moe(index) else MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = _Weight(cfg.hidden_size)
-        self.post_attention_layernorm = _Weight(cfg.hidden_size)
+        self.input_layernorm = Weight(cfg.hidden_size)
+        self.post_attention_layernorm = Weight(cfg.hidden_size)
 
     def forward(
         self,
@@ -241,7 +220,7 @@ class _Backbone(nn.Module):
         super().__init__()
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = _Weight(cfg.hidden_size)
+        self.norm = Weight(cfg.hidden_size)
 
 
 class LLaDA2MoeModel(DiffusionLM):

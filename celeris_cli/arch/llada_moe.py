@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from ..errors import ModelError
-from .layers import DiffusionLM, read_fields, rms_norm
-from .qwen3 import MLP, AttentionShape, Backbone, Layer, Routing, SoftmaxMoE
+from .layers import MLP, DiffusionLM, check_special_ids, read_fields, rms_norm
+from .qwen3 import AttentionShape, Backbone, Layer, Routing, SoftmaxMoE
 
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "eos_token_id")
 
@@ -78,10 +78,7 @@ class LLaDAMoEConfig:
             raise ModelError(
                 f"config.json: num_experts_per_tok {self.num_experts_per_tok} must be 1..num_experts {self.num_experts}"
             )
-        for name in ("mask_token_id", "eos_token_id"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < self.rows:
-                raise ModelError(f"config.json: {name} {value} is outside the embedding table")
+        check_special_ids(self)
 
     @property
     def kv_heads(self) -> int:

@@ -17,26 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import KV, apply_rope, attend, rms_norm
-
-
-class Weight(nn.Module):
-    """A norm's scale, saved as `<name>.weight`."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, d: int, hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(d, hidden, bias=False)
-        self.up_proj = nn.Linear(d, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+from .layers import KV, MLP, Weight, apply_rope, attend, rms_norm
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from ..errors import ModelError
-from .layers import DiffusionLM, read_fields, rms_norm
-from .qwen3 import MLP, AttentionShape, Backbone, Layer, Routing, SoftmaxMoE
+from .layers import MLP, DiffusionLM, check_special_ids, read_fields, rms_norm
+from .qwen3 import AttentionShape, Backbone, Layer, Routing, SoftmaxMoE
 
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
@@ -66,10 +66,7 @@ class Qwen3Config:
             )
         if self.num_experts and self.moe_intermediate_size <= 0:
             raise ModelError("config.json: moe_intermediate_size must be positive for a mixture of experts")
-        for name in ("mask_token_id", "eos_token_id"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < self.rows:
-                raise ModelError(f"config.json: {name} {value} is outside the embedding table")
+        check_special_ids(self)
 
     @property
     def kv_heads(self) -> int:

@@ -34,6 +34,7 @@ import torch
 from ..arch.kv import KVCache
 from ..params import Blocks
 from .block import BlockNet, BlockPlan, OnBlock, block_mask, commit_step
+from .reference import finished_rows
 from .sampling import stream_seed
 
 
@@ -59,6 +60,7 @@ class _Row:
     transfers: list[list[int]]  # tokens each step of each generated block commits
     first: int  # the row's first generated block (it may hold the prompt's tail)
     block: int  # the block being decoded, or stored
+    commit: BlockPlan  # the settings its commit step reads: rows sharing them commit together
     step: int = 0
     storing: bool = False  # the next window stores the block just completed
     forwards: int = 0  # forwards the row took part in, its prefill included
@@ -177,7 +179,7 @@ class BlockScheduler:
         x = torch.full((end,), self.mask_id, dtype=torch.long, device=self.device)
         x[:P] = torch.tensor(req.prompt, device=self.device)
         transfers = [blocks.transfers(n, m) for n, m in zip(blocks.steps_for(P), blocks.masked(P))]
-        row = _Row(req, x, transfers, first=P // W, block=P // W)
+        row = _Row(req, x, transfers, first=P // W, block=P // W, commit=replace(req.plan, blocks=_NO_BLOCKS))
         if W not in self.lanes:
             self.lanes[W] = _Lane(self._allocate(self.max_batch, end))
         lane = self.lanes[W]
@@ -216,15 +218,17 @@ class BlockScheduler:
                 r.storing, r.block, r.step = False, r.block + 1, 0
         groups: dict[BlockPlan, list[int]] = {}
         for b in stepping:
-            groups.setdefault(replace(rows[b].req.plan, blocks=_NO_BLOCKS), []).append(b)
+            groups.setdefault(rows[b].commit, []).append(b)
         for plan, members in groups.items():
             self._commit([rows[b] for b in members], h[members], plan)
         done = []
-        for b in stepping:
+        for b, finished in zip(stepping, self._finished([rows[b] for b in stepping])):
             r = rows[b]
             r.step += 1
             s, e = r.start, r.start + W
-            finished, complete = self._finished(r, e), not (r.x[s:e] == self.mask_id).any()
+            # a block ends when nothing in it is masked, or after its own steps: a model may predict the mask
+            # token itself, which commits nothing (the static decoders stop there too)
+            complete = not (r.x[s:e] == self.mask_id).any() or r.step >= len(r.transfers[r.block - r.first])
             if self.on_block is not None and (finished or complete):
                 self.on_block(r.req.key, r.x[r.gen : min(e, r.gen + r.req.plan.blocks.gen_length)].tolist())
             if finished or (complete and e >= len(r.x)):
@@ -237,7 +241,7 @@ class BlockScheduler:
         """commit_step for rows sharing their settings and width, on their own blocks (b, W)."""
         W = rows[0].width
         block = torch.stack([r.x[r.start : r.start + W] for r in rows])
-        k = torch.tensor([_transfer(r, self.mask_id) for r in rows], dtype=torch.long, device=self.device)
+        k = torch.tensor([_transfer(r) for r in rows], dtype=torch.long, device=self.device)
         gens = [torch.Generator(device=self.device).manual_seed(stream_seed(r.req.seed, r.block, r.step)) for r in rows]
         answer = self._answer(rows, plan)
         out = commit_step(block, [h], self.net, plan, k, self.mask_id, gens, answer, self.stop, self.pieces)
@@ -258,14 +262,17 @@ class BlockScheduler:
             answer[b, r.gen : r.start + r.width] = r.x[r.gen : r.start + r.width]
         return answer, offset
 
-    def _finished(self, r: _Row, upto: int) -> bool:
-        """A stop token committed in the answer with nothing masked before it (`block.finished`)."""
-        gen = r.x[r.gen : upto]
-        stops = torch.isin(gen, self.stop).nonzero()
-        if stops.numel() == 0:
-            return False
-        first = int(stops[0])
-        return not bool((gen[:first] == self.mask_id).any())
+    def _finished(self, rows: list[_Row]) -> list[bool]:
+        """For each row: a stop token committed in its answer up to its block's end, with nothing masked
+        before it (`reference.finished_rows`, on the answers padded with masks after their ends)."""
+        if not rows:
+            return []
+        spans = [(r.gen, r.start + r.width) for r in rows]
+        gen = torch.full((len(rows), max(e - g for g, e in spans)), self.mask_id, device=self.device)
+        for b, (r, (g, e)) in enumerate(zip(rows, spans)):
+            gen[b, : e - g] = r.x[g:e]
+        done, _ = finished_rows(gen, self.mask_id, self.stop)
+        return done.tolist()
 
     def _leave(self, lane: _Lane, done: list[_Row]) -> Iterator[tuple[int, list[int], int]]:
         """Hand back finished rows and free their slots."""
@@ -287,13 +294,9 @@ class BlockScheduler:
         return KVCache.empty(len(kv), rows, k.shape[1], length, k.shape[3], dtype, self.device)
 
 
-def _transfer(r: _Row, mask_id: int) -> int:
-    """The tokens this step of the row's block commits by schedule (`Blocks.transfers`); past its steps
-    (which the schedule's sums make unreachable) whatever is still masked, so a row always ends."""
-    per_step = r.transfers[r.block - r.first]
-    if r.step < len(per_step):
-        return per_step[r.step]
-    return int((r.x[r.start : r.start + r.width] == mask_id).sum())
+def _transfer(r: _Row) -> int:
+    """The tokens this step of the row's block commits by schedule (`Blocks.transfers`)."""
+    return r.transfers[r.block - r.first][r.step]
 
 
 # commit_step reads every part of a plan but its blocks: rows group by the rest (their width apart)

@@ -9,9 +9,16 @@ the whole batch to finish, `continuous` admits the next request at once.
 
 from __future__ import annotations
 
+import statistics
 import time
+from types import SimpleNamespace
 from typing import Any
 
+import torch
+
+from ..decode.block import commit_step
+from ..decode.sampling import stream_seed
+from ..decode.strategies import Net, plan_of
 from ..engine import Engine
 from ..errors import UsageError
 from .bench import hardware
@@ -85,7 +92,46 @@ def compare_scheduling(
         "speedup": round(runs["continuous"]["tokens_per_s"] / max(runs["static"]["tokens_per_s"], 1e-9), 3),
         "identical_answers": same,
         "answers": len(prompts),
+        "commit_step": sampling_cost(engine, settings=settings),
     }
+
+
+def sampling_cost(
+    engine: Engine, sizes: tuple[int, ...] = (1, 16, 64), repeats: int = 5, settings: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """Milliseconds of one commit step (`block.commit_step`) for a batch of rows whose whole block is
+    masked, at each batch size: `step_ms` with the LM head on the masked positions, `sampling_ms` without
+    it (the logits given), and each per row. The hidden states are the model's own for a masked block;
+    the settings are the model's defaults for a poem opening (its shipped sampling) under `settings`."""
+    prompt = EvalSet.load().poems[0]["prompt"]
+    params = engine.params_for(prompt, engine.params(settings or {}))
+    plan, mask = plan_of(params), engine.tokenizer.mask_id
+    W = params.block_length
+    net = Net(engine.model)
+    stop = torch.tensor(sorted(engine._special(params).stop_ids), device=engine.device)
+    cells = []
+    with torch.inference_mode():
+        for B in sizes:
+            block = torch.full((B, W), mask, dtype=torch.long, device=engine.device)
+            h, _ = net.hidden(
+                block, torch.arange(W, device=engine.device).expand(B, W), torch.ones_like(block, dtype=torch.bool)
+            )
+            logits = net.head(h[block == mask])
+            given = SimpleNamespace(head=lambda _h, logits=logits: logits)
+            k = torch.ones(B, dtype=torch.long, device=engine.device)
+            cell: dict[str, Any] = {"batch_size": B}
+            for name, head_net in (("step_ms", net), ("sampling_ms", given)):
+                times = []
+                for _ in range(repeats + 1):  # the first call warms up
+                    gens = [torch.Generator(device=engine.device).manual_seed(stream_seed(b, 0, 0)) for b in range(B)]
+                    t0 = time.perf_counter()
+                    commit_step(block, [h], head_net, plan, k, mask, gens, None, stop)
+                    times.append(time.perf_counter() - t0)
+                ms = statistics.median(times[1:]) * 1000
+                cell[name] = round(ms, 3)
+                cell[name.replace("_ms", "_ms_per_row")] = round(ms / B, 4)
+            cells.append(cell)
+    return cells
 
 
 def render_scheduling(report: dict[str, Any]) -> None:
@@ -110,3 +156,8 @@ def render_scheduling(report: dict[str, Any]) -> None:
         f"continuous / static: {report['speedup']:.2f}x; identical answers: "
         f"{report['identical_answers']} / {report['answers']} ({report['dtype']})"
     )
+    for cell in report["commit_step"]:
+        console.print(
+            f"commit step at batch {cell['batch_size']}: {cell['step_ms']:.2f} ms with the LM head, "
+            f"{cell['sampling_ms']:.2f} ms sampling alone ({cell['sampling_ms_per_row']:.3f} ms per row)"
+        )

@@ -1,0 +1,47 @@
+"""`celeris bench --workload mixed`: static batches and the running set side by side, same answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from celeris_cli.cli import app
+from celeris_cli.errors import UsageError
+from celeris_cli.measure.scheduling import compare_scheduling
+
+from .conftest import make_model
+
+
+@pytest.fixture(scope="module")
+def block_model(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path) -> Path:
+    return make_model(tmp_path_factory.mktemp("sched") / "m", tiny_tokenizer, seed=4, block_causal=True)
+
+
+def test_the_mixed_workload_runs_static_and_continuous_with_the_same_answers(block_model: Path) -> None:
+    from celeris_cli import load_engine
+
+    engine = load_engine(block_model, device="cpu", dtype="float32")
+    report = compare_scheduling(engine, n_prompts=6, batch_size=2)
+    assert report["answers"] == 6 and report["identical_answers"] == 6
+    static, continuous = report["scheduling"]["static"], report["scheduling"]["continuous"]
+    for row in (static, continuous):
+        assert {"tokens_per_s", "occupancy", "nfe"} <= set(row)
+    # answers of 16 to 256 tokens: static batches run half empty at their tails, the running set refills
+    assert continuous["occupancy"] > static["occupancy"]
+    assert static["output_tokens"] == continuous["output_tokens"]
+    # the per-step sampling cost at batch 1, 16 and 64, with and without the LM head
+    assert [c["batch_size"] for c in report["commit_step"]] == [1, 16, 64]
+    assert all(c["step_ms"] > 0 and c["sampling_ms"] > 0 for c in report["commit_step"])
+
+
+def test_the_workload_refuses_a_model_that_decodes_in_static_batches_only(engine) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(UsageError, match="static batches only"):
+        compare_scheduling(engine, n_prompts=2, batch_size=2)
+
+
+def test_an_unknown_workload_is_a_usage_error(block_model: Path) -> None:
+    result = CliRunner().invoke(app, ["bench", "--model", str(block_model), "--workload", "steady"])
+    assert result.exit_code == 2
+    assert "--workload must be mixed" in result.output
