@@ -185,9 +185,10 @@ KNOBS: dict[str, Knob] = {
     "strategy": Knob(
         str,
         "fast",
-        choices=("fast", "reference", "dream", "block", "block-fast"),
+        choices=("fast", "reference", "dream", "block", "block-fast", "nemotron", "ar"),
         help="fast (cache, threshold, early exit), reference (LLaDA's decoder), dream (Dream's own), block or "
-        "block-fast (block diffusion, LLaDA2; block-fast keeps an exact cache). The model folder's architecture "
+        "block-fast (block diffusion, LLaDA2; block-fast keeps an exact cache), nemotron (Nemotron-Labs-Diffusion's "
+        "diffusion mode), ar (left to right, on a model trained for it too). The model folder's architecture "
         "says which run on it (celeris inspect).",
     ),
     "deterministic": Knob(
@@ -344,11 +345,28 @@ class Blocks:
             return [min(self.block_steps, self.gen_length)] * len(masked)
         return spread_steps(self.denoise_steps, masked)
 
+    def seeded_steps(self) -> list[int]:
+        """Nemotron-Labs-Diffusion's blocks (`decode.nemotron`): block_length each from the answer's start (the
+        last may be shorter), each a seed token and block_length - 1 masked positions; block_steps per block,
+        or denoise_steps spread over them, capped at the masked positions (a one-token block takes none)."""
+        W, G = self.block_length, self.gen_length
+        masked = [min(W, G - s) - 1 for s in range(0, G, W)]
+        if not self.steps_total:
+            return [min(self.block_steps, m) for m in masked]
+        return [min(n, m) for n, m in zip(spread_steps(self.denoise_steps, [max(m, 1) for m in masked]), masked)]
+
     def transfers(self, steps: int, masked: int) -> list[int]:
         """Tokens committed at each of a block's `steps` steps: the block's length in equal shares (LLaDA2),
         or with a total of steps, the block's masked positions."""
         base, extra = divmod(masked if self.steps_total else self.block_length, steps)
         return [base + (1 if i < extra else 0) for i in range(steps)]
+
+
+@dataclass(frozen=True)
+class Length:
+    """The answer's length alone: the AR mode has no blocks and no steps."""
+
+    gen_length: int
 
 
 @dataclass(frozen=True)
@@ -369,6 +387,7 @@ PARTS: dict[str, type] = {
     "unmasking": Unmasking,
     "blocks": Blocks,
     "commit": Commit,
+    "length": Length,
 }
 STRATEGY_PARTS: dict[str, tuple[str, ...]] = {
     "reference": ("schedule", "sampling", "ordering", "guidance"),
@@ -376,6 +395,8 @@ STRATEGY_PARTS: dict[str, tuple[str, ...]] = {
     "dream": ("timeline", "sampling", "unmasking"),
     "block": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping"),
     "block-fast": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping"),
+    "nemotron": ("blocks", "sampling", "commit"),
+    "ar": ("length", "sampling"),
 }
 PER_REQUEST = ("seed", "strategy", "deterministic", "stop")  # honoured by every strategy, outside the decoder
 
@@ -536,6 +557,10 @@ class GenerationParams:
         """The steps each block is given for a prompt of `prompt_tokens` tokens; one block (the whole canvas)
         for strategies without blocks. Block diffusion's blocks start at the row's own position 0, so how
         many it decodes depends on the prompt's length."""
+        if self.strategy == "nemotron":  # its blocks start at the answer, after a seed token each
+            return self.part("blocks").seeded_steps()
+        if self.strategy == "ar":  # one token per forward
+            return [self.gen_length]
         if "block_steps" in honoured(self.strategy):
             return self.part("blocks").steps_for(prompt_tokens)
         if "block_length" in honoured(self.strategy):

@@ -235,6 +235,10 @@ class DiffusionLM(nn.Module):
         """Rotary dimensions per head, and theta."""
         raise NotImplementedError
 
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What each layer's attention rotates by, for (B, T) positions: cos and sin (`rope_tables`)."""
+        return rope_tables(positions, *self.rope_dims())
+
     def set_upcast(self, on: bool) -> None:
         self.upcast = on
 
@@ -265,7 +269,7 @@ class DiffusionLM(nn.Module):
         if positions is None:
             assert isinstance(start, int), "rows decoding at their own places pass their positions"
             positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
-        rope = rope_tables(positions, *self.rope_dims())
+        rope = self.rope(positions)
         mask = key_mask_4d(key_mask)
         if not self._routed:
             invariant.route_linears(self)

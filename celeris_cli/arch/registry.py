@@ -140,6 +140,18 @@ _ENTRIES = (
         attention="bidirectional",
         strategies=_DREAM,
     ),
+    # one checkpoint, two decoders: its diffusion mode (a seed token, then bidirectional denoising over a
+    # causal cache) and its AR mode; block 32 as its config's block_size, one token per step, no threshold
+    Architecture(
+        name="nemotron_labs_diffusion",
+        classes=("NemotronLabsDiffusionModel",),
+        model_types=("nemotron_labs_diffusion",),
+        module="nemotron",
+        layout="Ministral-3 (YaRN, Llama-4 query scale; encoder., diffusion_head)",
+        attention="block-causal",
+        strategies=("nemotron", "ar"),
+        defaults={"block_length": 32, "block_steps": 32, "threshold": 1.0},
+    ),
     Architecture(
         name="sdar",
         classes=("SDARForCausalLM",),

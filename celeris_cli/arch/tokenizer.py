@@ -142,10 +142,17 @@ class _Qwen2BPE(_HFTokenizer):
 
 class Tokenizer:
     def __init__(
-        self, backend: _Backend, cfg: ArchConfig, chat_template: str | None, folder: Path, eos_piece: str | None = None
+        self,
+        backend: _Backend,
+        cfg: ArchConfig,
+        chat_template: str | None,
+        folder: Path,
+        eos_piece: str | None = None,
+        mask_piece: str | None = None,
     ) -> None:
         """eos_piece: the tokenizer's own end-of-sequence token (tokenizer_config.json), for a config.json
-        that names no eos_token_id (CoDA's)."""
+        that names no eos_token_id (CoDA's). mask_piece: the mask token tokenizer_config.json names, for a
+        mask whose piece does not say "mask" (Nemotron's `<SPECIAL_100>`)."""
         self.backend = backend
         self.chat_template = chat_template
         mask_id = cfg.mask_token_id
@@ -179,10 +186,10 @@ class Tokenizer:
                     f"{folder}: config.json {name}={i} is not in the tokenizer ({size} tokens); "
                     "the tokenizer does not match the config"
                 )
-        mask_piece = backend.piece(self.mask_id) or ""
-        if "mask" not in mask_piece.lower() and not outside:
+        piece = backend.piece(self.mask_id) or ""
+        if "mask" not in piece.lower() and piece != mask_piece and not outside:
             raise ModelError(
-                f"{folder}: config.json mask_token_id={self.mask_id} is {mask_piece!r} in the "
+                f"{folder}: config.json mask_token_id={self.mask_id} is {piece!r} in the "
                 "tokenizer, not a mask token; the tokenizer does not match the config"
             )
 
@@ -272,12 +279,12 @@ def load_tokenizer(folder: Path, cfg: ArchConfig) -> Tokenizer:
         backend = _Qwen2BPE(folder, added)
     else:
         raise ModelError(f"{folder} is incomplete: no tokenizer.model, tokenizer.json or vocab.json + merges.txt")
-    eos = settings.get("eos_token")
-    eos_piece = eos.get("content") if isinstance(eos, dict) else eos
+
+    def piece(key: str) -> str | None:
+        value = settings.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        return value if isinstance(value, str) else None
+
     return Tokenizer(
-        backend,
-        cfg,
-        template if isinstance(template, str) else None,
-        folder,
-        eos_piece if isinstance(eos_piece, str) else None,
+        backend, cfg, template if isinstance(template, str) else None, folder, piece("eos_token"), piece("mask_token")
     )

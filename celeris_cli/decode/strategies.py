@@ -22,6 +22,7 @@ from ..params import STRATEGY_PARTS, GenerationParams
 from .block import BlockPlan, OnBlock, generate_block, generate_block_cached
 from .dream import DreamPlan, generate_dream
 from .fast import FastPlan, generate_fast
+from .nemotron import ARPlan, SeededPlan, generate_ar, generate_seeded
 from .reference import ReferencePlan, generate_reference
 from .sampling import RowNoise
 
@@ -184,12 +185,28 @@ def _block(
     return decode(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces, on_block)
 
 
+def _nemotron(
+    net: Net,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: GenerationParams,
+    tokens: SpecialTokens,
+    noise: RowNoise,
+) -> torch.Tensor:
+    if params.strategy == "ar":
+        return generate_ar(net, prompt, prompt_mask, _plan(ARPlan, params), tokens.mask_id, tokens.stop_ids, noise)
+    plan = _plan(SeededPlan, params)
+    return generate_seeded(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise)
+
+
 STRATEGIES: dict[str, Strategy] = {
     "reference": _reference,
     "fast": _fast,
     "dream": _dream,
     "block": _block,
     "block-fast": _block,
+    "nemotron": _nemotron,
+    "ar": _nemotron,
 }
 BY_BLOCK = frozenset({"block", "block-fast"})  # the strategies that take an `on_block` hook (streaming)
 PLANS: dict[str, type] = {
@@ -198,6 +215,8 @@ PLANS: dict[str, type] = {
     "dream": DreamPlan,
     "block": BlockPlan,
     "block-fast": BlockPlan,
+    "nemotron": SeededPlan,
+    "ar": ARPlan,
 }
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine, GenerationParams
+from ..params import honoured
 from .evaluate import EvalSet, poem_quality
 
 # name -> overrides on top of the model's defaults. The baseline is LLaDA's reference decoding.
@@ -34,6 +35,8 @@ MODES: dict[str, dict[str, Any]] = {
 BY_CACHE = {"none": "threshold+exit", "prefix": "prefix-cache", "dual": "dual-cache"}
 # block-diffusion families (LLaDA2): the reference recomputes the prefix at every step; block-fast caches it
 BLOCK_MODES: dict[str, dict[str, Any]] = {"block": {"strategy": "block"}, "block-fast": {"strategy": "block-fast"}}
+# one checkpoint decoded left to right and by diffusion (Nemotron-Labs-Diffusion): its own AR mode is the baseline
+SEEDED_MODES: dict[str, dict[str, Any]] = {"ar": {"strategy": "ar"}, "nemotron": {"strategy": "nemotron"}}
 
 
 def modes_for(engine: Engine, settings: dict[str, Any] | None = None) -> tuple[dict[str, dict[str, Any]], str]:
@@ -42,6 +45,8 @@ def modes_for(engine: Engine, settings: dict[str, Any] | None = None) -> tuple[d
     defaults; their other knobs, the suffix window among them, hold in every row)."""
     if "block" in engine.arch.strategies:
         return BLOCK_MODES, "block-fast"
+    if "ar" in engine.arch.strategies:
+        return SEEDED_MODES, "nemotron"
     return MODES, BY_CACHE[engine.params(settings or {}).cache]
 
 
@@ -223,11 +228,22 @@ def bench(
     prompts = [r["prompt"] for r in evalset.poems[:n_prompts]]
     table, default_mode = modes_for(engine, settings)
     baseline = next(iter(table))
-    if table is BLOCK_MODES:
+    if table is BLOCK_MODES or table is SEEDED_MODES:
         steps_knob = {"block_steps": steps} if steps else {}
     else:
         steps_knob = {"denoise_steps": steps or gen_length}
-    base = engine.params({**(settings or {}), "gen_length": gen_length, "block_length": block_length, **steps_knob})
+    layer = {**(settings or {}), "gen_length": gen_length, "block_length": block_length, **steps_knob}
+    base = engine.params(layer)
+
+    def mode(name: str, params: GenerationParams) -> GenerationParams:
+        """The mode's settings over `params`; the AR mode of a seeded table keeps only the knobs it honours
+        (it has no blocks and no steps)."""
+        if table is SEEDED_MODES and name == "ar":
+            return engine.params(
+                {**{k: v for k, v in params.report().items() if k in honoured("ar")}, "strategy": "ar"}
+            )
+        return params.with_(**table[name])
+
     lengths = [len(engine.encode_prompt(p)) for p in prompts]
     report: dict[str, Any] = {
         "hardware": hardware(),
@@ -239,7 +255,7 @@ def bench(
         "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
         "gen_length": gen_length,
         "block_length": block_length,
-        "denoise_steps": base.steps_per_block[0] if table is BLOCK_MODES else base.denoise_steps,
+        "denoise_steps": base.steps_per_block[0] if table is not MODES else base.denoise_steps,
         "architecture": engine.arch.name,
         "settings": {k: v for k, v in base.report().items() if k not in ("strategy", "cache", "early_exit")},
         "default_mode": default_mode,
@@ -250,8 +266,7 @@ def bench(
     ar = autoregressive_limit(engine, len(prompts), batch_size, max(lengths), gen_length)
     report["autoregressive_limit"] = ar
     for name in modes or list(table):
-        params = base.with_(**table[name])
-        report["modes"][name] = run_mode(engine, prompts, params, batch_size)
+        report["modes"][name] = run_mode(engine, prompts, mode(name, base), batch_size)
     if versus is not None:
         report["versus"] = versus_rows(versus, prompts, gen_length, batch_size)
     ref = report["modes"].get(baseline)
@@ -268,10 +283,7 @@ def bench(
         m["of_ar_limit"] = round(m["tokens_per_s"] / ar["tokens_per_s"], 4)
     if cache_agreement:  # the default mode against the baseline, both greedy, on the same prompts
         greedy = base.with_(temperature=0.0)
-        texts = {
-            m: run_mode(engine, prompts, greedy.with_(**table[m]), batch_size)["texts"]
-            for m in (baseline, default_mode)
-        }
+        texts = {m: run_mode(engine, prompts, mode(m, greedy), batch_size)["texts"] for m in (baseline, default_mode)}
         report["greedy_agreement_with_reference"] = {default_mode: agreement(texts[baseline], texts[default_mode])}
     if cache_agreement and table is MODES:
         greedy = base.with_(temperature=0.0, strategy="fast", early_exit=False)

@@ -1,0 +1,194 @@
+"""Nemotron-Labs-Diffusion's two decoders over one checkpoint: its AR mode (`ar`) and its diffusion mode
+(`nemotron`), each over a KV cache (`arch.kv`) that holds exactly what a causal pass wrote.
+
+Both start the same way: the prompt is run causally (each token sees itself and those before it) into the
+cache, and its last position's logits choose the first answer token (the "seed").
+
+- `ar`: one token per forward, left to right, as any causal LM (greedy at temperature 0).
+- `nemotron` (the family's `generate` with `causal_context=True`, written down from its source): the answer
+  is decoded a block at a time after the prompt. A block starts as the seed followed by block_length - 1
+  masks; each step runs the block alone over the cache, bidirectionally inside the block, and commits the
+  surest masked positions: the schedule's share (block_steps per block, the masks in equal shares, the
+  remainder to the first steps), or, with a threshold below 1, every position at least that sure and
+  always the surest. A row whose block holds a stop token with nothing masked before it stops denoising.
+  Then one causal pass over the block writes its keys and values into the cache, and its last position's
+  logits choose the next block's seed. With block_length 1 a block is its seed alone: the AR mode.
+
+The family's code stops a block for the whole batch as soon as any row has finished; here each row stops
+for itself, so a row's answer does not depend on its batch mates. Its own code masks no padding; here left
+padding is masked and positions count from a row's first token, so a row answers in a batch as it does
+alone. Each row draws its sampling noise from its own stream (`RowNoise`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..arch.kv import KVCache
+from ..params import Blocks, Commit, Length, Sampling
+from .predict import sample_with_probability
+from .sampling import RowNoise
+
+
+@dataclass(frozen=True)
+class ARPlan:
+    """The parts of the settings the AR decoder honours."""
+
+    length: Length
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class SeededPlan:
+    """The parts of the settings the diffusion mode honours."""
+
+    blocks: Blocks
+    sampling: Sampling
+    commit: Commit
+
+
+def _transfers(masked: int, steps: int) -> list[int]:
+    """Tokens committed at each step: the masks in equal shares, the remainder to the first steps."""
+    base, extra = divmod(masked, steps)
+    return [base + (1 if i < extra else 0) for i in range(steps)]
+
+
+class _Canvas:
+    """The rows' prompts (left-padded) and answers, their positions, and the cache the causal passes fill."""
+
+    def __init__(self, net: Any, prompt: torch.Tensor, prompt_mask: torch.Tensor, gen_length: int, fill: int) -> None:
+        B, P = prompt.shape
+        self.net, self.P = net, P
+        self.x = torch.cat([prompt, prompt.new_full((B, gen_length), fill)], dim=1)
+        self.keys = torch.cat([prompt_mask, prompt_mask.new_ones(B, gen_length)], dim=1)
+        self.pos = (self.keys.long().cumsum(1) - 1).clamp_min(0)  # a row's positions from its first token
+        self.cache: KVCache | None = None
+
+    def _mask(self, s: int, e: int, causal: bool) -> torch.Tensor:
+        """(B, 1, e - s, e): the real keys before s, and inside [s, e) all of them or those up to the query.
+        A padding query sees itself, so no row of the mask is empty (as `block.block_mask`)."""
+        q = torch.arange(s, e, device=self.x.device)[:, None]
+        k = torch.arange(e, device=self.x.device)[None, :]
+        seen = self.keys[:, None, :e] & (k <= q if causal else torch.ones_like(k <= q))
+        return (seen | (k == q)[None])[:, None]
+
+    def forward(self, s: int, e: int, causal: bool) -> torch.Tensor:
+        """Hidden states of positions [s, e), attending over the cache before s; the cache holds their keys
+        and values after (a causal pass's are the ones later positions read)."""
+        ids, pos = self.x[:, s:e], self.pos[:, s:e]
+        if self.cache is None:  # the prompt's prefill sizes the cache from its own keys and values
+            assert s == 0
+            h, kv = self.net.hidden(ids, pos, self._mask(s, e, causal))
+            k = kv[0][0]
+            up = getattr(self.net.model, "upcast", False)
+            dtype = torch.float32 if up else k.dtype
+            self.cache = KVCache.empty(len(kv), k.shape[0], k.shape[1], self.x.shape[1], k.shape[3], dtype, k.device)
+            for (ck, cv), (fk, fv) in zip(self.cache.layers, kv):
+                ck[:, :, :e], cv[:, :, :e] = fk, fv
+            return h
+        cache = self.cache.view(slice(0, self.x.shape[0]), e)
+        h, _ = self.net.hidden(ids, pos, self._mask(s, e, causal), cache, s, False)
+        return h
+
+    def pick(self, h: torch.Tensor, sampling: Sampling, gens: list[torch.Generator]) -> torch.Tensor:
+        """One token per row from the hidden state of its last position (the next position's prediction)."""
+        x0, _ = sample_with_probability(self.net.head(h), sampling, [1] * h.shape[0], gens)
+        return x0
+
+
+def _finish(x: torch.Tensor, start: int, stop: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """(B,) whether each row's answer from `start` holds a stop token with nothing masked before it."""
+    ans = x[:, start:]
+    hit = torch.isin(ans, stop)
+    first = torch.where(hit.any(1), hit.int().argmax(1), ans.shape[1])
+    before = torch.arange(ans.shape[1], device=x.device)[None, :] < first[:, None]
+    return hit.any(1) & ~((ans == mask_id) & before).any(1)
+
+
+def _stop_after(x: torch.Tensor, start: int, stop: torch.Tensor) -> None:
+    """Fill each row's answer after its first stop token with that token (what the engine cuts)."""
+    ans = x[:, start:]
+    hit = torch.isin(ans, stop)
+    for b in hit.any(1).nonzero().flatten().tolist():
+        first = int(hit[b].int().argmax())
+        ans[b, first + 1 :] = ans[b, first]
+
+
+@torch.no_grad()
+def generate_ar(
+    net: Any,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    plan: ARPlan,
+    mask_id: int,
+    stop_ids: frozenset[int],
+    noise: RowNoise,
+) -> torch.Tensor:
+    """Left to right: prompt (B, P) left-padded -> the canvas (B, P + gen_length), every row decoded until
+    its stop token or the end (the rest of a finished row is its stop token)."""
+    B, P = prompt.shape
+    G = plan.length.gen_length
+    cv = _Canvas(net, prompt, prompt_mask, G, mask_id)
+    stop = torch.tensor(sorted(stop_ids), device=prompt.device, dtype=prompt.dtype)
+    rows = list(range(B))
+    h = cv.forward(0, P, causal=True)[:, -1]
+    for t in range(G):
+        cv.x[:, P + t] = cv.pick(h, plan.sampling, noise.at(rows, 0, t))
+        if t + 1 == G or bool(_finish(cv.x[:, : P + t + 1], P, stop, mask_id).all()):
+            break
+        h = cv.forward(P + t, P + t + 1, causal=True)[:, -1]
+    _stop_after(cv.x, P, stop)
+    return cv.x
+
+
+@torch.no_grad()
+def generate_seeded(
+    net: Any,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    plan: SeededPlan,
+    mask_id: int,
+    stop_ids: frozenset[int],
+    noise: RowNoise,
+) -> torch.Tensor:
+    """The diffusion mode (see the module's text): prompt (B, P) left-padded -> the canvas (B, P + gen_length)."""
+    B, P = prompt.shape
+    blocks, sampling, threshold = plan.blocks, plan.sampling, plan.commit.threshold
+    G, W = blocks.gen_length, blocks.block_length
+    cv = _Canvas(net, prompt, prompt_mask, G, mask_id)
+    stop = torch.tensor(sorted(stop_ids), device=prompt.device, dtype=prompt.dtype)
+    rows = list(range(B))
+    h = cv.forward(0, P, causal=True)[:, -1]
+    for j, steps in enumerate(blocks.seeded_steps()):
+        s = P + j * W
+        e = min(s + W, P + G)
+        cv.x[:, s] = cv.pick(h, sampling, noise.at(rows, j, 0))  # the seed
+        done = _finish(cv.x[:, :e], P, stop, mask_id)
+        for i, k in enumerate(_transfers(e - s - 1, steps) if steps else []):
+            block = cv.x[:, s:e]
+            masked = (block == mask_id) & ~done[:, None]  # a finished row commits no more
+            if not masked.any():
+                break
+            hs = cv.forward(s, e, causal=False)
+            x0, conf = sample_with_probability(
+                net.head(hs[masked]), sampling, masked.sum(1).tolist(), noise.at(rows, j, i + 1)
+            )
+            confidence = torch.full(block.shape, float("-inf"), device=block.device).masked_scatter(masked, conf)
+            if threshold < 1:  # every position at least that sure, and always the surest
+                chosen = masked & (confidence >= threshold)
+                best = confidence.argmax(1, keepdim=True)
+                chosen.scatter_(1, best, masked.gather(1, best))
+            else:  # the schedule's share: the k surest
+                order = confidence.argsort(dim=1, descending=True, stable=True)
+                ranked = torch.zeros_like(masked).scatter_(1, order[:, :k], True)
+                chosen = ranked & masked
+            block[chosen] = x0[chosen[masked]]
+            done |= _finish(cv.x[:, :e], P, stop, mask_id)
+        if bool(_finish(cv.x[:, :e], P, stop, mask_id).all()) or e == P + G:
+            break
+        h = cv.forward(s, e, causal=True)[:, -1]  # the commit pass: the block's keys and values, causally
+    _stop_after(cv.x, P, stop)
+    return cv.x
