@@ -160,7 +160,8 @@ class BlockScheduler:
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self, requests: Iterable[BlockRequest]) -> Iterator[tuple[int, list[int], int]]:
-        waiting = deque(requests)  # admitted in this order, each as a slot frees
+        # the longest answers first (stable), so the last rows to run are short ones and the tail is brief
+        waiting = deque(sorted(requests, key=lambda r: -r.plan.blocks.gen_length))
         while waiting or self.in_flight:
             if self.refill or not self.in_flight:
                 while waiting and self.in_flight < self.max_batch:

@@ -3,8 +3,8 @@
 The workload spreads answer lengths wide, as real bulk jobs do: held-out poem and English openings
 interleaved (the default model gives them different presets, so different block widths), each asking for
 an answer of its own length (16 to 256 tokens, cycling). Both runs use the same decoder and the same
-admission order; they differ only in when a row's place is given to the next request: `static` waits for
-the whole batch to finish, `continuous` admits the next request at once.
+admission order (longest answers first, `decode.running`); they differ only in when a row's place is given
+to the next request: `static` waits for the whole batch to finish, `continuous` admits the next one at once.
 """
 
 from __future__ import annotations
