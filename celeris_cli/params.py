@@ -193,9 +193,10 @@ KNOBS: dict[str, Knob] = {
     ),
     "deterministic": Knob(
         bool,
-        True,
+        False,
         help="Compute each row as it is computed alone (batch-invariant matmuls and attention), so that in "
-        "bfloat16 too an answer does not depend on its batch mates or their padding; off is the plain kernels.",
+        "bfloat16 too an answer does not depend on its batch mates or their padding. Off (the default) runs the "
+        "plain kernels: in float32 answers already agree alone and batched; the mode costs 24-36% of tokens/s.",
     ),
     "stop": Knob(
         tuple,

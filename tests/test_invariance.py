@@ -1,6 +1,6 @@
-"""The batch-invariant mode (`deterministic`, on by default): in bfloat16, a row's logits and answer do not
-depend on its batch mates, their number or their padding, on every architecture; off, the plain kernels'
-rounding does."""
+"""The batch-invariant mode (`deterministic`, off by default for its cost, turned on here): in bfloat16, a
+row's logits and answer do not depend on its batch mates, their number or their padding, on every
+architecture; off, the plain kernels' rounding does."""
 
 from __future__ import annotations
 
@@ -33,8 +33,12 @@ def _shipped(folder: Path, embedded: str | None, sampling: dict[str, object]) ->
     e = load_engine(folder, device="cpu", dtype="bfloat16")
     if embedded is not None:
         raw = json.loads((embedded_models()[embedded] / "generation_config.json").read_text(encoding="utf-8"))
-        return Engine(e.model, e.tokenizer, e.device, e.dtype, None, e.arch).with_defaults(raw)
-    return Engine(e.model, e.tokenizer, e.device, e.dtype, None, e.arch).with_defaults(sampling)
+        return Engine(e.model, e.tokenizer, e.device, e.dtype, None, e.arch).with_defaults(
+            {**raw, "deterministic": True}
+        )
+    return Engine(e.model, e.tokenizer, e.device, e.dtype, None, e.arch).with_defaults(
+        {**sampling, "deterministic": True}
+    )
 
 
 @pytest.fixture(scope="module", params=["llada", "llada_block", "dream", "llada2_moe"])
