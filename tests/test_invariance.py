@@ -41,7 +41,7 @@ def _shipped(folder: Path, embedded: str | None, sampling: dict[str, object]) ->
     )
 
 
-@pytest.fixture(scope="module", params=["llada", "llada_block", "dream", "llada2_moe"])
+@pytest.fixture(scope="module", params=["llada", "llada_block", "dream", "llada2_moe", "sdar", "nemotron"])
 def bf16(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path) -> Engine:
     from .conftest import make_model
 
@@ -53,6 +53,10 @@ def bf16(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         return _shipped(folder, "celeris-block", {})
     if name == "dream":
         return _shipped(DATA / "dream" / "dream_tiny", None, {"temperature": 1.0, "top_p": 0.95})
+    if name == "sdar":
+        return _shipped(DATA / "sdar" / "sdar_tiny", None, {"temperature": 1.0, "gen_length": 32})
+    if name == "nemotron":
+        return _shipped(DATA / "nemotron" / "nemotron_tiny", None, {"temperature": 1.0, "gen_length": 32})
     return _shipped(DATA / "llada2" / "llada2_tiny", None, {"temperature": 1.0, "gen_length": 32})
 
 
