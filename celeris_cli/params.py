@@ -174,6 +174,22 @@ KNOBS: dict[str, Knob] = {
         POSITIVE,
         help="Denoising steps of each block (LLaDA2's `steps`), instead of --denoise-steps in total.",
     ),
+    # token editing (LLaDA2.1; the block strategy)
+    "edit_threshold": Knob(
+        float,
+        1.0,
+        _finite(0.0, 1.0),
+        "between 0 and 1",
+        help="Token editing (LLaDA2.1): rewrite a decided answer token of the current block wherever the model "
+        "predicts another with more than this probability (1 = off). The block strategy only.",
+    ),
+    "max_post_edit_steps": Knob(
+        int,
+        0,
+        lambda v: v >= 0,
+        "an integer >= 0",
+        help="Token editing: forwards a block may take after its last mask is filled, while they still edit.",
+    ),
     # per request
     "seed": Knob(
         int,
@@ -364,6 +380,18 @@ class Blocks:
 
 
 @dataclass(frozen=True)
+class Editing:
+    """LLaDA2.1's token editing: decided tokens rewritten where the model is surer of another."""
+
+    edit_threshold: float
+    max_post_edit_steps: int
+
+    @property
+    def active(self) -> bool:
+        return self.edit_threshold < 1.0
+
+
+@dataclass(frozen=True)
 class Length:
     """The answer's length alone: the AR mode has no blocks and no steps."""
 
@@ -389,12 +417,13 @@ PARTS: dict[str, type] = {
     "blocks": Blocks,
     "commit": Commit,
     "length": Length,
+    "editing": Editing,
 }
 STRATEGY_PARTS: dict[str, tuple[str, ...]] = {
     "reference": ("schedule", "sampling", "ordering", "guidance"),
     "fast": ("schedule", "sampling", "ordering", "guidance", "parallel", "shaping"),
     "dream": ("timeline", "sampling", "unmasking"),
-    "block": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping"),
+    "block": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing"),
     "block-fast": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping"),
     "nemotron": ("blocks", "sampling", "commit"),
     "ar": ("length", "sampling"),
@@ -434,6 +463,8 @@ class GenerationParams:
     alg: DreamAlg = KNOBS["alg"].default
     alg_temp: float = KNOBS["alg_temp"].default
     block_steps: int = KNOBS["block_steps"].default
+    edit_threshold: float = KNOBS["edit_threshold"].default
+    max_post_edit_steps: int = KNOBS["max_post_edit_steps"].default
     seed: int = KNOBS["seed"].default
     strategy: str = KNOBS["strategy"].default
     deterministic: bool = KNOBS["deterministic"].default

@@ -78,10 +78,11 @@ def test_building_the_record_directly_is_validated_too() -> None:
 
 def test_every_strategy_declares_what_it_honours() -> None:
     dream, block = {"eps", "alg", "alg_temp"}, {"block_steps"}
-    assert set(KNOBS) - set(honoured("fast")) == dream | block  # the fast decoder honours the rest
+    editing = {"edit_threshold", "max_post_edit_steps"}  # the block strategy's alone
+    assert set(KNOBS) - set(honoured("fast")) == dream | block | editing  # the fast decoder honours the rest
     shaping = {"presence_penalty", "min_tokens", "subword_min_p"}
     fast_only = {"threshold", "cache", "confidence", "early_exit", "suffix_window"} | shaping
-    assert set(KNOBS) - set(honoured("reference")) == fast_only | dream | block
+    assert set(KNOBS) - set(honoured("reference")) == fast_only | dream | block | editing
     assert set(honoured("dream")) == {
         "gen_length",
         "denoise_steps",
@@ -94,7 +95,12 @@ def test_every_strategy_declares_what_it_honours() -> None:
         assert set(honoured(strategy)) == {
             "gen_length", "block_length", "denoise_steps", "temperature", "min_p", "top_p", "top_k", "threshold",
             "remasking", "order_temperature", "cfg_scale",
-        } | shaping | block | set(PER_REQUEST)  # fmt: skip
+        } | shaping | block | (editing if strategy == "block" else set()) | set(PER_REQUEST)  # fmt: skip
+    sampling = {"temperature", "min_p", "top_p", "top_k"}
+    assert set(honoured("ar")) == {"gen_length"} | sampling | set(PER_REQUEST)
+    assert set(honoured("nemotron")) == {
+        "gen_length", "block_length", "denoise_steps", "threshold"
+    } | sampling | block | set(PER_REQUEST)  # fmt: skip
     for strategy in STRATEGY_PARTS:
         assert set(PER_REQUEST) <= set(honoured(strategy))
 

@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 
 from ..arch.kv import KV, Cache
-from ..params import Blocks, Commit, Guidance, Ordering, Sampling, Shaping
+from ..params import Blocks, Commit, Editing, Guidance, Ordering, Sampling, Shaping
 from .predict import sample_with_probability
 from .reference import commit_order, guide, select_top_k
 from .sampling import RowNoise, shape_masked
@@ -50,6 +50,7 @@ class BlockPlan:
     guidance: Guidance
     commit: Commit
     shaping: Shaping
+    editing: Editing = Editing(1.0, 0)  # the block strategy's alone (LLaDA2.1); off
 
 
 # Called once a block is committed, for each row that decoded it: (row, the row's generated ids so far).
@@ -267,7 +268,9 @@ def generate_block(
     for j in range(cv.start_block, cv.num_blocks):
         s, e, g = j * W, (j + 1) * W, j - cv.start_block
         rows = rows[cv.end[rows] > s]  # a row whose blocks are all decoded has nothing left to do
-        for i in range(int(steps[rows, g].max()) if rows.numel() else 0):
+        if plan.editing.active:
+            _edit_block(net, cv, rows, j, steps[:, g], ks[:, g], plan, views, mask_id, noise, stop, pieces)
+        for i in range(int(steps[rows, g].max()) if rows.numel() and not plan.editing.active else 0):
             if not (cv.x[rows, s:e] == mask_id).any():
                 break
             mask = block_mask(cv.real[rows], 0, e, e, W)
@@ -281,6 +284,56 @@ def generate_block(
         _committed(cv, rows, e, plan.blocks.gen_length, on_block)
         rows = rows[~finished(cv, rows, e, mask_id, stop)]
     return _result(cv, prompt, plan.blocks.gen_length, mask_id)
+
+
+def _edit_block(
+    net: BlockNet,
+    cv: Canvas,
+    rows: torch.Tensor,
+    j: int,
+    steps: torch.Tensor,
+    ks: torch.Tensor,
+    plan: BlockPlan,
+    views: list[_View],
+    mask_id: int,
+    noise: RowNoise,
+    stop: torch.Tensor,
+    pieces: torch.Tensor,
+) -> None:
+    """Block j with token editing (LLaDA2.1's generate): each iteration fills masks as `commit_step` does
+    (the schedule's share, at least one, and every mask above the threshold) and, from the same forward,
+    rewrites every decided answer token of the block whose most likely token is another one with more
+    than `edit_threshold` probability. A row's iterations go on after its last mask is filled, up to
+    `max_post_edit_steps` of them, and stop after one that began with nothing masked and edited nothing.
+    Each row keeps its own count, so its answer does not depend on its batch mates."""
+    W, ed = cv.width, plan.editing
+    s, e = j * W, (j + 1) * W
+    answer_pos = torch.arange(s, e, device=cv.x.device)[None, :] >= cv.gen[rows][:, None]  # not the prompt
+    post = torch.zeros(len(rows), dtype=torch.long, device=cv.x.device)
+    live = torch.ones(len(rows), dtype=torch.bool, device=cv.x.device)
+    i = 0
+    while True:
+        masked = cv.x[rows, s:e] == mask_id
+        full = ~masked.any(1)
+        post += (live & full).long()
+        live &= post <= ed.max_post_edit_steps
+        if not live.any():
+            return
+        at = live.nonzero().flatten()
+        r = rows[at]
+        mask = block_mask(cv.real[r], 0, e, e, W)
+        hs = [net.hidden(v.ids(cv, r, 0, e, mask_id), cv.pos[r, :e], mask, keep_kv=False)[0] for v in views]
+        gens, answer = _noise(noise, cv, r, j, i), _answer(cv, r, s, e, mask_id, plan.shaping)
+        block = cv.x[r, s:e]
+        k = torch.where(i < steps[r], ks[r, min(i, ks.shape[1] - 1)], 1)  # past its steps, one at a time
+        out = commit_step(block, [h[:, s:e] for h in hs], net, plan, k, mask_id, gens, answer, stop, pieces)
+        probs = net.head(hs[0][:, s:e]).float().softmax(-1)
+        p, x0 = probs.max(-1)
+        edit = (block != mask_id) & answer_pos[at] & (x0 != block) & (p > ed.edit_threshold)
+        out[edit] = x0[edit]
+        cv.x[r, s:e] = out
+        live[at] &= ~(full[at] & ~edit.any(1))  # began with nothing masked and edited nothing: done
+        i += 1
 
 
 @torch.no_grad()

@@ -1,0 +1,64 @@
+"""LLaDA2.1's token editing (`--edit-threshold`, `--max-post-edit-steps`, the `block` strategy) against greedy
+outputs of LLaDA2.1's own `generate` on the tiny LLaDA2 checkpoint (tests/data/llada21: provenance and the
+algorithm as its source reads, made in a scratch environment outside this project)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from celeris_cli import load_engine
+from celeris_cli.decode.strategies import SpecialTokens
+from celeris_cli.errors import UsageError
+
+DATA = Path(__file__).parent / "data"
+REF = json.loads((DATA / "llada21" / "llada21_reference.json").read_text(encoding="utf-8"))
+CASES = REF["generate"]["cases"]
+
+
+@pytest.fixture(scope="module")
+def engine():  # type: ignore[no-untyped-def]
+    return load_engine(DATA / "llada2" / "llada2_tiny", device="cpu", dtype="float32")
+
+
+def _settings(kw: dict) -> dict:  # type: ignore[type-arg]
+    """Its generate's arguments as Celeris's settings: num_to_transfer 1 a step is a block's length in
+    steps; its `steps` is never used by its code."""
+    return {
+        "strategy": "block",
+        "temperature": 0.0,
+        "gen_length": kw["gen_length"],
+        "block_length": kw["block_length"],
+        "block_steps": kw["block_length"],
+        "threshold": kw["threshold"],
+        "edit_threshold": kw["editing_threshold"],
+        "max_post_edit_steps": kw["max_post_steps"],
+    }
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c['prompt']}-{c['setting']}" for c in CASES])
+def test_greedy_editing_equals_its_own_generate(engine, case, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    eos = REF["ids"]["eos"]  # its generate stops at eos alone (not at <|role_end|>, which this model emits)
+    monkeypatch.setattr(engine, "special", SpecialTokens(engine.tokenizer.mask_id, frozenset({eos}), 0))
+    [out], _ = engine.decode_ids([case["input_ids"]], engine.params(_settings(case["generate_kwargs"])))
+    got = out[: out.index(eos) + 1] if eos in out else out
+    assert got == case["generated_ids"]
+
+
+def test_editing_edits_and_batched_rows_equal_alone(engine) -> None:  # type: ignore[no-untyped-def]
+    edited = [c for c in CASES if c["edits"] > 0]
+    assert edited, "the reference data exercise editing"
+    kw = edited[0]["generate_kwargs"]
+    params = engine.params(_settings(kw))
+    prompts = [c["input_ids"] for c in CASES if c["generate_kwargs"] == kw]
+    together, _ = engine.decode_ids(prompts, params)
+    assert together == [engine.decode_ids([p], params)[0][0] for p in prompts]
+    off, _ = engine.decode_ids(prompts, params.with_(edit_threshold=1.0, max_post_edit_steps=0))
+    assert off != together  # the setting changes answers where the model is surer of another token
+
+
+def test_the_cached_strategy_refuses_editing_by_name(engine) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(UsageError, match="edit_threshold: not used by the block-fast strategy"):
+        engine.params({"strategy": "block-fast", "edit_threshold": 0.5})
