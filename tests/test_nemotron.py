@@ -184,3 +184,29 @@ def test_each_blocks_seed_is_the_ar_next_token_after_the_text_so_far(engine) -> 
                 break  # the row stopped: no more seeds
             [[nxt]], _ = engine.decode_ids([prompt + answer[: j * W]], one)
             assert answer[j * W] == nxt
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_type 'linear' is not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 8.0, "beta_medium": 2}}, "keys \\['beta_medium'\\]"),
+        ({"dlm_paradigm": "autoregressive"}, "dlm_paradigm 'autoregressive' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ({"mask_token_id": 4000}, "mask_token_id 4000 is outside the embedding table"),
+    ],
+)
+def test_a_config_it_does_not_follow_is_refused_by_name(tmp_path: Path, change: dict, message: str) -> None:  # type: ignore[type-arg]
+    import shutil
+
+    from celeris_cli.errors import ModelError
+
+    folder = tmp_path / "m"
+    shutil.copytree(FOLDER, folder)
+    raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    raw.pop("rope_scaling")
+    (folder / "config.json").write_text(json.dumps({**raw, **change}), encoding="utf-8")
+    with pytest.raises(ModelError, match=message):
+        load_engine(folder, device="cpu", dtype="float32")
+    result = CliRunner().invoke(app, ["generate", "--model", str(folder), "--prompt", "hello"])
+    assert result.exit_code != 0 and "Traceback" not in result.output

@@ -30,6 +30,7 @@ import torch
 from ..arch.kv import KVCache
 from ..params import Blocks, Commit, Length, Sampling
 from .predict import sample_with_probability
+from .reference import finished_rows, num_transfer_tokens, select_top_k
 from .sampling import RowNoise
 
 
@@ -48,12 +49,6 @@ class SeededPlan:
     blocks: Blocks
     sampling: Sampling
     commit: Commit
-
-
-def _transfers(masked: int, steps: int) -> list[int]:
-    """Tokens committed at each step: the masks in equal shares, the remainder to the first steps."""
-    base, extra = divmod(masked, steps)
-    return [base + (1 if i < extra else 0) for i in range(steps)]
 
 
 class _Canvas:
@@ -99,15 +94,6 @@ class _Canvas:
         return x0
 
 
-def _finish(x: torch.Tensor, start: int, stop: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """(B,) whether each row's answer from `start` holds a stop token with nothing masked before it."""
-    ans = x[:, start:]
-    hit = torch.isin(ans, stop)
-    first = torch.where(hit.any(1), hit.int().argmax(1), ans.shape[1])
-    before = torch.arange(ans.shape[1], device=x.device)[None, :] < first[:, None]
-    return hit.any(1) & ~((ans == mask_id) & before).any(1)
-
-
 def _stop_after(x: torch.Tensor, start: int, stop: torch.Tensor) -> None:
     """Fill each row's answer after its first stop token with that token (what the engine cuts)."""
     ans = x[:, start:]
@@ -134,10 +120,12 @@ def generate_ar(
     cv = _Canvas(net, prompt, prompt_mask, G, mask_id)
     stop = torch.tensor(sorted(stop_ids), device=prompt.device, dtype=prompt.dtype)
     rows = list(range(B))
+    done = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # no masks left to right: any stop ends a row
     h = cv.forward(0, P, causal=True)[:, -1]
     for t in range(G):
         cv.x[:, P + t] = cv.pick(h, plan.sampling, noise.at(rows, 0, t))
-        if t + 1 == G or bool(_finish(cv.x[:, : P + t + 1], P, stop, mask_id).all()):
+        done |= torch.isin(cv.x[:, P + t], stop)
+        if t + 1 == G or bool(done.all()):
             break
         h = cv.forward(P + t, P + t + 1, causal=True)[:, -1]
     _stop_after(cv.x, P, stop)
@@ -166,8 +154,9 @@ def generate_seeded(
         s = P + j * W
         e = min(s + W, P + G)
         cv.x[:, s] = cv.pick(h, sampling, noise.at(rows, j, 0))  # the seed
-        done = _finish(cv.x[:, :e], P, stop, mask_id)
-        for i, k in enumerate(_transfers(e - s - 1, steps) if steps else []):
+        done = finished_rows(cv.x[:, P:e], mask_id, stop)[0]
+        schedule = num_transfer_tokens(torch.tensor([e - s - 1]), steps)[0].tolist() if steps else []
+        for i, k in enumerate(schedule):
             block = cv.x[:, s:e]
             masked = (block == mask_id) & ~done[:, None]  # a finished row commits no more
             if not masked.any():
@@ -182,12 +171,10 @@ def generate_seeded(
                 best = confidence.argmax(1, keepdim=True)
                 chosen.scatter_(1, best, masked.gather(1, best))
             else:  # the schedule's share: the k surest
-                order = confidence.argsort(dim=1, descending=True, stable=True)
-                ranked = torch.zeros_like(masked).scatter_(1, order[:, :k], True)
-                chosen = ranked & masked
+                chosen = select_top_k(confidence, torch.full((B,), k, device=block.device)) & masked
             block[chosen] = x0[chosen[masked]]
-            done |= _finish(cv.x[:, :e], P, stop, mask_id)
-        if bool(_finish(cv.x[:, :e], P, stop, mask_id).all()) or e == P + G:
+            done |= finished_rows(cv.x[:, P:e], mask_id, stop)[0]
+        if bool(done.all()) or e == P + G:
             break
         h = cv.forward(s, e, causal=True)[:, -1]  # the commit pass: the block's keys and values, causally
     _stop_after(cv.x, P, stop)
