@@ -177,6 +177,50 @@ def check_special_ids(cfg: Any) -> None:
             raise ModelError(f"config.json: {name} {value} is outside the embedding table")
 
 
+class LlamaShape:
+    """Sizes as transformers' Llama-family configs name them (Qwen3, Nemotron), with what every family derives
+    from them and the checks they share. A config dataclass mixes it in and calls `check_shape` after init."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int | None
+    head_dim: int | None
+    vocab_size: int
+    max_position_embeddings: int
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dim(self) -> int:
+        """Per-head dimension (a config may name it; it need not be hidden_size / heads)."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rows(self) -> int:
+        return self.vocab_size
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.max_position_embeddings
+
+    def check_shape(self, positive: tuple[str, ...]) -> None:
+        """The `positive` sizes above 0, whole query heads per key/value head, an even head for rotary
+        embeddings, and the special ids inside the embedding table."""
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ModelError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.kv_heads:
+            raise ModelError(
+                f"config.json: num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads {self.kv_heads}"
+            )
+        if self.dim % 2:
+            raise ModelError(f"config.json: head_dim {self.dim} is odd; rotary embeddings need an even one")
+        check_special_ids(self)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm the Llama/Qwen2 way: normalised in float32, cast back, then scaled by the weight."""
     dtype = x.dtype

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelError
-from .layers import KV, MLP, DiffusionLM, apply_rope, attend, check_special_ids, read_fields, rms_norm
+from .layers import KV, MLP, DiffusionLM, LlamaShape, apply_rope, attend, read_fields, rms_norm
 from .qwen3 import AttentionShape, Backbone, Layer
 
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -125,7 +125,7 @@ class Yarn:
 
 
 @dataclass(frozen=True)
-class NemotronConfig:
+class NemotronConfig(LlamaShape):
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -146,33 +146,7 @@ class NemotronConfig:
     model_type: str = "nemotron_labs_diffusion"
 
     def __post_init__(self) -> None:
-        for name in REQUIRED + ("block_size",):
-            if getattr(self, name) <= 0:
-                raise ModelError(f"config.json: {name} must be positive, got {getattr(self, name)}")
-        if self.num_attention_heads % self.kv_heads:
-            raise ModelError(
-                f"config.json: num_attention_heads {self.num_attention_heads} is not divisible by "
-                f"num_key_value_heads {self.kv_heads}"
-            )
-        if self.dim % 2:
-            raise ModelError(f"config.json: head_dim {self.dim} is odd; rotary embeddings need an even one")
-        check_special_ids(self)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
-
-    @property
-    def dim(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
-
-    @property
-    def rows(self) -> int:
-        return self.vocab_size
-
-    @property
-    def max_sequence_length(self) -> int:
-        return self.max_position_embeddings
+        self.check_shape(REQUIRED + ("block_size",))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> NemotronConfig:

@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 from ..errors import ModelError
-from .layers import MLP, DiffusionLM, check_special_ids, read_fields, rms_norm
+from .layers import MLP, DiffusionLM, LlamaShape, read_fields, rms_norm
 from .qwen3 import AttentionShape, Backbone, Layer, Routing, SoftmaxMoE
 
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
 @dataclass(frozen=True)
-class Qwen3Config:
+class Qwen3Config(LlamaShape):
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -50,40 +50,13 @@ class Qwen3Config:
     model_type: str = "qwen3"
 
     def __post_init__(self) -> None:
-        for name in REQUIRED:
-            if getattr(self, name) <= 0:
-                raise ModelError(f"config.json: {name} must be positive, got {getattr(self, name)}")
-        if self.num_attention_heads % self.kv_heads:
-            raise ModelError(
-                f"config.json: num_attention_heads {self.num_attention_heads} is not divisible by "
-                f"num_key_value_heads {self.kv_heads}"
-            )
-        if self.dim % 2:
-            raise ModelError(f"config.json: head_dim {self.dim} is odd; rotary embeddings need an even one")
+        self.check_shape(REQUIRED)
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ModelError(
                 f"config.json: num_experts_per_tok {self.num_experts_per_tok} must be 1..num_experts {self.num_experts}"
             )
         if self.num_experts and self.moe_intermediate_size <= 0:
             raise ModelError("config.json: moe_intermediate_size must be positive for a mixture of experts")
-        check_special_ids(self)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
-
-    @property
-    def dim(self) -> int:
-        """Per-head dimension (Qwen3 names it; it need not be hidden_size / heads)."""
-        return self.head_dim or self.hidden_size // self.num_attention_heads
-
-    @property
-    def rows(self) -> int:
-        return self.vocab_size
-
-    @property
-    def max_sequence_length(self) -> int:
-        return self.max_position_embeddings
 
     def is_moe(self, layer: int) -> bool:
         """Qwen3-MoE's rule: experts where the layer is not listed dense and falls on the sparse step."""
