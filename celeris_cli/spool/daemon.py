@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -71,7 +70,7 @@ class Spool:
         self.inbox = Inbox(self.f, cfg.settle_s, self.events)
         self.beat = Heartbeat(self.f.logs / HEARTBEAT)
         self.metrics = Metrics(cfg.metrics_textfile)
-        self.wake = threading.Event()
+        self.wake = signals.Wake()
         self.stopping = False
         self.claimed: dict[int, Job] = {}  # claim number -> job in progress (resumed, decoding or deferred)
         self.quarantines: dict[int, tuple[str, str]] = {}  # claim -> (code, message) of a quarantine put off
@@ -140,7 +139,7 @@ class Spool:
         self.start()
         self.events("start", pid=os.getpid(), once=once)
         observer = None if once else self._watch()
-        previous = signals.install(self._on_signal, self.cfg.shutdown_grace_s, self._grace_expired)
+        installed = signals.install(self._on_signal, self.cfg.shutdown_grace_s, self._grace_expired, self._signal_noted)
         gave_up = False
         try:
             while not self.stopping:
@@ -181,7 +180,7 @@ class Spool:
             self.metrics.queue(self.inbox.depth, self.inbox.oldest_mtime, len(self.claimed))
             self.metrics.write(force=True)
             self.lock.release()
-            signals.restore(previous)
+            signals.restore(installed)
         if gave_up or (once and self.inbox.refused):
             return EXIT_IO
         return EXIT_FAILED if once and self.counts.failures else EXIT_OK
@@ -190,9 +189,12 @@ class Spool:
         return signals.watch(self.f.inputs, self.wake)
 
     def _on_signal(self, signum: int) -> None:
+        """In the signal handler: flags and the wake only (see `signals`)."""
         self.stop_signal = signum
         self.stopping = True
         self.wake.set()
+
+    def _signal_noted(self, signum: int) -> None:
         self.events("signal", signal=signum, grace_s=self.cfg.shutdown_grace_s)
 
     def _grace_expired(self) -> None:
