@@ -153,7 +153,10 @@ def test_sigterm_keeps_finished_batches_and_a_restart_decodes_only_the_rest(tmp_
 
 
 def test_a_writer_that_keeps_appending_to_a_claimed_file_has_every_line_served(tmp_path: Path) -> None:
-    config = make_queue(tmp_path, settle_s=0.5, rescan_s=0.1)
+    # The claim comes from two scans seeing one size (rescan 0.1 s); the publish waits until the file's
+    # mtime is settle_s old. The lines appended after the claim must land inside that window, so it is
+    # wide: a test process starved by other jobs for half a second (CI) made 0.5 s fail half the time.
+    config = make_queue(tmp_path, settle_s=3.0, rescan_s=0.1)
     p = spawn(config)
     try:
         with open(tmp_path / "batch_inputs" / "slow.txt", "w") as f:
