@@ -207,3 +207,23 @@ def test_a_block_ends_after_its_steps_when_the_model_predicts_the_mask_itself(
     [out], _ = block_engine.decode_ids([prompt], params)
     assert out[:16] == [mask] * 16
     assert calls[0] == sum(params.steps_for(len(prompt)))  # each block's steps, then on
+
+
+def test_the_running_set_builds_no_autograd_graph(block_engine: Engine) -> None:
+    """The weights require grad; outside no_grad every forward's graph chained through the preallocated
+    caches from round to round (memory grew with every step)."""
+    from celeris_cli.decode.running import BlockRequest, BlockScheduler
+    from celeris_cli.decode.sampling import request_seed
+    from celeris_cli.decode.strategies import Net, plan_of
+
+    assert any(p.requires_grad for p in block_engine.model.parameters())
+    sp = block_engine.special
+    scheduler = BlockScheduler(Net(block_engine.model), sp.mask_id, sp.stop_ids, sp.pad_id, 2, torch.device("cpu"))
+    plan = plan_of(block_engine.params({"gen_length": 16}))
+    requests = [
+        BlockRequest(i, ids, plan, request_seed(i, ids))
+        for i, ids in enumerate(block_engine.encode_prompt(p) for p in PROMPTS[:3])
+    ]
+    for _ in scheduler.run(requests):
+        pass
+    assert scheduler.lanes and all(not lane.cache.layers[0][0].requires_grad for lane in scheduler.lanes.values())

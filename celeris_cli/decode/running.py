@@ -159,6 +159,7 @@ class BlockScheduler:
         return sum(len(lane.rows) for lane in self.lanes.values())
 
     # -- the loop ------------------------------------------------------------------------------------
+    @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
     def run(self, requests: Iterable[BlockRequest]) -> Iterator[tuple[int, list[int], int]]:
         # the longest answers first (stable), so the last rows to run are short ones and the tail is brief
         waiting = deque(sorted(requests, key=lambda r: -r.plan.blocks.gen_length))
