@@ -24,9 +24,10 @@ from .arch.layers import Model
 from .arch.registry import ARCHITECTURES, Architecture
 from .arch.tokenizer import Tokenizer
 from .backoff import run_backing_off
+from .decode import waves
 from .decode.running import BlockRequest, BlockScheduler, Occupancy, supports
 from .decode.sampling import RowNoise, request_seed
-from .decode.strategies import BY_BLOCK, Net, OnBlock, SpecialTokens, get_strategy, plan_of
+from .decode.strategies import BY_BLOCK, Net, OnBlock, SpecialTokens, fast_plan_of, get_strategy, plan_of
 from .device import resolve_device, resolve_dtype
 from .errors import ModelError, PromptTooLong, UsageError
 from .params import GenerationParams, model_layer, script_layers, script_of
@@ -169,12 +170,9 @@ class Engine:
         running set can decode go through it, all admitted at once. on_block(row, generated ids so far):
         called as each row's block is committed (strategies in BY_BLOCK only; for streaming)."""
         seeds = seeds if seeds is not None else [params.seed] * len(batch)
-        if self.continuous(params):
+        if self.continuous(params) and (on_block is None or params.strategy in BY_BLOCK):
             scheduler, net = self._scheduler([params], len(batch), on_block=on_block)
-            plan = plan_of(params)
-            requests = [
-                BlockRequest(i, ids, plan, request_seed(s, ids)) for i, (ids, s) in enumerate(zip(batch, seeds))
-            ]
+            requests = [self._request(i, ids, params, s) for i, (ids, s) in enumerate(zip(batch, seeds))]
             with invariant.enabled(params.deterministic):
                 outs: dict[int, list[int]] = {i: out for i, out, _ in scheduler.run(requests)}
             self._account(scheduler, net)
@@ -203,23 +201,27 @@ class Engine:
         max_batch: int,
         refill: bool = True,
         on_block: OnBlock | None = None,
-    ) -> tuple[BlockScheduler, Net]:
+        bidirectional: bool = False,
+    ) -> tuple[BlockScheduler | waves.WaveScheduler, Net]:
+        """The running set for rows with these settings (one kind: `_running_kind`)."""
+        kinds = {_running_kind(p, bidirectional) for p in params}
+        assert len(kinds) == 1 and None not in kinds, "one running set decodes rows of one kind"
         special = self._special(max(params, key=lambda p: p.subword_min_p))  # word pieces if any row needs them
         net = Net(self.model)
-        scheduler = BlockScheduler(
-            net,
-            special.mask_id,
-            special.stop_ids,
-            special.pad_id,
-            max_batch,
-            self.device,
-            special.word_pieces,
-            refill=refill,
-            on_block=on_block,
-        )
-        return scheduler, net
+        args = (net, special.mask_id, special.stop_ids, special.pad_id, max_batch, self.device, special.word_pieces)
+        if kinds == {"waves"}:
+            assert on_block is None, "the fast strategy commits no blocks to report"
+            return waves.WaveScheduler(*args, refill=refill), net
+        return BlockScheduler(*args, refill=refill, on_block=on_block), net
 
-    def _account(self, scheduler: BlockScheduler, net: Net) -> None:
+    @staticmethod
+    def _request(key: int, ids: list[int], params: GenerationParams, seed: int) -> Any:
+        """A row for the running set of its kind, with its row seed (`request_seed`)."""
+        if _running_kind(params, bidirectional=True) == "waves":
+            return waves.FastRequest(key, list(ids), fast_plan_of(params), request_seed(seed, ids))
+        return BlockRequest(key, list(ids), plan_of(params), request_seed(seed, ids))
+
+    def _account(self, scheduler: BlockScheduler | waves.WaveScheduler, net: Net) -> None:
         self.positions_computed += net.positions_computed
         self.last_occupancy = scheduler.occupancy
 
@@ -355,30 +357,39 @@ class Engine:
         max_batch: int,
         on_result: Callable[[int, Result], None] | None = None,
         refill: bool = True,
+        bidirectional: bool = False,
     ) -> list[Result]:
         """Decode rows (each with its final settings: `continuous` must hold for each) through one running set
         of at most `max_batch` rows that admits the next row whenever one finishes (`decode.running`). A
         row's answer is the one it gets alone; its `nfe` counts the forwards it took part in, its `wall_s`
         runs from the start to its finish. on_result(i, result) is called as row i finishes. refill False:
-        static batches of max_batch rows through the same decoder (for `bench`'s comparison)."""
-        requests = []
-        for i, (ids, p, seed) in enumerate(zip(encoded, params, seeds)):
-            assert self.continuous(p), "a row the running set cannot decode"
-            requests.append(BlockRequest(i, list(ids), plan_of(p), request_seed(seed, ids)))
-        scheduler, net = self._scheduler(params, self._running_width(encoded, params, max_batch), refill)
+        static batches of max_batch rows through the same decoder (for `bench`'s comparison).
+        bidirectional: the fast strategy's rows too, through `decode.waves` (measured by `bench --workload
+        mixed`; not the default path, see `continuous`)."""
+        kinds: dict[str | None, list[int]] = {}
+        for i, p in enumerate(params):
+            assert self.continuous(p, bidirectional), "a row the running set cannot decode"
+            kinds.setdefault(_running_kind(p, bidirectional), []).append(i)
+        deterministic = {p.deterministic for p in params}
+        assert len(deterministic) == 1, "rows of one running set compute one way"  # a run-wide setting
         reset_peak(self.device)
         t0 = time.perf_counter()
         results: list[Result | None] = [None] * len(encoded)
-        deterministic = {p.deterministic for p in params}
-        assert len(deterministic) == 1, "rows of one running set compute one way"  # a run-wide setting
-        for i, out, forwards in _running(scheduler.run(requests), deterministic.pop()):
-            wall = time.perf_counter() - t0
-            peak = round(read_peak(self.device) / 2**20, 1)  # the process's so far
-            r = self._result(prompts[i], list(encoded[i]), out, params[i], seeds[i], forwards, wall, max_batch, peak)
-            results[i] = r
-            if on_result is not None:
-                on_result(i, r)
-        self._account(scheduler, net)
+        for idx in kinds.values():  # block diffusion's rows and the fast decoder's: a running set each
+            requests = [self._request(i, list(encoded[i]), params[i], seeds[i]) for i in idx]
+            group = [params[i] for i in idx]
+            width = self._running_width([encoded[i] for i in idx], group, max_batch)
+            scheduler, net = self._scheduler(group, width, refill, bidirectional=bidirectional)
+            for i, out, forwards in _running(scheduler.run(requests), next(iter(deterministic))):
+                wall = time.perf_counter() - t0
+                peak = round(read_peak(self.device) / 2**20, 1)  # the process's so far
+                r = self._result(
+                    prompts[i], list(encoded[i]), out, params[i], seeds[i], forwards, wall, max_batch, peak
+                )
+                results[i] = r
+                if on_result is not None:
+                    on_result(i, r)
+            self._account(scheduler, net)
         return [r for r in results if r is not None]
 
     def _running_width(self, encoded: Sequence[list[int]], params: Sequence[GenerationParams], max_batch: int) -> int:
@@ -393,10 +404,13 @@ class Engine:
             width -= 1
         return width
 
-    def continuous(self, params: GenerationParams) -> bool:
-        """Whether rows with these settings decode through the running set (`decode.running`): block
-        diffusion's cached decoder without guidance; other strategies decode in static batches."""
-        return params.strategy == "block-fast" and supports(plan_of(params))
+    def continuous(self, params: GenerationParams, bidirectional: bool = False) -> bool:
+        """Whether rows with these settings decode through a running set: block diffusion's cached decoder
+        without guidance (`decode.running`); with `bidirectional`, the fast decoder's rows too
+        (`decode.waves`). That one is not the default path: on the 2-core CPU it was measured at 0.95x
+        static batches on the mixed workload and 0.8x on a uniform one (its forwards are positions-bound
+        there; docs/benchmarks.md). Other strategies decode in static batches."""
+        return _running_kind(params, bidirectional) is not None
 
     # -- text level --------------------------------------------------------------------------------
     def generate(
@@ -443,6 +457,16 @@ class Engine:
             if on_batch is not None:
                 on_batch(len(idx))
         return [r for r in results if r is not None]
+
+
+def _running_kind(params: GenerationParams, bidirectional: bool = False) -> str | None:
+    """Which running set decodes rows with these settings: "block" (`decode.running`), "waves"
+    (`decode.waves`, asked for with `bidirectional`), or None (static batches)."""
+    if params.strategy == "block-fast" and supports(plan_of(params)):
+        return "block"
+    if bidirectional and params.strategy == "fast" and waves.supports(fast_plan_of(params)):
+        return "waves"
+    return None
 
 
 def _running(rows: Iterator[tuple[int, list[int], int]], deterministic: bool) -> Iterator[tuple[int, list[int], int]]:

@@ -36,9 +36,16 @@ def test_the_mixed_workload_runs_static_and_continuous_with_the_same_answers(blo
     assert all(c["step_ms"] > 0 and c["sampling_ms"] > 0 for c in report["commit_step"])
 
 
-def test_the_workload_refuses_a_model_that_decodes_in_static_batches_only(engine) -> None:  # type: ignore[no-untyped-def]
+def test_the_workload_refuses_settings_that_decode_in_static_batches_only(engine) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(UsageError, match="static batches only"):
-        compare_scheduling(engine, n_prompts=2, batch_size=2)
+        compare_scheduling(engine, n_prompts=2, batch_size=2, settings={"cfg_scale": 1.0})
+
+
+def test_the_mixed_workload_runs_a_bidirectional_model_through_the_waves(engine) -> None:  # type: ignore[no-untyped-def]
+    report = compare_scheduling(engine, n_prompts=6, batch_size=2)
+    assert report["answers"] == 6 and report["identical_answers"] == 6
+    assert report["scheduling"]["continuous"]["occupancy"] > report["scheduling"]["static"]["occupancy"]
+    assert report["commit_step"] == []  # the block decoders' commit step only
 
 
 def test_an_unknown_workload_is_a_usage_error(block_model: Path) -> None:

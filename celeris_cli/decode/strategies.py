@@ -128,6 +128,12 @@ def plan_of(params: GenerationParams) -> BlockPlan:
     return plan
 
 
+def fast_plan_of(params: GenerationParams) -> FastPlan:
+    """The fast decoder's settings (for the bidirectional running set, `decode.waves`)."""
+    plan: FastPlan = _plan(FastPlan, params)
+    return plan
+
+
 def _reference(
     net: Net,
     prompt: torch.Tensor,

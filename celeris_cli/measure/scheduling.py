@@ -50,22 +50,22 @@ def compare_scheduling(
     occupancy (rows in flight per round over batch_size), rows per forward, NFE, wall; and how many
     answers are identical between the two."""
     rows = mixed_workload(engine, n_prompts, settings)
-    refused = sorted({p.strategy for _, p in rows if not engine.continuous(p)})
+    refused = sorted({p.strategy for _, p in rows if not engine.continuous(p, bidirectional=True)})
     if refused:
         raise UsageError(
-            f"the running set decodes block diffusion without guidance (block-fast); this model's "
+            f"the running sets decode block-fast and fast without guidance; this model's "
             f"settings give {', '.join(refused)}, which decodes in static batches only"
         )
     prompts = [p for p, _ in rows]
     params = [s for _, s in rows]
     encoded = [engine.encode_prompt(p) for p in prompts]
     seeds = [s.seed for s in params]
-    engine.decode_running(prompts[:2], encoded[:2], params[:2], seeds[:2], 2)  # warm up
+    engine.decode_running(prompts[:2], encoded[:2], params[:2], seeds[:2], 2, bidirectional=True)  # warm up
     runs: dict[str, dict[str, Any]] = {}
     texts: dict[str, list[str]] = {}
     for name, refill in (("static", False), ("continuous", True)):
         t0 = time.perf_counter()
-        results = engine.decode_running(prompts, encoded, params, seeds, batch_size, refill=refill)
+        results = engine.decode_running(prompts, encoded, params, seeds, batch_size, refill=refill, bidirectional=True)
         wall = time.perf_counter() - t0
         occ = engine.last_occupancy
         assert occ is not None
@@ -101,10 +101,12 @@ def sampling_cost(
 ) -> list[dict[str, Any]]:
     """Milliseconds of one commit step (`block.commit_step`) for a batch of rows whose whole block is
     masked, at each batch size: `step_ms` with the LM head on the masked positions, `sampling_ms` without
-    it (the logits given), and each per row. The hidden states are the model's own for a masked block;
-    the settings are the model's defaults for a poem opening (its shipped sampling) under `settings`."""
+    it (the logits given), and each per row. The hidden states are the model's own for a masked block; the
+    settings are the model's defaults for a poem opening (its shipped sampling) under `settings`."""
     prompt = EvalSet.load().poems[0]["prompt"]
     params = engine.params_for(prompt, engine.params(settings or {}))
+    if params.strategy != "block-fast":
+        return []  # the block decoders' commit step; the fast decoder's is not measured here
     plan, mask = plan_of(params), engine.tokenizer.mask_id
     W = params.block_length
     net = Net(engine.model)

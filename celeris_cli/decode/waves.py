@@ -1,0 +1,384 @@
+"""Continuous batching for bidirectional models (LLaDA, celeris-tiny: the `fast` strategy): a running set
+that admits a waiting request whenever a row leaves, with every row at its own block and step.
+
+The fast decoder's cache is exact only within one block: each block starts with a full-canvas forward that
+refreshes every key and value (attention is bidirectional, so a later block's cache is not an extension of
+an earlier one), and the block's later steps recompute only the block (`dual`) or the block and the
+suffix (`prefix`) against that cache. So a row's cache is its own and lives for one block: the rule for
+joining is that a row joins, and moves to its next block, with a refresh forward of its own canvas.
+
+Each tick advances every row by one step:
+- rows starting a block (just admitted, or done with their last one) get their refresh forward, grouped
+  with others of similar width (`_buckets`: a short canvas is never padded to a long one's width), each
+  row's canvas from column 0 as it would be alone, and their caches are written into a slot of their lane;
+- the rows of each lane (cache mode and block width) take their step in one forward, each row's window at
+  its own block over its own slot of the lane's cache (`KVCache`, per-row starts);
+- every row then commits, per group of rows sharing their settings; a row whose block is done leaves its
+  lane for the next tick's refreshes, a finished row (early exit, or its last block) is handed back, and
+  its place goes to the next waiting request at once.
+Rows with different samplers, thresholds, shaping, steps, lengths, block widths and cache modes share the
+running set; only guidance keeps a request out (its unconditional view would need a second cache per row).
+
+A row's forwards are those it would take alone, with padding no key mask lets it see and batch mates; its
+result does not depend on them bit for bit with `deterministic` on, and in the answers with it off, in
+float32, as for static batches. Its noise comes from its own stream at its own (block, step), as in
+`generate_fast`. `refill=False` gives static batches through the same loop, for `bench --workload mixed`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..arch.kv import KVCache
+from .fast import FastPlan
+from .predict import confidence_masked, sample_masked
+from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
+from .running import Occupancy
+from .sampling import shape_masked, stream_seed
+from .strategies import Net
+
+
+@dataclass(frozen=True)
+class FastRequest:
+    """One request: its prompt ids, its settings and its row seed (`request_seed`)."""
+
+    key: int
+    prompt: list[int]
+    plan: FastPlan
+    seed: int
+
+
+def supports(plan: FastPlan) -> bool:
+    """Guidance's unconditional view would need a cache of its own per row: it runs in static batches."""
+    return plan.guidance.cfg_scale == 0
+
+
+@dataclass
+class _Row:
+    req: FastRequest
+    x: torch.Tensor  # (P + G,) the row's canvas: prompt, then its answer
+    block: int = 0  # index into its schedule's blocks
+    step: int = 0  # within the block
+    forwards: int = 0
+    schedule: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # this block's
+
+    @property
+    def P(self) -> int:
+        return len(self.req.prompt)
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """The active block's columns in the row's canvas."""
+        bs, be = self.req.plan.schedule.block_spans[self.block]
+        return self.P + bs, self.P + be
+
+    @property
+    def steps(self) -> int:
+        return self.req.plan.schedule.steps_per_block[self.block]
+
+    @property
+    def width(self) -> int:
+        """How much of its canvas the model sees: all of it, or up to `suffix_window` past the block."""
+        window = self.req.plan.parallel.suffix_window
+        return len(self.x) if window == 0 else min(len(self.x), self.span[1] + window)
+
+    @property
+    def mode(self) -> str:
+        return self.req.plan.parallel.cache
+
+    @property
+    def lane(self) -> tuple[str, int]:
+        s, e = self.span
+        return self.mode, e - s
+
+    @property
+    def commit(self) -> tuple[Any, ...]:
+        """What its commit step reads besides its block (rows sharing it commit together)."""
+        p = self.req.plan
+        return p.sampling, p.ordering, p.parallel, p.shaping, self.lane[1]
+
+    @property
+    def last_block(self) -> bool:
+        return self.block == len(self.req.plan.schedule.block_spans) - 1
+
+
+class _Lane:
+    """The rows of one cache mode and block width that are past their block's refresh, and their caches:
+    row i owns slot i."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.rows: list[_Row] = []
+
+    def ensure(self, length: int) -> None:
+        if length > self.cache.length:
+            self.cache.grow(max(length, 2 * self.cache.length), len(self.rows))
+
+    def drop(self, gone: set[int]) -> None:
+        """Rows whose id() is in `gone` leave; each later row moves into the first free slot."""
+        kept: list[_Row] = []
+        for slot, r in enumerate(self.rows):
+            if id(r) not in gone:
+                if slot != len(kept):
+                    self.cache.move(slot, len(kept), self.cache.length)
+                kept.append(r)
+        self.rows = kept
+
+
+@dataclass
+class _Stepped:
+    """A row's part of this tick: its block as the forward saw it and the logits of its masked positions."""
+
+    row: _Row
+    block: torch.Tensor  # (T,)
+    logits: torch.Tensor  # (masked, V)
+
+
+class WaveScheduler:
+    """Decodes `FastRequest`s with at most `max_batch` rows in flight; `run` yields (key, generated ids,
+    forwards taken part in) as each row finishes."""
+
+    def __init__(
+        self,
+        net: Net,
+        mask_id: int,
+        stop_ids: frozenset[int],
+        pad_id: int,
+        max_batch: int,
+        device: torch.device,
+        word_pieces: frozenset[int] = frozenset(),
+        refill: bool = True,
+    ) -> None:
+        self.net = net
+        self.mask_id = mask_id
+        self.pad_id = pad_id
+        self.max_batch = max_batch
+        self.device = device
+        self.refill = refill
+        self.stop = torch.tensor(sorted(stop_ids), device=device, dtype=torch.long)
+        self.pieces = torch.tensor(sorted(word_pieces), device=device, dtype=torch.long)
+        self.lanes: dict[tuple[str, int], _Lane] = {}
+        self.occupancy = Occupancy()
+
+    @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
+    def run(self, requests: Iterable[FastRequest]) -> Iterator[tuple[int, list[int], int]]:
+        # the longest answers first (stable), as the block running set admits them
+        waiting = deque(sorted(requests, key=lambda r: -r.plan.schedule.gen_length))
+        fresh: list[_Row] = []  # rows whose block starts this tick (refresh forward)
+        while waiting or fresh or any(lane.rows for lane in self.lanes.values()):
+            in_flight = len(fresh) + sum(len(lane.rows) for lane in self.lanes.values())
+            if self.refill or in_flight == 0:
+                while waiting and in_flight < self.max_batch:
+                    fresh.append(self._admit(waiting.popleft()))
+                    in_flight += 1
+            self.occupancy.rounds += 1
+            self.occupancy.in_flight += in_flight
+            stepped = [part for lane in self.lanes.values() if lane.rows for part in self._step(lane)]
+            stepped += self._refresh(fresh)
+            self._commit(stepped)
+            fresh = []
+            for r, outcome in self._advance([part.row for part in stepped]):
+                if outcome in ("next", "again"):
+                    fresh.append(r)
+                else:
+                    yield r.req.key, r.x[r.P :].tolist(), r.forwards
+
+    def _admit(self, req: FastRequest) -> _Row:
+        assert supports(req.plan), "guidance runs in static batches"
+        G = req.plan.schedule.gen_length
+        x = torch.full((len(req.prompt) + G,), self.mask_id, dtype=torch.long, device=self.device)
+        x[: len(req.prompt)] = torch.tensor(req.prompt, dtype=torch.long, device=self.device)
+        return _Row(req, x)
+
+    # -- forwards ------------------------------------------------------------------------------------
+    def _refresh(self, rows: list[_Row]) -> list[_Stepped]:
+        """The first forward of each row's block (every step's forward, without a cache): each row's canvas
+        from column 0, in buckets of similar width, its keys and values into a slot of its lane."""
+        out = []
+        for bucket in _buckets([r.width for r in rows]):
+            group = [rows[b] for b in bucket]
+            width = max(r.width for r in group)
+            ids = torch.full((len(group), width), self.pad_id, dtype=torch.long, device=self.device)
+            km = torch.zeros(len(group), width, dtype=torch.bool, device=self.device)
+            for i, r in enumerate(group):
+                ids[i, : r.width] = r.x[: r.width]
+                km[i, : r.width] = True
+                if r.step == 0:
+                    T = r.span[1] - r.span[0]
+                    r.schedule = num_transfer_tokens(torch.tensor([T], device=self.device), r.steps)[0]
+            keep = any(r.mode != "none" for r in group)
+            h, kv = self.net.hidden(ids, Net.positions(km), km, keep_kv=keep)
+            self._count(group, width)
+            layers = self.net.cache_of(kv) if keep else []
+            for i, r in enumerate(group):
+                s, e = r.span
+                lo = s - self.net.shift
+                block = r.x[s:e].clone()
+                out.append(_Stepped(r, block, self.net.head(h[i, lo : lo + e - s][block == self.mask_id])))
+                if r.mode != "none":
+                    lane = self._lane(r, layers)
+                    lane.ensure(r.width)
+                    for (k, v), (ck, cv) in zip(layers, lane.cache.layers):
+                        ck[len(lane.rows), :, : r.width] = k[i, :, : r.width]
+                        cv[len(lane.rows), :, : r.width] = v[i, :, : r.width]
+                    lane.rows.append(r)
+        return out
+
+    def _step(self, lane: _Lane) -> list[_Stepped]:
+        """One step of every row of a lane, each its own window over its own slot: the block (dual) or the
+        block and what it sees past it (prefix), recomputed against the block's cache."""
+        rows, n = lane.rows, len(lane.rows)
+        mode, T = rows[0].lane
+        shift = self.net.shift
+        starts = torch.tensor([r.span[0] - shift for r in rows], device=self.device)
+        window = T + shift if mode == "dual" else max(r.width - r.span[0] for r in rows) + shift
+        length = max(int(starts.max()) + window, max(r.width for r in rows))  # dual: the suffix's keys too
+        lane.ensure(length)
+        ids = torch.full((n, window), self.pad_id, dtype=torch.long, device=self.device)
+        for b, r in enumerate(rows):
+            part = r.x[int(starts[b]) : int(starts[b]) + window]
+            ids[b, : len(part)] = part
+        positions = starts[:, None] + torch.arange(window, device=self.device)[None, :]
+        widths = torch.tensor([r.width for r in rows], device=self.device)
+        key_mask = (torch.arange(length, device=self.device)[None, :] < widths[:, None])[:, None, None, :]
+        h, _ = self.net.hidden(ids, positions, key_mask, lane.cache.view(slice(0, n), length), starts, False)
+        self._count(rows, window)
+        blocks = [r.x[r.span[0] : r.span[1]].clone() for r in rows]
+        masked = torch.stack(blocks) == self.mask_id
+        logits = self.net.head(h[:, :T][masked])
+        counts = masked.sum(1).tolist()
+        parts = logits.split(counts)
+        return [_Stepped(r, blk, part) for r, blk, part in zip(rows, blocks, parts)]
+
+    def _count(self, rows: list[_Row], width: int) -> None:
+        self.occupancy.forwards += 1
+        self.occupancy.rows += len(rows)
+        self.occupancy.positions += len(rows) * width
+        for r in rows:
+            r.forwards += 1
+
+    def _lane(self, r: _Row, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> _Lane:
+        key = r.lane
+        if key not in self.lanes:
+            k = layers[0][0]
+            length = max(r.width, 64)
+            cache = KVCache.empty(len(layers), self.max_batch, k.shape[1], length, k.shape[3], k.dtype, self.device)
+            self.lanes[key] = _Lane(cache)
+        return self.lanes[key]
+
+    # -- commits -------------------------------------------------------------------------------------
+    def _commit(self, stepped: list[_Stepped]) -> None:
+        """The fast decoder's commit for every row that took a step, per group sharing its settings."""
+        groups: dict[tuple[Any, ...], list[_Stepped]] = {}
+        for part in stepped:
+            groups.setdefault(part.row.commit, []).append(part)
+        for parts in groups.values():
+            rows = [p.row for p in parts]
+            plan = rows[0].req.plan
+            block = torch.stack([p.block for p in parts])
+            T = block.shape[1]
+            masked = block == self.mask_id
+            flat = torch.cat([p.logits for p in parts])
+            if plan.shaping.active:
+                answer, offset = self._answer(rows)
+                t = plan.sampling.temperature
+                flat = shape_masked(flat, masked, answer, offset, plan.shaping, self.mask_id, self.stop, t, self.pieces)
+            gens = [
+                torch.Generator(device=self.device).manual_seed(stream_seed(r.req.seed, r.block, r.step)) for r in rows
+            ]
+            left = masked.sum(1)
+            x0 = sample_masked(flat, plan.sampling, left.tolist(), gens)
+            conf = block.new_zeros(block.shape, dtype=torch.float32).masked_scatter(
+                masked, confidence_masked(flat, x0, plan.parallel.confidence)
+            )
+            proposal = block.masked_scatter(masked, x0)
+            fade = left[:, None] / T
+            rank = torch.where(masked, commit_order(conf, plan.ordering, fade, gens), float("-inf"))
+            k = torch.stack([r.schedule[r.step] for r in rows]).clamp_min(1)
+            commit = select_top_k(rank, k) | (masked & (conf >= plan.parallel.threshold))
+            new = torch.where(commit, proposal, block)
+            for r, row_block in zip(rows, new):
+                s, e = r.span
+                r.x[s:e] = row_block
+
+    def _answer(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's answer so far (padded with masks to the longest) and its block's first answer position."""
+        G = max(r.req.plan.schedule.gen_length for r in rows)
+        answer = torch.full((len(rows), G), self.mask_id, dtype=torch.long, device=self.device)
+        for b, r in enumerate(rows):
+            answer[b, : len(r.x) - r.P] = r.x[r.P :]
+        offset = torch.tensor([r.span[0] - r.P for r in rows], device=self.device)
+        return answer, offset
+
+    # -- after the commits ---------------------------------------------------------------------------
+    def _advance(self, rows: list[_Row]) -> Iterator[tuple[_Row, str]]:
+        """Each row that stepped: "done" (finished early, or its last block is), "next" (on to its next
+        block, refreshed next tick), "again" (no cache: its next step is a full forward too), or nothing
+        (its block goes on, in its lane)."""
+        finished = self._finished(rows)
+        gone: dict[tuple[str, int], set[int]] = {}
+        for r, done in zip(rows, finished):
+            r.step += 1
+            s, e = r.span
+            # a block ends with no masks left or after its steps (a model may predict the mask token itself,
+            # which commits nothing; the static decoder's blocks end after their steps too)
+            complete = done or r.step >= r.steps or not bool((r.x[s:e] == self.mask_id).any())
+            if not complete:
+                if r.mode == "none":  # no cache to step against: its next step is a full forward again
+                    yield r, "again"
+                continue
+            if r.mode != "none":
+                gone.setdefault(r.lane, set()).add(id(r))
+            if done:
+                self._fill(r)
+                yield r, "done"
+            elif r.last_block:
+                yield r, "done"
+            else:
+                r.block, r.step = r.block + 1, 0
+                yield r, "next"
+        for key, ids in gone.items():
+            self.lanes[key].drop(ids)
+
+    def _finished(self, rows: list[_Row]) -> list[bool]:
+        """For each row with early exit: its answer up to its block's end holds a stop token with nothing
+        masked before it (`reference.finished_rows`, on the answers padded with masks)."""
+        check = [b for b, r in enumerate(rows) if r.req.plan.parallel.early_exit]
+        out = [False] * len(rows)
+        if not check:
+            return out
+        spans = [(rows[b].P, rows[b].span[1]) for b in check]
+        gen = torch.full((len(check), max(e - p for p, e in spans)), self.mask_id, dtype=torch.long, device=self.device)
+        for i, (b, (p, e)) in enumerate(zip(check, spans)):
+            gen[i, : e - p] = rows[b].x[p:e]
+        done, _ = finished_rows(gen, self.mask_id, self.stop)
+        for b, d in zip(check, done.tolist()):
+            out[b] = d
+        return out
+
+    def _fill(self, r: _Row) -> None:
+        """A finished row's remaining masks from its block on take its first stop token
+        (`reference.leave_when_finished`)."""
+        s, e = r.span
+        gen = r.x[r.P : e]
+        _, first_stop = finished_rows(gen[None], self.mask_id, self.stop)
+        fill = gen[int(first_stop.clamp_max(e - r.P - 1))]
+        r.x[s:] = torch.where(r.x[s:] == self.mask_id, fill, r.x[s:])
+
+
+def _buckets(widths: list[int], slack: float = 1.25) -> list[list[int]]:
+    """Rows (by index) grouped for the refresh forwards by canvas width, so that no row is padded past
+    `slack` times its own width (the forwards' cost is in their positions)."""
+    order = sorted(range(len(widths)), key=lambda b: widths[b])
+    buckets: list[list[int]] = []
+    for b in order:
+        if buckets and widths[b] <= slack * widths[buckets[-1][0]]:
+            buckets[-1].append(b)
+        else:
+            buckets.append([b])
+    return buckets

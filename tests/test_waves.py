@@ -1,0 +1,167 @@
+"""The bidirectional running set (`decode.waves`): rows of the fast strategy admitted as others leave, each
+at its own block and step, answer exactly as the static fast decoder gives them alone (float32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from celeris_cli.decode import waves
+from celeris_cli.decode.sampling import RowNoise, request_seed
+from celeris_cli.decode.strategies import Net, fast_plan_of, get_strategy
+from celeris_cli.engine import Engine
+
+from .conftest import make_model
+
+PROMPTS = [
+    "床前明月光",
+    "the cat sat on",
+    "春眠不觉晓，处处闻啼鸟。夜来风雨声",
+    "a",
+    "the moon and the sun and",
+    "白日依山尽",
+]
+
+
+@pytest.fixture(scope="module")
+def llada(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path) -> Engine:
+    """A random bidirectional model whose EOS logit is amplified, so rows end at different places."""
+    from safetensors.torch import load_file, save_file
+
+    from celeris_cli import load_engine
+
+    folder = make_model(tmp_path_factory.mktemp("waves") / "m", tiny_tokenizer, seed=9)
+    state = load_file(str(folder / "model.safetensors"))
+    head = state["model.transformer.ff_out.weight"]
+    head[2] = head[2] * 2.5 + head.mean(0)  # eos
+    save_file(state, str(folder / "model.safetensors"))
+    return load_engine(folder, device="cpu", dtype="float32")
+
+
+def _alone(engine: Engine, prompt: str, params: Any, seed: int) -> list[int]:
+    """The static fast decoder (`generate_fast`) on the one row: the answer the running set must give."""
+    ids = engine.encode_prompt(prompt)
+    x = torch.tensor([ids])
+    noise = RowNoise([request_seed(seed, ids)], torch.device("cpu"))
+    every = torch.ones_like(x, dtype=torch.bool)
+    out = get_strategy("fast")(Net(engine.model), x, every, params, engine.special, noise)
+    return out[0, len(ids) :].tolist()
+
+
+def _running(engine: Engine, rows: list[tuple[str, Any, int]], max_batch: int, refill: bool = True) -> list[list[int]]:
+    scheduler = waves.WaveScheduler(
+        Net(engine.model), engine.special.mask_id, engine.special.stop_ids, engine.special.pad_id, max_batch,
+        torch.device("cpu"), refill=refill,
+    )  # fmt: skip
+    admitted_beside: list[int] = []  # rows in flight when each row was admitted
+    admit = scheduler._admit
+
+    def spy(req: waves.FastRequest) -> Any:
+        admitted_beside.append(len(live))
+        live.add(req.key)
+        return admit(req)
+
+    live: set[int] = set()
+    scheduler._admit = spy  # type: ignore[method-assign]
+    got = {}
+    requests = []
+    for i, (p, s, seed) in enumerate(rows):
+        ids = engine.encode_prompt(p)
+        requests.append(waves.FastRequest(i, ids, fast_plan_of(s), request_seed(seed, ids)))
+    for key, out, _ in scheduler.run(requests):
+        got[key] = out
+        live.discard(key)
+    _running.admitted_beside = admitted_beside  # type: ignore[attr-defined]
+    _running.occupancy = scheduler.occupancy  # type: ignore[attr-defined]
+    return [got[i] for i in range(len(rows))]
+
+
+def _settings(i: int, temperature: float) -> dict[str, Any]:
+    return {
+        "strategy": "fast",
+        "temperature": temperature,
+        "gen_length": 8 + 6 * i,  # answers of many lengths: rows leave and others join all along
+        "block_length": 4 if i % 3 == 0 else 8,  # widths mixed in one running set
+        "denoise_steps": 4 + i,
+        "cache": ("prefix", "dual", "none")[i % 3],
+        "suffix_window": 4 * (i % 2),
+        "threshold": 0.9 if i % 2 else 1.0,
+        "min_p": 0.05 * (i % 2),
+        "seed": i,
+    }
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_of_every_length_joining_mid_run_answer_as_the_static_decoder_alone(
+    llada: Engine, temperature: float
+) -> None:
+    rows = [(p, llada.params(_settings(i, temperature)), i) for i, p in enumerate(PROMPTS * 2)]
+    running = _running(llada, rows, max_batch=3)
+    assert running == [_alone(llada, p, s, seed) for p, s, seed in rows]
+    beside = _running.admitted_beside  # type: ignore[attr-defined]
+    assert beside[:3] == [0, 1, 2] and min(beside[3:]) >= 1  # no later row waited for the set to empty
+    assert len({llada.finish(ids)[1] for ids in running}) > 4  # and they did end at different places
+
+
+def test_shaping_confidence_and_early_exit_apply_per_row(llada: Engine) -> None:
+    rows = []
+    for i, prompt in enumerate(PROMPTS):
+        settings = {"strategy": "fast", "gen_length": 24, "block_length": 8, "threshold": 0.5 + 0.1 * i, "seed": 3}
+        if i % 2:
+            settings |= {"presence_penalty": 1.5, "min_tokens": 6, "order_temperature": 1.0, "confidence": "lead"}
+        else:
+            settings |= {"early_exit": False, "confidence": "margin"}
+        rows.append((prompt, llada.params(settings), 3))
+    assert _running(llada, rows, max_batch=4) == [_alone(llada, p, s, seed) for p, s, seed in rows]
+
+
+def test_static_batches_through_the_same_loop_give_the_same_answers(llada: Engine) -> None:
+    rows = [(p, llada.params(_settings(i, 1.0)), i) for i, p in enumerate(PROMPTS)]
+    continuous = _running(llada, rows, max_batch=2)
+    static = _running(llada, rows, max_batch=2, refill=False)
+    assert static == continuous
+    assert _running.admitted_beside == [0, 1, 0, 1, 0, 1]  # type: ignore[attr-defined]  # a batch at a time
+
+
+def test_the_engine_runs_fast_rows_through_the_waves_only_when_asked_and_never_guidance(llada: Engine) -> None:
+    fast = llada.params({"strategy": "fast", "gen_length": 16})
+    assert not llada.continuous(fast) and llada.continuous(fast, bidirectional=True)
+    guided = llada.params({"strategy": "fast", "gen_length": 16, "cfg_scale": 1.0})
+    assert not llada.continuous(guided, bidirectional=True)
+    assert not llada.continuous(llada.params({"strategy": "reference", "gen_length": 16}), bidirectional=True)
+    prompts = PROMPTS
+    encoded = [llada.encode_prompt(p) for p in prompts]
+    seeds = list(range(len(prompts)))
+    llada.last_occupancy = None
+    results = llada.decode_running(prompts, encoded, [fast] * len(prompts), seeds, 2, bidirectional=True)
+    occupancy = llada.last_occupancy
+    assert occupancy is not None and occupancy.rounds > 0  # the waves ran them
+    static = llada.generate(prompts, fast, batch_size=2, seeds=seeds, scheduling="static")
+    assert [r.text for r in results] == [r.text for r in static]
+
+
+def test_the_running_sets_build_no_autograd_graph(llada: Engine) -> None:
+    """The weights require grad; a forward outside no_grad chained a graph through the caches from tick
+    to tick: 2 GB after 20 steps of the mixed workload, until the process was killed."""
+    assert any(p.requires_grad for p in llada.model.parameters())
+    rows = [(p, llada.params(_settings(i, 1.0) | {"cache": "prefix"}), i) for i, p in enumerate(PROMPTS[:3])]
+    scheduler = waves.WaveScheduler(
+        Net(llada.model), llada.special.mask_id, llada.special.stop_ids, llada.special.pad_id, 3, torch.device("cpu")
+    )
+    requests = [
+        waves.FastRequest(i, llada.encode_prompt(p), fast_plan_of(s), seed) for i, (p, s, seed) in enumerate(rows)
+    ]
+    for _ in scheduler.run(requests):
+        pass
+    assert scheduler.lanes and all(not lane.cache.layers[0][0].requires_grad for lane in scheduler.lanes.values())
+
+
+def test_refresh_buckets_never_pad_a_row_past_its_slack() -> None:
+    widths = [10, 300, 12, 290, 40, 11, 250]
+    buckets = waves._buckets(widths)
+    assert sorted(b for bucket in buckets for b in bucket) == list(range(len(widths)))
+    for bucket in buckets:
+        assert max(widths[b] for b in bucket) <= 1.25 * min(widths[b] for b in bucket)
