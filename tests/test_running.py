@@ -227,3 +227,24 @@ def test_the_running_set_builds_no_autograd_graph(block_engine: Engine) -> None:
     for _ in scheduler.run(requests):
         pass
     assert scheduler.lanes and all(not lane.cache.layers[0][0].requires_grad for lane in scheduler.lanes.values())
+
+
+def test_each_widths_cache_is_allocated_once_for_the_longest_canvas(block_engine: Engine) -> None:
+    """Growing it when a longer row joined held the old and the new cache at once and doubled its length."""
+    from celeris_cli.decode.running import BlockRequest, BlockScheduler
+    from celeris_cli.decode.sampling import request_seed
+    from celeris_cli.decode.strategies import Net, plan_of
+
+    sp = block_engine.special
+    scheduler = BlockScheduler(Net(block_engine.model), sp.mask_id, sp.stop_ids, sp.pad_id, 2, torch.device("cpu"))
+    plan = plan_of(block_engine.params({"gen_length": 16, "block_length": 4}))
+    prompts = ["a", "a", "春眠不觉晓，处处闻啼鸟。夜来风雨声"]  # the longest canvas joins last
+    requests = [
+        BlockRequest(i, ids, plan, request_seed(i, ids))
+        for i, ids in enumerate(map(block_engine.encode_prompt, prompts))
+    ]
+    longest = max(-(-(len(r.prompt) + 16) // 4) * 4 for r in requests)
+    for _ in scheduler.run(requests):
+        pass
+    (lane,) = scheduler.lanes.values()
+    assert lane.cache.length == longest and lane.cache.rows == 2

@@ -9,9 +9,10 @@ decoders in `decode/`):
 - `fast` with a cache refreshes it with a full-canvas forward at each block: the old cache, the fresh
   keys/values of every layer (model dtype) and the new float32-or-model-dtype copy are alive together;
   its steps hold the cache, a window's activations and the logits of the active block's masked positions;
-- `block-fast` keeps an exact cache of the whole canvas in the model dtype, allocated once; when a row
-  finishes the cache is copied for the rows that stay, so two caches are briefly alive; its forwards
-  are a block (or two) wide, the prompt's prefill excepted;
+- `block-fast` runs as the running set (`decode.running`): an exact cache of the whole canvas in the model
+  dtype, allocated once with a slot per row; a joining row's prompt is prefilled into its slot alone; each
+  round's forward is one block-wide window per row (under bfloat16 with `upcast`, a layer's cache is read
+  in float32, one layer at a time). Rows leaving move within the cache: nothing is copied;
 - `block` recomputes the prefix up to the active block at every step, without a cache;
 - `reference` and `dream` run the whole canvas and the LM head on every position at every step.
 
@@ -201,14 +202,10 @@ def plan(shape: Shape, req: Request) -> Estimate:
             phases.append(Estimate(weights, 0, act, _head(shape, masked, a, req.upcast, int8)))
         else:
             cache = V * _kv(shape, B, C, a)
-            prefill = (req.prompt // W) * W
-            phases.append(
-                Estimate(weights, cache + _kv(shape, B, prefill, a), _activations(shape, B * prefill, a, req.upcast), 0)
-            )
-            step = _activations(shape, B * 2 * W, a, req.upcast) + (_kv(shape, B, C, 4) // shape.layers if f32 else 0)
+            prefill = (req.prompt // W) * W  # one row's, into its slot
+            phases.append(Estimate(weights, cache, _activations(shape, prefill, a, req.upcast), 0))
+            step = _activations(shape, B * W, a, req.upcast) + (_kv(shape, B, C, 4) // shape.layers if f32 else 0)
             phases.append(Estimate(weights, cache, step, _head(shape, masked, a, req.upcast, int8)))
-            if B > 1:  # a finished row leaves: the cache is copied for the rows that stay
-                phases.append(Estimate(weights, cache + cache * (B - 1) // B, 0, 0))
     elif req.strategy in ("reference", "dream"):
         act = _activations(shape, B * L, a, req.upcast)
         phases.append(Estimate(weights, 0, act, _head(shape, B * V * L, a, req.upcast, int8)))

@@ -152,6 +152,7 @@ class BlockScheduler:
         self.stop = torch.tensor(sorted(stop_ids), device=device)
         self.pieces = torch.tensor(sorted(word_pieces), device=device, dtype=torch.long)
         self.lanes: dict[int, _Lane] = {}  # by block width
+        self.sizes: dict[int, tuple[int, int]] = {}  # by block width: (slots, length) of its cache
         self.occupancy = Occupancy()
 
     @property
@@ -163,6 +164,13 @@ class BlockScheduler:
     def run(self, requests: Iterable[BlockRequest]) -> Iterator[tuple[int, list[int], int]]:
         # the longest answers first (stable), so the last rows to run are short ones and the tail is brief
         waiting = deque(sorted(requests, key=lambda r: -r.plan.blocks.gen_length))
+        # each width's cache, allocated once: as many slots as rows can run at once, as long as the longest
+        # canvas (growing it on the way would hold the old and the new at once, and double its length)
+        self.sizes = {}
+        for r in waiting:
+            W = r.plan.blocks.block_length
+            rows, length = self.sizes.get(W, (0, 0))
+            self.sizes[W] = (min(rows + 1, self.max_batch), max(length, _end(r)))
         while waiting or self.in_flight:
             if self.refill or not self.in_flight:
                 while waiting and self.in_flight < self.max_batch:
@@ -177,13 +185,14 @@ class BlockScheduler:
         assert supports(req.plan), "guidance runs in static batches"
         blocks = req.plan.blocks
         P, W = len(req.prompt), blocks.block_length
-        end = -(-(P + blocks.gen_length) // W) * W
+        end = _end(req)
         x = torch.full((end,), self.mask_id, dtype=torch.long, device=self.device)
         x[:P] = torch.tensor(req.prompt, device=self.device)
         transfers = [blocks.transfers(n, m) for n, m in zip(blocks.steps_for(P), blocks.masked(P))]
         row = _Row(req, x, transfers, first=P // W, block=P // W, commit=replace(req.plan, blocks=_NO_BLOCKS))
         if W not in self.lanes:
-            self.lanes[W] = _Lane(self._allocate(self.max_batch, end))
+            rows, length = self.sizes.get(W, (self.max_batch, end))
+            self.lanes[W] = _Lane(self._allocate(rows, max(length, end)))
         lane = self.lanes[W]
         lane.ensure(end)
         slot = len(lane.rows)
@@ -294,6 +303,12 @@ class BlockScheduler:
         k = kv[0][0]
         dtype = torch.float32 if up else k.dtype
         return KVCache.empty(len(kv), rows, k.shape[1], length, k.shape[3], dtype, self.device)
+
+
+def _end(req: BlockRequest) -> int:
+    """The end of a request's last block: its canvas, block-aligned."""
+    W = req.plan.blocks.block_length
+    return -(-(len(req.prompt) + req.plan.blocks.gen_length) // W) * W
 
 
 def _transfer(r: _Row) -> int:

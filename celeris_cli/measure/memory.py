@@ -81,10 +81,22 @@ def child() -> None:
     special = SpecialTokens(cfg.mask_token_id, frozenset({cfg.eos_token_id}), cfg.pad_token_id or cfg.eos_token_id)
     noise = RowNoise(list(range(B)), torch.device("cpu"))
     t0 = time.perf_counter()
-    mask = torch.ones(B, P, dtype=torch.bool)
-    for b in range(B):  # rows `spread` tokens shorter or less (left-padded): they end, and leave, at different blocks
-        mask[b, : b % (spec.get("prompt_spread", 0) + 1)] = False
-    get_strategy(params.strategy)(Net(model), prompt, mask, params, special, noise)  # type: ignore[arg-type]
+    spread = spec.get("prompt_spread", 0) + 1  # rows up to `spread` tokens shorter: they end at different blocks
+    if params.strategy == "block-fast":  # as the engine runs it: the running set, every row admitted at once
+        from ..decode.running import BlockRequest, BlockScheduler
+        from ..decode.strategies import plan_of
+
+        plan = plan_of(params)
+        net = Net(model)  # type: ignore[arg-type]
+        running = BlockScheduler(net, special.mask_id, special.stop_ids, special.pad_id, B, prompt.device)
+        requests = [BlockRequest(b, prompt[b, b % spread :].tolist(), plan, b) for b in range(B)]
+        for _ in running.run(requests):
+            pass
+    else:
+        mask = torch.ones(B, P, dtype=torch.bool)
+        for b in range(B):  # left-padded
+            mask[b, : b % spread] = False
+        get_strategy(params.strategy)(Net(model), prompt, mask, params, special, noise)  # type: ignore[arg-type]
     wall = time.perf_counter() - t0
     out = {"base": base, "loaded": loaded, "peak": _status("VmHWM"), "weights": weights, "wall_s": wall}
     out["code_pages"] = _status("RssFile") - base_file  # libraries' code paged in after the baseline
