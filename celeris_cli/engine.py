@@ -393,14 +393,29 @@ class Engine:
         return [r for r in results if r is not None]
 
     def _running_width(self, encoded: Sequence[list[int]], params: Sequence[GenerationParams], max_batch: int) -> int:
-        """At most max_batch rows, and under a memory budget (`--max-memory`) as many as fit when every
-        row in flight is as long as the longest prompt with the longest answer (at least one)."""
+        """At most max_batch rows, and under a memory budget (`--max-memory`) as many as fit (at least one)
+        when every row in flight is as long as the longest prompt with the longest answer of its block width:
+        each width has a cache of its own in the running set, so the widths' working states add up (the
+        weights counted once)."""
         if self.memory.budget is None:
             return max_batch
-        longest = max(encoded, key=len)
-        worst = max(params, key=lambda p: p.gen_length)
+        widths: dict[int, list[int]] = {}
+        for i, p in enumerate(params):
+            widths.setdefault(p.block_length, []).append(i)
+
+        def need(rows: int) -> int:
+            weights, state = 0, 0
+            for idx in widths.values():
+                longest = max((encoded[i] for i in idx), key=len)
+                worst = max((params[i] for i in idx), key=lambda p: p.gen_length)
+                est = self.memory.estimate([longest] * min(rows, len(idx)), worst)
+                if est is None:
+                    return 0
+                weights, state = est.weights, state + est.peak - est.weights
+            return weights + state
+
         width = max_batch
-        while width > 1 and self.memory.need([longest] * width, worst) > self.memory.budget:
+        while width > 1 and need(width) > self.memory.budget:
             width -= 1
         return width
 

@@ -248,3 +248,14 @@ def test_each_widths_cache_is_allocated_once_for_the_longest_canvas(block_engine
         pass
     (lane,) = scheduler.lanes.values()
     assert lane.cache.length == longest and lane.cache.rows == 2
+
+
+def test_a_memory_budget_counts_a_cache_for_each_block_width(block_engine: Engine) -> None:
+    """Each width's lane allocates its own slots, so two widths hold two caches; sizing the set for one
+    width's rows let a budget be overrun by nearly the second cache."""
+    engine = load_engine(block_engine.model_dir, device="cpu", dtype="float32", max_memory="1TiB")
+    four, eight = (engine.params({"gen_length": 64, "block_length": w}) for w in (4, 8))
+    encoded = [engine.encode_prompt(p) for p in PROMPTS * 2]
+    engine.memory.budget = engine.memory.need([max(encoded, key=len)] * 4, eight)  # four rows of one width
+    assert engine._running_width(encoded, [eight] * 12, 4) == 4
+    assert engine._running_width(encoded, [four, eight] * 6, 4) < 4

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..params import GenerationParams
-from .memory import Quantize, Shape, largest_batch, parse_size, plan, request_of, shape_of_model
+from .memory import Estimate, Quantize, Shape, largest_batch, parse_size, plan, request_of, shape_of_model
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +53,18 @@ class MemoryBudget:
     def need(self, rows: Sequence[list[int]], params: GenerationParams) -> int:
         """The planner's peak, in bytes, for decoding these encoded rows as one batch (0 for a model the
         planner cannot read, which then has no budget to keep)."""
+        est = self.estimate(rows, params)
+        return 0 if est is None else est.peak
+
+    def estimate(self, rows: Sequence[list[int]], params: GenerationParams) -> Estimate | None:
+        """The planner's split for these rows as one batch; None for a model it cannot read."""
         prompt = max(len(ids) for ids in rows)
         try:
             req = request_of(params, len(rows), prompt, self.dtype, self.quantize)  # type: ignore[arg-type]
-            return plan(self.shape, req).peak
+            return plan(self.shape, req)
         except (UsageError, AttributeError, TypeError) as e:  # a stand-in model (tests) has no sizes to read
             log.warning("no memory estimate: %s", e)
-            return 0
+            return None
 
     def release(self) -> None:
         """After an out-of-memory error: hand the allocator's cached blocks back before the retry."""
