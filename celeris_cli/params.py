@@ -174,14 +174,15 @@ KNOBS: dict[str, Knob] = {
         POSITIVE,
         help="Denoising steps of each block (LLaDA2's `steps`), instead of --denoise-steps in total.",
     ),
-    # token editing (LLaDA2.1; the block strategy)
+    # token editing (LLaDA2.1; the block strategies)
     "edit_threshold": Knob(
         float,
         1.0,
         _finite(0.0, 1.0),
         "between 0 and 1",
         help="Token editing (LLaDA2.1): rewrite a decided answer token of the current block wherever the model "
-        "predicts another with more than this probability (1 = off). The block strategy only.",
+        "predicts another with more than this probability (1 = off). The block strategies only (block-fast: "
+        "without guidance).",
     ),
     "max_post_edit_steps": Knob(
         int,
@@ -424,7 +425,7 @@ STRATEGY_PARTS: dict[str, tuple[str, ...]] = {
     "fast": ("schedule", "sampling", "ordering", "guidance", "parallel", "shaping"),
     "dream": ("timeline", "sampling", "unmasking"),
     "block": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing"),
-    "block-fast": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping"),
+    "block-fast": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing"),
     "nemotron": ("blocks", "sampling", "commit"),
     "ar": ("length", "sampling"),
 }
@@ -550,6 +551,11 @@ class GenerationParams:
         if self.remasking == "random" and self.order_temperature > 0 and "order_temperature" in self.explicit:
             raise UsageError(
                 f"{name('order_temperature')}: random remasking already commits in random order; set it to 0"
+            )
+        if self.strategy == "block-fast" and self.cfg_scale > 0 and self.part("editing").active:
+            raise UsageError(
+                f"{name('edit_threshold')} with {name('cfg_scale')}: the block-fast strategy edits tokens in its "
+                "running set, which guidance does not use; use the block strategy for both"
             )
         if self.subword_min_p > 0 and self.temperature == 0 and "subword_min_p" in self.explicit:
             raise UsageError(

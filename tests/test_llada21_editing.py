@@ -23,11 +23,11 @@ def engine():  # type: ignore[no-untyped-def]
     return load_engine(DATA / "llada2" / "llada2_tiny", device="cpu", dtype="float32")
 
 
-def _settings(kw: dict) -> dict:  # type: ignore[type-arg]
+def _settings(kw: dict, strategy: str = "block") -> dict:  # type: ignore[type-arg]
     """Its generate's arguments as Celeris's settings: num_to_transfer 1 a step is a block's length in
     steps; its `steps` is never used by its code."""
     return {
-        "strategy": "block",
+        "strategy": strategy,
         "temperature": 0.0,
         "gen_length": kw["gen_length"],
         "block_length": kw["block_length"],
@@ -38,11 +38,14 @@ def _settings(kw: dict) -> dict:  # type: ignore[type-arg]
     }
 
 
+@pytest.mark.parametrize("strategy", ["block", "block-fast"])  # block-fast: the running set, with a cache
 @pytest.mark.parametrize("case", CASES, ids=[f"{c['prompt']}-{c['setting']}" for c in CASES])
-def test_greedy_editing_equals_its_own_generate(engine, case, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_editing_equals_its_own_generate(engine, case, strategy, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     eos = REF["ids"]["eos"]  # its generate stops at eos alone (not at <|role_end|>, which this model emits)
     monkeypatch.setattr(engine, "special", SpecialTokens(engine.tokenizer.mask_id, frozenset({eos}), 0))
-    [out], _ = engine.decode_ids([case["input_ids"]], engine.params(_settings(case["generate_kwargs"])))
+    params = engine.params(_settings(case["generate_kwargs"], strategy))
+    assert engine.continuous(params) == (strategy == "block-fast")
+    [out], _ = engine.decode_ids([case["input_ids"]], params)
     got = out[: out.index(eos) + 1] if eos in out else out
     assert got == case["generated_ids"]
 
@@ -59,6 +62,25 @@ def test_editing_edits_and_batched_rows_equal_alone(engine) -> None:  # type: ig
     assert off != together  # the setting changes answers where the model is surer of another token
 
 
-def test_the_cached_strategy_refuses_editing_by_name(engine) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(UsageError, match="edit_threshold: not used by the block-fast strategy"):
-        engine.params({"strategy": "block-fast", "edit_threshold": 0.5})
+def test_the_cached_strategy_refuses_editing_with_guidance_by_name(engine) -> None:  # type: ignore[no-untyped-def]
+    engine.params({"strategy": "block-fast", "edit_threshold": 0.5})  # the running set edits
+    with pytest.raises(UsageError, match="edit_threshold with cfg_scale: the block-fast strategy"):
+        engine.params({"strategy": "block-fast", "edit_threshold": 0.5, "cfg_scale": 1.0})
+
+
+def test_the_running_set_edits_rows_joining_mid_run_as_alone(engine) -> None:  # type: ignore[no-untyped-def]
+    """Rows with and without editing, of several lengths, through one running set of two rows: each as
+    the block strategy gives it alone (where the reference above pins it)."""
+    edited = [c for c in CASES if c["edits"] > 0]
+    kw = edited[0]["generate_kwargs"]
+    prompts = [c["input_ids"] for c in CASES][:6]
+    rows = []
+    for i, ids in enumerate(prompts):
+        settings = _settings(kw, "block-fast") | {"gen_length": kw["gen_length"] + 8 * (i % 3)}
+        if i % 2:
+            settings |= {"edit_threshold": 1.0, "max_post_edit_steps": 0}
+        rows.append((ids, engine.params(settings)))
+    texts = [engine.tokenizer.continuation(ids, []) for ids, _ in rows]  # any text: prompts are given as ids
+    results = engine.decode_running(texts, [ids for ids, _ in rows], [p for _, p in rows], [0] * len(rows), 2)
+    alone = [engine.finish(engine.decode_ids([ids], p.with_(strategy="block"))[0][0], prompt=ids)[0] for ids, p in rows]
+    assert [r.text for r in results] == alone

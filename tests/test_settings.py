@@ -78,7 +78,7 @@ def test_building_the_record_directly_is_validated_too() -> None:
 
 def test_every_strategy_declares_what_it_honours() -> None:
     dream, block = {"eps", "alg", "alg_temp"}, {"block_steps"}
-    editing = {"edit_threshold", "max_post_edit_steps"}  # the block strategy's alone
+    editing = {"edit_threshold", "max_post_edit_steps"}  # the block strategies' alone
     assert set(KNOBS) - set(honoured("fast")) == dream | block | editing  # the fast decoder honours the rest
     shaping = {"presence_penalty", "min_tokens", "subword_min_p"}
     fast_only = {"threshold", "cache", "confidence", "early_exit", "suffix_window"} | shaping
@@ -95,7 +95,7 @@ def test_every_strategy_declares_what_it_honours() -> None:
         assert set(honoured(strategy)) == {
             "gen_length", "block_length", "denoise_steps", "temperature", "min_p", "top_p", "top_k", "threshold",
             "remasking", "order_temperature", "cfg_scale",
-        } | shaping | block | (editing if strategy == "block" else set()) | set(PER_REQUEST)  # fmt: skip
+        } | shaping | block | editing | set(PER_REQUEST)  # fmt: skip
     sampling = {"temperature", "min_p", "top_p", "top_k"}
     assert set(honoured("ar")) == {"gen_length"} | sampling | set(PER_REQUEST)
     assert set(honoured("nemotron")) == {

@@ -64,6 +64,9 @@ class _Row:
     step: int = 0
     storing: bool = False  # the next window stores the block just completed
     forwards: int = 0  # forwards the row took part in, its prefill included
+    post: int = 0  # token editing: steps begun with the block full
+    began_full: bool = False  # token editing: this step began with nothing masked in the block
+    edited: bool = False  # token editing: this step rewrote a decided token
 
     @property
     def width(self) -> int:
@@ -226,7 +229,9 @@ class BlockScheduler:
         stepping = [b for b, r in enumerate(rows) if not r.storing]
         for r in rows:
             if r.storing:  # its block's final keys and values are in place: on to the next block
-                r.storing, r.block, r.step = False, r.block + 1, 0
+                r.storing, r.block, r.step, r.post = False, r.block + 1, 0, 0
+            else:
+                r.began_full = not bool((r.x[r.start : r.start + W] == self.mask_id).any())
         groups: dict[BlockPlan, list[int]] = {}
         for b in stepping:
             groups.setdefault(rows[b].commit, []).append(b)
@@ -239,7 +244,20 @@ class BlockScheduler:
             s, e = r.start, r.start + W
             # a block ends when nothing in it is masked, or after its own steps: a model may predict the mask
             # token itself, which commits nothing (the static decoders stop there too)
-            complete = not (r.x[s:e] == self.mask_id).any() or r.step >= len(r.transfers[r.block - r.first])
+            full = not bool((r.x[s:e] == self.mask_id).any())
+            steps = len(r.transfers[r.block - r.first])
+            ed = r.req.plan.editing
+            if ed.active:  # `block._edit_block`'s rule, per row
+                live = not (r.began_full and not r.edited)  # a step that began full and edited nothing ends it
+                if live and full:
+                    r.post += 1
+                    live = r.post <= ed.max_post_edit_steps
+                # past its steps a block commits one mask a step; a model that predicts the mask token itself
+                # would never fill it, so it also ends after W more (the static decoder would loop on)
+                complete = not live or r.step >= steps + W + ed.max_post_edit_steps
+                finished = finished and complete  # an edit may still rewrite its stop token
+            else:
+                complete = full or r.step >= steps
             if self.on_block is not None and (finished or complete):
                 self.on_block(r.req.key, r.x[r.gen : min(e, r.gen + r.req.plan.blocks.gen_length)].tolist())
             if finished or (complete and e >= len(r.x)):
@@ -256,6 +274,14 @@ class BlockScheduler:
         gens = [torch.Generator(device=self.device).manual_seed(stream_seed(r.req.seed, r.block, r.step)) for r in rows]
         answer = self._answer(rows, plan)
         out = commit_step(block, [h], self.net, plan, k, self.mask_id, gens, answer, self.stop, self.pieces)
+        if plan.editing.active:  # LLaDA2.1: from the same forward, rewrite decided answer tokens the model doubts
+            p, x0 = self.net.head(h).float().softmax(-1).max(-1)
+            cols = torch.stack([torch.arange(r.start, r.start + W, device=self.device) for r in rows])
+            answer_pos = cols >= torch.tensor([r.gen for r in rows], device=self.device)[:, None]
+            edit = (block != self.mask_id) & answer_pos & (x0 != block) & (p > plan.editing.edit_threshold)
+            out[edit] = x0[edit]
+            for r, e in zip(rows, edit.any(1).tolist()):
+                r.edited = e
         for r, new in zip(rows, out):
             r.x[r.start : r.start + W] = new
 
@@ -312,8 +338,10 @@ def _end(req: BlockRequest) -> int:
 
 
 def _transfer(r: _Row) -> int:
-    """The tokens this step of the row's block commits by schedule (`Blocks.transfers`)."""
-    return r.transfers[r.block - r.first][r.step]
+    """The tokens this step of the row's block commits by schedule (`Blocks.transfers`); past its steps
+    (token editing goes on), one."""
+    steps = r.transfers[r.block - r.first]
+    return steps[r.step] if r.step < len(steps) else 1
 
 
 # commit_step reads every part of a plan but its blocks: rows group by the rest (their width apart)
