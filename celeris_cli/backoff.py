@@ -66,7 +66,7 @@ def run_backing_off(
         k = _fitting(group, need, budget)
         if k == 0:
             needed = need([group[0]]) if need is not None else 0
-            out.append(Outcome(error=_too_large(needed, f"over the budget of {_human(budget or 0)}")))
+            out.append(Outcome(error=too_large(needed, f"over the budget of {_human(budget or 0)}")))
             pending[:0] = [group[1:]] if len(group) > 1 else []
             continue
         if k < len(group):
@@ -80,7 +80,7 @@ def run_backing_off(
             release()
             if len(group) == 1:
                 needed = need(group) if need is not None else 0
-                out.append(Outcome(error=_too_large(needed, "out of memory alone")))
+                out.append(Outcome(error=too_large(needed, "out of memory alone")))
                 continue
             log.info("out of memory with %d rows; retrying in halves", len(group))
             mid = len(group) // 2
@@ -102,6 +102,7 @@ def _fitting(group: list[T], need: Callable[[list[T]], int] | None, budget: int 
     return lo
 
 
-def _too_large(needed: int, why: str) -> TooLarge:
+def too_large(needed: int, why: str) -> TooLarge:
+    """The error of a row that does not fit alone: the memory it needed, why, and what to lower."""
     about = f"needs about {_human(needed)}" if needed else "does not fit"
     return TooLarge(f"request too large for this device's memory: it {about} alone ({why}); {LOWER}")

@@ -23,13 +23,14 @@ from .arch.folder import CONFIG, GENERATION_CONFIG, ModelFolder
 from .arch.layers import Model
 from .arch.registry import ARCHITECTURES, Architecture
 from .arch.tokenizer import Tokenizer
-from .backoff import run_backing_off
+from .backoff import is_out_of_memory, run_backing_off
+from .backoff import too_large as too_large_error
 from .decode import waves
 from .decode.running import BlockRequest, BlockScheduler, Occupancy, supports
 from .decode.sampling import RowNoise, request_seed
 from .decode.strategies import BY_BLOCK, Net, OnBlock, SpecialTokens, fast_plan_of, get_strategy, plan_of
 from .device import resolve_device, resolve_dtype
-from .errors import ModelError, PromptTooLong, UsageError
+from .errors import ModelError, PromptTooLong, TooLarge, UsageError
 from .params import GenerationParams, model_layer, script_layers, script_of
 
 log = logging.getLogger(__name__)
@@ -375,21 +376,45 @@ class Engine:
         reset_peak(self.device)
         t0 = time.perf_counter()
         results: list[Result | None] = [None] * len(encoded)
+        too_large: list[TooLarge] = []
         for idx in kinds.values():  # block diffusion's rows and the fast decoder's: a running set each
-            requests = [self._request(i, list(encoded[i]), params[i], seeds[i]) for i in idx]
             group = [params[i] for i in idx]
-            width = self._running_width([encoded[i] for i in idx], group, max_batch)
-            scheduler, net = self._scheduler(group, width, refill, bidirectional=bidirectional)
-            for i, out, forwards in _running(scheduler.run(requests), next(iter(deterministic))):
-                wall = time.perf_counter() - t0
-                peak = round(read_peak(self.device) / 2**20, 1)  # the process's so far
-                r = self._result(
-                    prompts[i], list(encoded[i]), out, params[i], seeds[i], forwards, wall, max_batch, peak
+            width = start = self._running_width([encoded[i] for i in idx], group, max_batch)
+            pending = list(idx)
+            while pending:
+                requests = [self._request(i, list(encoded[i]), params[i], seeds[i]) for i in pending]
+                scheduler, net = self._scheduler(
+                    [params[i] for i in pending], width, refill, bidirectional=bidirectional
                 )
-                results[i] = r
-                if on_result is not None:
-                    on_result(i, r)
-            self._account(scheduler, net)
+                try:
+                    for i, out, forwards in _running(scheduler.run(requests), next(iter(deterministic))):
+                        wall = time.perf_counter() - t0
+                        peak = round(read_peak(self.device) / 2**20, 1)  # the process's so far
+                        r = self._result(
+                            prompts[i], list(encoded[i]), out, params[i], seeds[i], forwards, wall, max_batch, peak
+                        )
+                        results[i] = r
+                        if on_result is not None:
+                            on_result(i, r)
+                    pending = []
+                except Exception as e:  # out of memory: the unfinished rows again, in a running set half as wide
+                    if not is_out_of_memory(e):
+                        raise
+                    self.memory.release()
+                    pending = [i for i in pending if results[i] is None]
+                    if width > 1:
+                        log.info("out of memory with %d rows in flight; going on with %d", width, width // 2)
+                        width //= 2
+                        continue
+                    # alone: the row in flight was the first admitted of those left (longest answer first)
+                    alone = min(pending, key=lambda i: (-params[i].gen_length, pending.index(i)))
+                    needed = self.memory.need([encoded[alone]], params[alone])
+                    too_large.append(too_large_error(needed, "out of memory alone"))
+                    pending.remove(alone)
+                    width = start
+                self._account(scheduler, net)
+        if too_large:  # the others are decoded (and handed to on_result); this row fails alone
+            raise too_large[0]
         return [r for r in results if r is not None]
 
     def _running_width(self, encoded: Sequence[list[int]], params: Sequence[GenerationParams], max_batch: int) -> int:

@@ -107,3 +107,37 @@ def test_back_off_passes_other_errors_through() -> None:
 
     with pytest.raises(ValueError, match="not memory"):
         run_backing_off(run, [1, 2])
+
+
+@pytest.fixture()
+def fragile_block(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path):  # type: ignore[no-untyped-def]
+    """A block-causal model (the running set's path) that runs out of memory over 2 rows or 40 positions."""
+    from .conftest import make_model
+
+    folder = make_model(tmp_path_factory.mktemp("oomblk") / "m", tiny_tokenizer, seed=4, block_causal=True)
+    engine = load_engine(folder, device="cpu", dtype="float32")
+    params = engine.params({"strategy": "block-fast", **SETTINGS})
+    assert engine.continuous(params)
+    alone = {p: engine.generate([p], params)[0].text for p in PROMPTS}
+    engine.model = OutOfMemoryAbove(engine.model, rows=2, width=40)  # type: ignore[assignment]
+    return engine, params, alone
+
+
+def test_the_running_set_out_of_memory_narrows_and_every_row_answers_as_alone(fragile_block) -> None:  # type: ignore[no-untyped-def]
+    engine, params, alone = fragile_block
+    results = engine.generate(PROMPTS, params, batch_size=6)
+    assert [r.text for r in results] == [alone[p] for p in PROMPTS]
+    assert max(rows for rows, _ in engine.model.shapes) == 6  # six rows in flight were tried first
+
+
+def test_the_running_set_fails_only_the_row_too_large_alone(fragile_block) -> None:  # type: ignore[no-untyped-def]
+    engine, params, alone = fragile_block
+    answered: dict[int, str] = {}
+    prompts = [*PROMPTS[:3], LONG, *PROMPTS[3:]]  # its prompt's prefill is over 40 positions
+    encoded = [engine.encode_prompt(p) for p in prompts]
+    with pytest.raises(TooLarge, match=r"needs about [\d.]+ (KiB|MiB|GiB) alone \(out of memory alone\)"):
+        engine.decode_running(
+            prompts, encoded, [params] * len(prompts), [params.seed] * len(prompts), 4,
+            lambda i, r: answered.__setitem__(i, r.text),
+        )  # fmt: skip
+    assert answered == {i: alone[p] for i, p in enumerate(prompts) if p != LONG}
