@@ -84,3 +84,23 @@ def test_the_running_set_edits_rows_joining_mid_run_as_alone(engine) -> None:  #
     results = engine.decode_running(texts, [ids for ids, _ in rows], [p for _, p in rows], [0] * len(rows), 2)
     alone = [engine.finish(engine.decode_ids([ids], p.with_(strategy="block"))[0][0], prompt=ids)[0] for ids, p in rows]
     assert [r.text for r in results] == alone
+
+
+@pytest.mark.parametrize("strategy", ["block", "block-fast"])
+def test_editing_ends_a_block_whose_model_predicts_the_mask_itself(engine, strategy, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Committing the mask token commits nothing, and past its steps a block commits one mask a step: it
+    would never fill. The block ends W steps after its schedule and post-edit steps instead of looping."""
+    mask, head, calls = engine.tokenizer.mask_id, engine.model.head, [0]
+
+    def predicts_the_mask(h):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] > 2000:
+            raise RuntimeError("the block never ended")
+        logits = head(h).clone()
+        logits[..., mask] = 1e4
+        return logits
+
+    monkeypatch.setattr(engine.model, "head", predicts_the_mask)
+    kw = {"gen_length": 8, "block_length": 4, "threshold": 0.9, "editing_threshold": 0.5, "max_post_steps": 2}
+    [out], _ = engine.decode_ids([CASES[0]["input_ids"]], engine.params(_settings(kw, strategy)))
+    assert out[:8] == [mask] * 8

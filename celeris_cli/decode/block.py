@@ -317,6 +317,9 @@ def _edit_block(
         full = ~masked.any(1)
         post += (live & full).long()
         live &= post <= ed.max_post_edit_steps
+        # past its steps a block commits one mask a step; a model that predicts the mask token itself would
+        # never fill it, so a block also ends W steps after its schedule and its post-edit steps
+        live &= i < steps[rows] + W + ed.max_post_edit_steps
         if not live.any():
             return
         at = live.nonzero().flatten()
