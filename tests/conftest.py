@@ -125,3 +125,19 @@ def noise(rows: int, seed: int = 0):  # type: ignore[no-untyped-def]
     from celeris_cli.decode.sampling import RowNoise
 
     return RowNoise([seed] * rows, torch.device("cpu"))
+
+
+def predicting_the_mask(model, mask_id: int, limit: int, calls: list[int]):  # type: ignore[no-untyped-def]
+    """`model.head`, except that every position's likeliest token is the mask itself (which commits nothing);
+    counts its calls in calls[0] and raises past `limit` of them (a decoder stepping forever)."""
+    head = model.head
+
+    def predicts_the_mask(h):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] > limit:
+            raise RuntimeError("the block never ended")
+        logits = head(h).clone()
+        logits[..., mask_id] = 1e4
+        return logits
+
+    return predicts_the_mask

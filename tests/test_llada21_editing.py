@@ -13,6 +13,8 @@ from celeris_cli import load_engine
 from celeris_cli.decode.strategies import SpecialTokens
 from celeris_cli.errors import UsageError
 
+from .conftest import predicting_the_mask
+
 DATA = Path(__file__).parent / "data"
 REF = json.loads((DATA / "llada21" / "llada21_reference.json").read_text(encoding="utf-8"))
 CASES = REF["generate"]["cases"]
@@ -90,17 +92,8 @@ def test_the_running_set_edits_rows_joining_mid_run_as_alone(engine) -> None:  #
 def test_editing_ends_a_block_whose_model_predicts_the_mask_itself(engine, strategy, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Committing the mask token commits nothing, and past its steps a block commits one mask a step: it
     would never fill. The block ends W steps after its schedule and post-edit steps instead of looping."""
-    mask, head, calls = engine.tokenizer.mask_id, engine.model.head, [0]
-
-    def predicts_the_mask(h):  # type: ignore[no-untyped-def]
-        calls[0] += 1
-        if calls[0] > 2000:
-            raise RuntimeError("the block never ended")
-        logits = head(h).clone()
-        logits[..., mask] = 1e4
-        return logits
-
-    monkeypatch.setattr(engine.model, "head", predicts_the_mask)
+    mask, calls = engine.tokenizer.mask_id, [0]
+    monkeypatch.setattr(engine.model, "head", predicting_the_mask(engine.model, mask, 2000, calls))
     kw = {"gen_length": 8, "block_length": 4, "threshold": 0.9, "editing_threshold": 0.5, "max_post_steps": 2}
     [out], _ = engine.decode_ids([CASES[0]["input_ids"]], engine.params(_settings(kw, strategy)))
     assert out[:8] == [mask] * 8

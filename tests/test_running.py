@@ -12,7 +12,7 @@ from celeris_cli import load_engine
 from celeris_cli.arch.kv import KVCache, LayerKV
 from celeris_cli.engine import Engine
 
-from .conftest import make_model
+from .conftest import make_model, predicting_the_mask
 
 LLADA2 = Path(__file__).parent / "data" / "llada2" / "llada2_tiny"
 PROMPTS = [
@@ -191,17 +191,8 @@ def test_a_block_ends_after_its_steps_when_the_model_predicts_the_mask_itself(
 ) -> None:
     """Committing the mask token commits nothing; a row still leaves its block after its own steps (as the
     static decoders do) instead of stepping forever."""
-    mask, head, calls = block_engine.tokenizer.mask_id, block_engine.model.head, [0]
-
-    def predicts_the_mask(h: torch.Tensor) -> torch.Tensor:
-        calls[0] += 1
-        if calls[0] > 200:
-            raise RuntimeError("the row never left its block")
-        logits = head(h).clone()
-        logits[..., mask] = 1e4
-        return logits
-
-    monkeypatch.setattr(block_engine.model, "head", predicts_the_mask)
+    mask, calls = block_engine.tokenizer.mask_id, [0]
+    monkeypatch.setattr(block_engine.model, "head", predicting_the_mask(block_engine.model, mask, 200, calls))
     params = block_engine.params({"gen_length": 16, "temperature": 0.0})
     prompt = block_engine.encode_prompt("the cat sat on")
     [out], _ = block_engine.decode_ids([prompt], params)

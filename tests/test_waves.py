@@ -15,15 +15,7 @@ from celeris_cli.decode.strategies import Net, fast_plan_of, get_strategy
 from celeris_cli.engine import Engine
 
 from .conftest import make_model
-
-PROMPTS = [
-    "床前明月光",
-    "the cat sat on",
-    "春眠不觉晓，处处闻啼鸟。夜来风雨声",
-    "a",
-    "the moon and the sun and",
-    "白日依山尽",
-]
+from .test_running import PROMPTS
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,11 @@ class _Row:
     def gen(self) -> int:
         return len(self.req.prompt)
 
+    @property
+    def cached(self) -> int:
+        """The positions of its slot written so far: up to the end of its current block."""
+        return self.start + self.width
+
     def answer(self) -> list[int]:
         """The generated part: gen_length ids (the canvas always runs past them)."""
         return self.x[self.gen : self.gen + self.req.plan.blocks.gen_length].tolist()
@@ -108,14 +113,14 @@ class Occupancy:
         return self.in_flight / self.rounds if self.rounds else 0.0
 
 
-class _Lane:
-    """The running rows of one block width and their cache: row i owns slot i. Rows of one width share
-    their forwards, so every row's window is its own block exactly, never padded: its forward's shape
-    is the same beside any batch mates as alone."""
+class Lane:
+    """Running rows that share their forwards, and their cache: row i owns slot i. A row names how much of
+    its slot holds its keys and values (`cached`), which is what moves when an earlier row leaves. The block
+    running set has a lane per block width; `decode.waves` one per cache mode and block width."""
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
-        self.rows: list[_Row] = []
+        self.rows: list[Any] = []
 
     def ensure(self, length: int) -> None:
         if length > self.cache.length:
@@ -123,11 +128,11 @@ class _Lane:
 
     def drop(self, gone: set[int]) -> None:
         """Rows whose id() is in `gone` leave; each later row moves into the first free slot."""
-        kept: list[_Row] = []
+        kept: list[Any] = []
         for slot, r in enumerate(self.rows):
             if id(r) not in gone:
                 if slot != len(kept):
-                    self.cache.move(slot, len(kept), min(r.start + r.width, self.cache.length))
+                    self.cache.move(slot, len(kept), min(r.cached, self.cache.length))
                 kept.append(r)
         self.rows = kept
 
@@ -154,7 +159,7 @@ class BlockScheduler:
         self.refill, self.on_block = refill, on_block
         self.stop = torch.tensor(sorted(stop_ids), device=device)
         self.pieces = torch.tensor(sorted(word_pieces), device=device, dtype=torch.long)
-        self.lanes: dict[int, _Lane] = {}  # by block width
+        self.lanes: dict[int, Lane] = {}  # by block width
         self.sizes: dict[int, tuple[int, int]] = {}  # by block width: (slots, length) of its cache
         self.occupancy = Occupancy()
 
@@ -195,7 +200,7 @@ class BlockScheduler:
         row = _Row(req, x, transfers, first=P // W, block=P // W, commit=replace(req.plan, blocks=_NO_BLOCKS))
         if W not in self.lanes:
             rows, length = self.sizes.get(W, (self.max_batch, end))
-            self.lanes[W] = _Lane(self._allocate(rows, max(length, end)))
+            self.lanes[W] = Lane(self._allocate(rows, max(length, end)))
         lane = self.lanes[W]
         lane.ensure(end)
         slot = len(lane.rows)
@@ -209,7 +214,7 @@ class BlockScheduler:
             self.occupancy.positions += s0
         lane.rows.append(row)
 
-    def _round(self, lane: _Lane) -> list[_Row]:
+    def _round(self, lane: Lane) -> list[_Row]:
         """One forward over the lane's rows, each its own window at its own place, then each stepping row's
         commit; returns the rows that are done."""
         rows, n = lane.rows, len(lane.rows)
@@ -311,7 +316,7 @@ class BlockScheduler:
         done, _ = finished_rows(gen, self.mask_id, self.stop)
         return done.tolist()
 
-    def _leave(self, lane: _Lane, done: list[_Row]) -> Iterator[tuple[int, list[int], int]]:
+    def _leave(self, lane: Lane, done: list[_Row]) -> Iterator[tuple[int, list[int], int]]:
         """Hand back finished rows and free their slots."""
         for r in done:
             yield r.req.key, r.answer(), r.forwards

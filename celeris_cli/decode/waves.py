@@ -38,7 +38,7 @@ from ..arch.kv import KVCache
 from .fast import FastPlan
 from .predict import confidence_masked, sample_masked
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
-from .running import Occupancy
+from .running import Lane, Occupancy
 from .sampling import shape_masked, stream_seed
 from .strategies import Net
 
@@ -88,6 +88,11 @@ class _Row:
         return len(self.x) if window == 0 else min(len(self.x), self.span[1] + window)
 
     @property
+    def cached(self) -> int:
+        """The positions of its lane slot that hold its keys and values (its refresh's)."""
+        return self.width
+
+    @property
     def mode(self) -> str:
         return self.req.plan.parallel.cache
 
@@ -105,29 +110,6 @@ class _Row:
     @property
     def last_block(self) -> bool:
         return self.block == len(self.req.plan.schedule.block_spans) - 1
-
-
-class _Lane:
-    """The rows of one cache mode and block width that are past their block's refresh, and their caches:
-    row i owns slot i."""
-
-    def __init__(self, cache: KVCache) -> None:
-        self.cache = cache
-        self.rows: list[_Row] = []
-
-    def ensure(self, length: int) -> None:
-        if length > self.cache.length:
-            self.cache.grow(max(length, 2 * self.cache.length), len(self.rows))
-
-    def drop(self, gone: set[int]) -> None:
-        """Rows whose id() is in `gone` leave; each later row moves into the first free slot."""
-        kept: list[_Row] = []
-        for slot, r in enumerate(self.rows):
-            if id(r) not in gone:
-                if slot != len(kept):
-                    self.cache.move(slot, len(kept), self.cache.length)
-                kept.append(r)
-        self.rows = kept
 
 
 @dataclass
@@ -162,7 +144,7 @@ class WaveScheduler:
         self.refill = refill
         self.stop = torch.tensor(sorted(stop_ids), device=device, dtype=torch.long)
         self.pieces = torch.tensor(sorted(word_pieces), device=device, dtype=torch.long)
-        self.lanes: dict[tuple[str, int], _Lane] = {}
+        self.lanes: dict[tuple[str, int], Lane] = {}
         self.occupancy = Occupancy()
 
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
@@ -229,7 +211,7 @@ class WaveScheduler:
                     lane.rows.append(r)
         return out
 
-    def _step(self, lane: _Lane) -> list[_Stepped]:
+    def _step(self, lane: Lane) -> list[_Stepped]:
         """One step of every row of a lane, each its own window over its own slot: the block (dual) or the
         block and what it sees past it (prefix), recomputed against the block's cache."""
         rows, n = lane.rows, len(lane.rows)
@@ -262,13 +244,13 @@ class WaveScheduler:
         for r in rows:
             r.forwards += 1
 
-    def _lane(self, r: _Row, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> _Lane:
+    def _lane(self, r: _Row, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Lane:
         key = r.lane
         if key not in self.lanes:
             k = layers[0][0]
             length = max(r.width, 64)
             cache = KVCache.empty(len(layers), self.max_batch, k.shape[1], length, k.shape[3], k.dtype, self.device)
-            self.lanes[key] = _Lane(cache)
+            self.lanes[key] = Lane(cache)
         return self.lanes[key]
 
     # -- commits -------------------------------------------------------------------------------------
