@@ -25,7 +25,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
-LOWER = "lower gen_length, the prompt's length or the batch's settings (block_length, cache), or use --quantize int8"
+LOWER = (
+    "lower gen_length, the prompt's length or the batch's settings (block_length, cache), or use --quantize int8"
+    " or int4"
+)
 
 
 @dataclass(frozen=True)

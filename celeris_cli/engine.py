@@ -529,7 +529,8 @@ def load_engine(
     max_memory: str | int | None = None,
 ) -> Engine:
     """Load a model folder (default: the embedded model) onto a device, ready to generate. `quantize`:
-    "int8" weights (`arch.quantize`); `max_memory`: the budget batches are sized to (`arch.budget`)."""
+    "int8" or "int4" weights (`arch.quantize`); `max_memory`: the budget batches are sized to
+    (`arch.budget`)."""
     if threads:
         torch.set_num_threads(threads)
     folder = model_dir(model)

@@ -32,3 +32,13 @@ def test_gpu_check_runs_end_to_end_on_cpu_at_a_tiny_shape(tmp_path: Path) -> Non
         assert cell["tokens_per_forward"] == batch  # early exit off, random weights: one token per row per step
         for key in ("positions_per_output_token", "peak_mem_mb", "of_ar_limit", "autoregressive_limit_tokens_per_s"):
             assert key in cell
+    kernel = [r for r in report["quantization"] if "check" in r]
+    assert [r["dtype"] for r in kernel] == ["float32", "bfloat16"] and all(r["row_alone_equal"] for r in kernel)
+    assert kernel[0]["max_rel_diff"] < 1e-4
+    models = [r for r in report["quantization"] if "model" in r]
+    assert [r["quantize"] for r in models] == ["int8", "int4"] * 3 and all(r["row_alone_equal"] for r in models)
+    sched = report["scheduling"]
+    assert [r["model"] for r in sched] == ["celeris-block", "llada-8b-shape"]
+    for r in sched:  # static against continuous: the same answers (bfloat16 allows a near tie to flip)
+        assert set(r["scheduling"]) == {"static", "continuous"} and r["answers"] == 8
+        assert r["identical_answers"] >= 6

@@ -108,7 +108,8 @@ def test_batch_yaml_takes_quantize_and_max_memory_and_refuses_bad_values_by_key(
 
     cfg = parse_config({"quantize": "int8", "max_memory": "8GiB"}, tmp_path / "batch.yaml")
     assert (cfg.quantize, cfg.max_memory) == ("int8", "8GiB")
-    with pytest.raises(ConfigError, match="quantize: must be none or int8, got 'int4'"):
-        parse_config({"quantize": "int4"}, tmp_path / "batch.yaml")
+    assert parse_config({"quantize": "int4"}, tmp_path / "batch.yaml").quantize == "int4"
+    with pytest.raises(ConfigError, match="quantize: must be one of none, int8, int4, got 'int2'"):
+        parse_config({"quantize": "int2"}, tmp_path / "batch.yaml")
     with pytest.raises(ConfigError, match="max_memory must be a size"):
         parse_config({"max_memory": "lots"}, tmp_path / "batch.yaml")

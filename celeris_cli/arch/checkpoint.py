@@ -40,13 +40,13 @@ def load_model(
 ) -> nn.Module:
     """The folder's model on `device` in `dtype` (floating tensors), in eval mode. Each tensor is read
     from disk into its own memory and cast there, so the peak stays near the loaded weights. `quantize`
-    ("int8"): each weight is quantized as it is read (`quantize`)."""
+    ("int8", "int4"): each weight is quantized as it is read (`quantize`)."""
     mf = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder)
     folder, files = mf.path, mf.weight_files
     with torch.device("meta"):
         model = mf.arch.build(mf.cfg)
+        expected = dict(model.state_dict())  # the checkpoint's names and shapes, before any quantization
         convert = converter(model, quantize, dtype)  # the identity unless quantizing
-    expected = dict(model.state_dict())
     optional = model.optional_tensors()
     state: dict[str, torch.Tensor] = {}
     for f in files:

@@ -145,8 +145,8 @@ class DreamModel(DiffusionLM):
             lambda x: rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps),
         )
 
-    def head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+    def head_layer(self) -> nn.Module:
+        return self.model.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
 
     def rope_dims(self) -> tuple[int, float]:
         return self.cfg.head_dim, self.cfg.rope_theta

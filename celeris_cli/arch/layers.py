@@ -16,6 +16,7 @@ from torch import nn
 from ..errors import ModelError
 from . import invariant
 from .kv import KV, Cache, LayerKV
+from .quantize import Int4Linear
 
 
 class ArchConfig(Protocol):
@@ -255,7 +256,7 @@ HEAD_CACHE_BYTES = 64 * 2**20  # the largest float32 copy of an LM head's weight
 
 class DiffusionLM(nn.Module):
     """The model boundary every architecture shares: embed, run the layers (with an optional cache), norm,
-    LM head. A family supplies its parts through `parts()` and `head_weight()`; each layer is called as
+    LM head. A family supplies its parts through `parts()` and `head_layer()`; each layer is called as
     `layer(x, rope, mask, cache_i, start, upcast) -> (x, (k, v))`.
 
     `upcast`: with low-precision weights (bfloat16), attention and the LM head are computed in float32.
@@ -272,8 +273,14 @@ class DiffusionLM(nn.Module):
         """The embedding, the layers, and the final norm (a callable on hidden states)."""
         raise NotImplementedError
 
-    def head_weight(self) -> torch.Tensor:
+    def head_layer(self) -> nn.Module:
+        """The LM head: a linear layer, or the embedding it is tied to (its `weight` is the matrix)."""
         raise NotImplementedError
+
+    def head_weight(self) -> torch.Tensor:
+        weight = self.head_layer().weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
 
     def rope_dims(self) -> tuple[int, float]:
         """Rotary dimensions per head, and theta."""
@@ -329,6 +336,9 @@ class DiffusionLM(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """LM head (B, T, vocab_size); call it on the positions whose logits are needed only."""
+        layer = self.head_layer()
+        if isinstance(layer, Int4Linear):  # its own kernel: int4 is never dequantized as a whole
+            return layer(h.float() if h.dtype != torch.float32 and self.upcast else h)[..., : self.cfg.vocab_size]
         w = self.head_weight()
         if h.dtype != torch.float32 and self.upcast:
             return invariant.linear(h.float(), self._float_head(w))[..., : self.cfg.vocab_size]

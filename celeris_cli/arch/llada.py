@@ -220,9 +220,9 @@ class LLaDAModel(DiffusionLM):
         t = self.transformer
         return t.wte, t.blocks, t.ln_f
 
-    def head_weight(self) -> torch.Tensor:
+    def head_layer(self) -> nn.Module:
         t = self.transformer
-        return t.wte.weight if self.cfg.weight_tying else t.ff_out.weight
+        return t.wte if self.cfg.weight_tying else t.ff_out
 
     def rope_dims(self) -> tuple[int, float]:
         return self.cfg.head_dim, self.cfg.rope_theta

@@ -241,8 +241,8 @@ class LLaDA2MoeModel(DiffusionLM):
             lambda x: rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps),
         )
 
-    def head_weight(self) -> torch.Tensor:
-        return self.model.word_embeddings.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+    def head_layer(self) -> nn.Module:
+        return self.model.word_embeddings if self.cfg.tie_word_embeddings else self.lm_head
 
     def rope_dims(self) -> tuple[int, float]:
         return self.cfg.rot_dim, self.cfg.rope_theta

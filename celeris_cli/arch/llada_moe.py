@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..errors import ModelError
@@ -160,8 +159,8 @@ class LLaDAMoEModel(DiffusionLM):
         eps = self.cfg.rms_norm_eps
         return self.model.embed_tokens, self.model.layers, lambda x: rms_norm(x, self.model.norm.weight, eps)
 
-    def head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+    def head_layer(self) -> nn.Module:
+        return self.model.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
 
     def rope_dims(self) -> tuple[int, float]:
         return self.cfg.rot_dim, self.cfg.rope_theta

@@ -31,8 +31,8 @@ from typing import Any, Literal
 from ..errors import UsageError
 from ..params import GenerationParams
 
-Quantize = Literal["none", "int8"]
-QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8")
+Quantize = Literal["none", "int8", "int4"]
+QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8", "int4")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LOGIT_COPIES = 3  # the head's float32 output, its softmax and the sampler's filtered scores, alive together
 HEAD_CACHE_BYTES = 64 * 2**20  # as `layers.HEAD_CACHE_BYTES` (not imported: that module needs torch)
@@ -55,6 +55,7 @@ class Shape:
     matrix_params: int
     matrix_rows: int  # output rows summed over the quantizable matrices (the int8 scales)
     other_params: int
+    tied: bool = False  # the LM head is the embedding (read as a matrix; int4 keeps it int8)
 
     @property
     def params(self) -> int:
@@ -135,13 +136,23 @@ def shape_from_dims(
         matrix_params=layers * attn + mlp + heads_ * rows * hidden,
         matrix_rows=layers * attn_rows + mlp_rows + heads_ * rows,
         other_params=other + layers * 2 * hidden + hidden,
+        tied=tied,
     )
 
 
+INT4_GROUP = 128  # the group most rows divide into (`quantize.GROUPS`; smaller rows have more scales)
+
+
 def weights_bytes(shape: Shape, dtype: str, quantize: Quantize = "none") -> int:
+    """int8: a byte a weight and a float32 scale per row; int4: half a byte a weight of the linear layers
+    and a scale and zero in `dtype` per group, the embedding as int8."""
     a = DTYPE_BYTES[dtype]
     if quantize == "int8":
         return shape.matrix_params + 4 * shape.matrix_rows + shape.other_params * a
+    if quantize == "int4":
+        embedding = shape.rows * shape.hidden
+        linear = shape.matrix_params - embedding
+        return linear // 2 + 2 * a * (linear // INT4_GROUP) + embedding + 4 * shape.rows + shape.other_params * a
     return shape.params * a
 
 
@@ -162,7 +173,8 @@ def _activations(shape: Shape, tokens: int, a: int, upcast: bool) -> int:
 
 def _head(shape: Shape, positions: int, a: int, upcast: bool, int8: bool) -> int:
     """The LM head's output for `positions`, its sampling copies, a large head's per-call float32 cast,
-    and an int8 head's dequantized copy (`quantize`: the head is read as a matrix)."""
+    and an int8 head's dequantized copy (`quantize`: the head is read as a matrix; an int4 head runs the
+    kernel, a tied one is the int8 embedding)."""
     f32 = upcast and a < 4
     cast = shape.rows * shape.hidden * 4 if f32 and shape.rows * shape.hidden * 4 > HEAD_CACHE_BYTES else 0
     return positions * shape.rows * 4 * LOGIT_COPIES + cast + (shape.rows * shape.hidden * a if int8 else 0)
@@ -175,7 +187,8 @@ def plan(shape: Shape, req: Request) -> Estimate:
     if req.dtype not in DTYPE_BYTES:
         raise UsageError(f"unknown dtype {req.dtype!r} (choose {', '.join(DTYPE_BYTES)})")
     a, B, V = DTYPE_BYTES[req.dtype], req.batch, req.views
-    f32, int8 = req.upcast and a < 4, req.quantize == "int8"
+    f32 = req.upcast and a < 4
+    int8 = req.quantize == "int8" or (req.quantize == "int4" and shape.tied)  # a head read as a matrix
     head_copy = shape.rows * shape.hidden * 4 if f32 and shape.rows * shape.hidden * 4 <= HEAD_CACHE_BYTES else 0
     weights = weights_bytes(shape, req.dtype, req.quantize) + head_copy
     L = req.prompt + req.gen_length  # the canvas
@@ -272,7 +285,7 @@ def shape_of_model(model: Any) -> Shape:
     for m in model.modules():
         weight = m.qweight if hasattr(m, "qweight") else getattr(m, "weight", None)  # int8 (`quantize`) or float
         if isinstance(weight, torch.Tensor) and (isinstance(m, (nn.Linear, nn.Embedding)) or hasattr(m, "qweight")):
-            matrices.append((weight.shape[0], weight.shape[1]))
+            matrices.append((m.rows, m.cols) if hasattr(m, "group") else (weight.shape[0], weight.shape[1]))  # int4
             bias = getattr(m, "bias", None)
             other += bias.numel() if isinstance(bias, torch.Tensor) else 0
         else:
@@ -297,6 +310,7 @@ def shape_of_model(model: Any) -> Shape:
         matrix_params=matrix_params,
         matrix_rows=sum(r for r, _ in matrices),
         other_params=other,
+        tied=model.head_layer() is model.parts()[0],
     )
 
 

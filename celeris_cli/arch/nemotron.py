@@ -209,8 +209,8 @@ class NemotronModel(DiffusionLM):
         eps = self.cfg.rms_norm_eps
         return self.encoder.embed_tokens, self.encoder.layers, lambda x: rms_norm(x, self.encoder.norm.weight, eps)
 
-    def head_weight(self) -> torch.Tensor:
-        return self.encoder.embed_tokens.weight if self.cfg.tie_word_embeddings else self.diffusion_head.weight
+    def head_layer(self) -> nn.Module:
+        return self.encoder.embed_tokens if self.cfg.tie_word_embeddings else self.diffusion_head
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         yarn = self.cfg.yarn

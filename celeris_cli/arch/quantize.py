@@ -1,15 +1,23 @@
-"""Weight-only int8 quantization, applied while a checkpoint loads.
+"""Weight-only quantization (int8, int4), applied while a checkpoint loads.
 
-Every linear layer and the embedding (so a tied LM head too) keeps its weight as int8 with one float32
-scale per output row (symmetric, per channel: scale = max|w| / 127). The model is built on the meta
-device as usual; `prepare` swaps its linear layers and embeddings for int8 ones, and `convert` turns
-each full-precision tensor into its int8 form as it is read, one tensor at a time, so the full-precision
-model never exists (the loader's peak is the int8 weights plus one tensor).
+- **int8**: every linear layer and the embedding (so a tied LM head too) keeps its weight as int8 with one
+  float32 scale per output row (symmetric, per channel: scale = max|w| / 127). The matmul is torch's own
+  weight-only int8 kernel (`torch._weight_int8pack_mm`).
+- **int4**: grouped and asymmetric along the input: each run of `group` weights of an output row (128, 64
+  or 32, the largest that divides the row) keeps a scale and a zero, w = (q - 8) x scale + zero with q in
+  0..15 (the layout of torch's own int4 kernels, "tinygemm"). Linear layers hold torch's packed layout for
+  their device (`_convert_weight_to_int4pack_for_cpu` / `_convert_weight_to_int4pack` on CUDA) and multiply
+  with its kernel (`_weight_int4pack_mm_for_cpu` / `_weight_int4pack_mm`); an LM head of its own runs the
+  kernel too (`DiffusionLM.head`). The embedding stays int8 (a lookup reads rows, and a head tied to it
+  reads it as a matrix), as does a linear layer whose rows do not divide into groups of 32.
 
-The matmul is torch's own weight-only int8 kernel (`torch._weight_int8pack_mm`): activations stay in the
-model's dtype, and a row's result does not depend on the other rows of the batch. Reading `.weight`
-gives the dequantized matrix, so code that needs the matrix itself (an LM head tied to the embedding)
-works unchanged, at the cost of a transient full-precision copy.
+The model is built on the meta device as usual; `prepare` swaps its linear layers and embeddings for
+quantized ones, and `convert` turns each full-precision tensor into its quantized form as it is read, one
+tensor at a time, so the full-precision model never exists (the loader's peak is the quantized weights plus
+one tensor). Activations stay in the model's dtype, and a row's result does not depend on the other rows
+of the batch (`tests/test_quantize.py`). Reading `.weight` gives the dequantized matrix, so code that needs
+the matrix itself (an LM head tied to the embedding) works unchanged, at the cost of a transient
+full-precision copy.
 """
 
 from __future__ import annotations
@@ -91,33 +99,150 @@ class Int8Embedding(_Int8):
         return rows.to(self.dtype)
 
 
-def prepare(model: nn.Module, dtype: torch.dtype) -> set[str]:
-    """Swap `model`'s linear layers and embeddings for int8 ones (in place; call it on the meta device);
-    returns the names of the weights to quantize."""
-    names = set()
+GROUPS = (128, 64, 32)  # int4 group sizes, the largest that divides a row is used
+
+
+def group_of(cols: int) -> int | None:
+    """The int4 group size for rows of `cols` weights; None: they do not divide into groups (int8 then)."""
+    return next((g for g in GROUPS if cols % g == 0), None)
+
+
+def quantize_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q in 0..15 as int32 (rows, cols), scale and zero (rows, cols // group) in float32) of a 2-D weight:
+    w ~ (q - 8) x scale + zero within each group of `group` columns (min and max of the group map to 0 and
+    15)."""
+    rows, cols = w.shape
+    g = w.float().view(rows, cols // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(rows, cols)
+    return q, scale, lo + 8 * scale
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The float32 weights of `quantize_groups`'s (q, scale, zero); q may have leading dimensions."""
+    groups = scale.shape[-1]
+    g = q.float().view(*q.shape[:-1], groups, -1)
+    return ((g - 8) * scale[..., None] + zero[..., None]).view(q.shape)
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q in 0..15 (..., cols) -> two a byte (..., cols // 2): even columns in the high half (torch's order)."""
+    return (q[..., ::2] << 4 | q[..., 1::2]).to(torch.uint8)
+
+
+_PAD = 16  # torch's int4 packing wants the output rows in multiples of 16 (CPU) / 8 (CUDA)
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(packed weight, scales and zeros (groups, rows, 2) in `dtype`) in torch's int4 kernel layout for q's
+    device; rows padded to a multiple of 16 (padding rows multiply to zero and are cut from the output)."""
+    rows, cols = q.shape
+    pad = -rows % _PAD
+    if pad:
+        q = torch.cat([q, q.new_full((pad, cols), 8)])
+        scale, zero = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, zero))
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+    if q.device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1), sz
+    tiles = 8 if cols % 128 == 0 else 4 if cols % 64 == 0 else 2
+    return torch.ops.aten._convert_weight_to_int4pack(_nibbles(q).contiguous(), tiles), sz
+
+
+class Int4Linear(nn.Module):
+    """A linear layer with int4 grouped weights in torch's packed layout for its device (`pack_int4`),
+    saved under the float layer's names (`weight`: the packed weight, `weight_scale`: scales and zeros)."""
+
+    qweight: torch.Tensor
+    weight_scale: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, rows: int, cols: int, group: int, dtype: torch.dtype, bias: bool = False) -> None:
+        super().__init__()
+        padded = rows + -rows % _PAD
+        self.register_buffer("qweight", torch.empty(padded, cols // 2, dtype=torch.uint8))
+        self.register_buffer(SCALE, torch.empty(cols // group, padded, 2, dtype=dtype))
+        self.register_buffer("bias", torch.empty(rows, dtype=dtype) if bias else None)
+        self.rows, self.cols, self.group, self.dtype = rows, cols, group, dtype
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":  # activations in the model's dtype, or float32 (an upcast LM head)
+            sz = self.weight_scale.to(x.dtype)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group, sz)
+        # torch's CUDA kernel takes bfloat16 activations only
+        sz = self.weight_scale.to(torch.bfloat16)
+        return torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16), self.qweight, self.group, sz).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        y = self._mm(flat)[:, : self.rows].reshape(*x.shape[:-1], self.rows)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized matrix (a transient copy in the model's dtype): the kernel applied to the identity."""
+        eye = torch.eye(self.cols, dtype=self.dtype, device=self.qweight.device)
+        return self._mm(eye)[:, : self.rows].t().contiguous()
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        _Int8._save_to_state_dict(self, destination, prefix, keep_vars)  # type: ignore[arg-type]
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        _Int8._load_from_state_dict(self, state_dict, prefix, *args)  # type: ignore[arg-type]
+
+
+Convert = Callable[[torch.Tensor], dict[str, torch.Tensor]]  # a weight -> its tensors, named by suffix
+
+
+def _int8_of(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    q, scale = quantize_rows(t)
+    return {"weight": q, SCALE: scale}
+
+
+def _int4_linear_of(group: int, dtype: torch.dtype) -> Convert:
+    def convert(t: torch.Tensor) -> dict[str, torch.Tensor]:
+        packed, sz = pack_int4(*quantize_groups(t, group), dtype)
+        return {"weight": packed, SCALE: sz}
+
+    return convert
+
+
+def prepare(model: nn.Module, dtype: torch.dtype, scheme: str = "int8") -> dict[str, Convert]:
+    """Swap `model`'s linear layers and embeddings for quantized ones (in place; call it on the meta
+    device); returns, for each weight to quantize, how its full-precision tensor becomes the new ones."""
+    plan: dict[str, Convert] = {}
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                new: _Int8 = Int8Linear(child.out_features, child.in_features, dtype, child.bias is not None)
+                rows, cols, bias = child.out_features, child.in_features, child.bias is not None
             elif isinstance(child, nn.Embedding):
-                new = Int8Embedding(child.num_embeddings, child.embedding_dim, dtype)
+                rows, cols, bias = child.num_embeddings, child.embedding_dim, False
             else:
                 continue
+            group = group_of(cols) if scheme == "int4" and isinstance(child, nn.Linear) else None
+            new: nn.Module
+            if group is not None:
+                new, how = Int4Linear(rows, cols, group, dtype, bias), _int4_linear_of(group, dtype)
+            elif isinstance(child, nn.Linear):
+                new, how = Int8Linear(rows, cols, dtype, bias), _int8_of
+            else:
+                new, how = Int8Embedding(rows, cols, dtype), _int8_of
             setattr(parent, name, new)
-            names.add(f"{parent_name}.{name}.weight" if parent_name else f"{name}.weight")
-    return names
+            plan[f"{parent_name}.{name}.weight" if parent_name else f"{name}.weight"] = how
+    return plan
 
 
 def converter(
     model: nn.Module, scheme: str, dtype: torch.dtype
 ) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]]:
     """For the loader: after `prepare`, a function from one read tensor to the tensors it becomes."""
-    quantized = prepare(model, dtype) if check(scheme) == "int8" else set()
+    plan = prepare(model, dtype, scheme) if check(scheme) != "none" else {}
 
     def convert(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
-        if name not in quantized:
+        how = plan.get(name)
+        if how is None:
             return {name: t}
-        q, scale = quantize_rows(t)
-        return {name: q, name[: -len("weight")] + SCALE: scale}
+        stem = name[: -len("weight")]
+        return {stem + suffix: v for suffix, v in how(t).items()}
 
     return convert

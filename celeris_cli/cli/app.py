@@ -42,9 +42,13 @@ class DtypeOpt(str, Enum):
 class QuantizeOpt(str, Enum):
     none = "none"
     int8 = "int8"
+    int4 = "int4"
 
 
-QUANTIZE_HELP = "Weights: int8 quantizes every linear layer and the embedding as they load (per-channel)."
+QUANTIZE_HELP = (
+    "Weights, quantized as they load: int8 (every linear layer and the embedding, per channel) or int4"
+    " (linear layers in groups of up to 128; the embedding int8)."
+)
 MAX_MEMORY_HELP = (
     "Memory the batches may use, as 8GiB or 512MB: each batch is the largest the planner expects to fit "
     "(default: none on the CPU, 90% of the card's free memory and the weights on CUDA)."

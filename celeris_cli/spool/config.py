@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..arch.memory import parse_size
+from ..arch.memory import QUANTIZE_CHOICES, parse_size
 from ..errors import ConfigError, UsageError
 from ..params import check_values
 
@@ -60,7 +60,7 @@ class BatchConfig:
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = None
-    quantize: str = "none"  # int8: weight-only int8 (`arch.quantize`)
+    quantize: str = "none"  # int8 / int4: weight-only (`arch.quantize`)
     max_memory: str | None = None  # the budget batches are sized to, "8GiB" (`arch.budget`)
     generation: dict[str, Any] = field(default_factory=dict)
     engine: EngineSettings = field(default_factory=EngineSettings)
@@ -208,8 +208,8 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
         raise ConfigError(f"device: must be auto, cpu or cuda, got {values['device']!r}")
     if "dtype" in values and values["dtype"] not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"dtype: must be auto, float32 or bfloat16, got {values['dtype']!r}")
-    if "quantize" in values and values["quantize"] not in ("none", "int8"):
-        raise ConfigError(f"quantize: must be none or int8, got {values['quantize']!r}")
+    if "quantize" in values and values["quantize"] not in QUANTIZE_CHOICES:
+        raise ConfigError(f"quantize: must be one of {', '.join(QUANTIZE_CHOICES)}, got {values['quantize']!r}")
     if values.get("max_memory") is not None:
         try:
             parse_size(values["max_memory"], "max_memory")
