@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from celeris_cli.arch.kv import KVCache, LayerKV
 from celeris_cli.arch.layers import attend
 from celeris_cli.arch.llada import LLaDAModel, ModelConfig
 from celeris_cli.decode.strategies import Net
@@ -28,14 +29,14 @@ def test_grouped_query_attention_equals_repeated_keys_with_and_without_a_cache(
     k, v = torch.randn(2, kv_heads, 4, 16, generator=g), torch.randn(2, kv_heads, 4, 16, generator=g)
     mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)
     mask[0, ..., :3] = False  # left padding of row 0
-    cache = (torch.randn(2, kv_heads, 10, 16, generator=g), torch.randn(2, kv_heads, 10, 16, generator=g))
-    expected_k, expected_v = cache[0].clone(), cache[1].clone()
+    cache = LayerKV(torch.randn(2, kv_heads, 10, 16, generator=g), torch.randn(2, kv_heads, 10, 16, generator=g))
+    expected_k, expected_v = cache.k.clone(), cache.v.clone()
     expected_k[:, :, 5:9], expected_v[:, :, 5:9] = k, v
     expected = repeated(q, expected_k, expected_v, mask)
     monkeypatch.setattr(torch.Tensor, "repeat_interleave", None)  # attend must not copy keys per head
     y, fresh = attend(q, k, v, mask, cache, 5, upcast=True)
     assert torch.allclose(y, expected, atol=1e-6) and fresh[0] is k
-    assert torch.equal(cache[0], expected_k)  # written in place
+    assert torch.equal(cache.k, expected_k)  # written in place
     y, _ = attend(q, k, v, mask[..., :4], None, 0, upcast=True)
     monkeypatch.undo()
     assert torch.allclose(y, repeated(q, k, v, mask[..., :4]), atol=1e-6)
@@ -56,15 +57,15 @@ def test_a_float32_cache_under_bfloat16_gives_the_values_a_cast_at_every_step_ga
     pos = Net.positions(km)
     _, kv = net.hidden(ids, pos, km)
     kept = net.cache_of(kv)
-    assert all(k.dtype == torch.float32 and k.is_contiguous() for pair in kept for k in pair)
-    as_before = [(k.contiguous(), v.contiguous()) for k, v in kv]  # bfloat16, cast at each step
+    assert all(k.dtype == torch.float32 and k.is_contiguous() for pair in kept.layers for k in pair)
+    as_before = KVCache([(k.contiguous(), v.contiguous()) for k, v in kv])  # bfloat16, cast at each step
     window = ids.clone()
     window[:, 10:14] = 4
-    a, _ = net.hidden(window[:, 10:14], pos[:, 10:14], km, kept, 10)
-    b, _ = net.hidden(window[:, 10:14], pos[:, 10:14], km, as_before, 10)
+    a, _ = net.hidden(window[:, 10:14], pos[:, 10:14], km, kept.view(), 10)
+    b, _ = net.hidden(window[:, 10:14], pos[:, 10:14], km, as_before.view(), 10)
     assert torch.equal(a, b)
     model.set_upcast(False)  # attention in bfloat16: the cache stays bfloat16
-    assert all(k.dtype == torch.bfloat16 for pair in net.cache_of(kv) for k in pair)
+    assert all(k.dtype == torch.bfloat16 for pair in net.cache_of(kv).layers for k in pair)
 
 
 def test_float_head_weight_is_cast_once_and_follows_the_weight() -> None:

@@ -256,28 +256,27 @@ def test_block_fast_never_reads_a_cache_slot_it_has_not_written(monkeypatch: pyt
     """The cache is allocated uninitialised: fill every slot not yet written with NaN (SDPA passes NaN on even
     from masked keys) and the cached decoder must still give the reference decoder's answers, across block
     lengths, a first block with no whole prompt block, and rows leaving at a block's start and mid-block."""
-    import celeris_cli.decode.block as B
     from celeris_cli import load_engine
+    from celeris_cli.arch.kv import KVCache
 
-    def grow(k: torch.Tensor, v: torch.Tensor, length: int):  # type: ignore[no-untyped-def]
-        ck = k.new_full((*k.shape[:2], length, k.shape[3]), float("nan"))
-        cv = v.new_full((*v.shape[:2], length, v.shape[3]), float("nan"))
-        ck[:, :, : k.shape[2]], cv[:, :, : v.shape[2]] = k, v
-        return ck, cv
+    real_of, real_keep = KVCache.of, KVCache.keep
 
-    def keep(cache, rows, written):  # type: ignore[no-untyped-def]
-        if cache is None:
-            return None
-        out = []
-        for ck, cv in cache:
-            nk = ck.new_full((int(rows.sum()), *ck.shape[1:]), float("nan"))
-            nv = cv.new_full((int(rows.sum()), *cv.shape[1:]), float("nan"))
-            nk[:, :, :written], nv[:, :, :written] = ck[rows, :, :written], cv[rows, :, :written]
-            out.append((nk, nv))
-        return out
+    def poison(cache: KVCache, written: int) -> None:
+        for ck, cv in cache.layers:
+            ck[:, :, written:], cv[:, :, written:] = float("nan"), float("nan")
 
-    monkeypatch.setattr(B, "_grow", grow)
-    monkeypatch.setattr(B, "_keep", keep)
+    def of(cls, kv, length):  # type: ignore[no-untyped-def]
+        cache = real_of(kv, length)
+        poison(cache, kv[0][0].shape[2])
+        return cache
+
+    def keep(self, rows, written=None):  # type: ignore[no-untyped-def]
+        real_keep(self, rows, written)
+        if written is not None:
+            poison(self, written)
+
+    monkeypatch.setattr(KVCache, "of", classmethod(of))
+    monkeypatch.setattr(KVCache, "keep", keep)
     engine = load_engine("celeris-block", device="cpu", dtype="float32")
     prompts = ["白", "The jury said it was a fine day and", "床前明月光，疑是地上霜。", "春眠不觉晓，"]
     for width, steps, temperature in ((2, 1, 0.0), (4, 4, 1.0), (8, 2, 1.0)):

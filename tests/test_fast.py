@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from celeris_cli import load_engine
+from celeris_cli.arch.kv import KVCache
 from celeris_cli.decode.fast import FastPlan, generate_fast
 from celeris_cli.decode.reference import finished_rows
 from celeris_cli.decode.strategies import Net
@@ -145,7 +146,7 @@ def test_a_cached_call_reproduces_the_full_forward_when_the_canvas_is_unchanged(
     km = torch.tensor([[False] * (P - len(i)) + [True] * (len(i) + G) for i in encoded])
     pos = Net.positions(km)
     full, kv = net.hidden(ids, pos, km)
-    cache_kv = [(k.contiguous(), v.contiguous()) for k, v in kv]
+    cache_kv = KVCache([(k.contiguous(), v.contiguous()) for k, v in kv]).view()
     s, e = P + 8, P + 12
     end = ids.shape[1] if cache == "prefix" else e
     part, _ = net.hidden(ids[:, s:end], pos[:, s:end], km, cache_kv, s)

@@ -1,9 +1,13 @@
-"""The KV cache every decoder shares: per layer, keys and values of shape (rows, kv_heads, length, head_dim).
+"""The KV cache every architecture and decoder uses: per layer, keys and values of shape (rows, kv_heads,
+length, head_dim).
 
 `LayerKV.update(k, v, start)` writes a forward's fresh keys/values at `start` (one position for every row,
 or one per row: rows decoding at different places, as the scheduler's do) and returns the whole cache for
-attention to read (gpt-fast's `KVCache.update`). `KVCache` holds every layer's and the operations on rows a
-decoder needs: a view of the first rows and positions, moving a row into another's slot, growing.
+attention to read (gpt-fast's `KVCache.update`); a model's layers are given `LayerKV`s only. `KVCache` holds
+every layer's and the operations on rows and positions a decoder needs: made from a forward's fresh
+keys/values, a view of the first rows and positions, keeping some rows, moving a row into another's slot,
+growing. Every decoder holds its cache as a `KVCache`; only a forward's fresh keys/values, which it returns,
+are plain `KV` tuples.
 """
 
 from __future__ import annotations
@@ -36,10 +40,13 @@ class LayerKV:
 
 
 class KVCache:
-    """Every layer's keys and values for up to `rows` rows and `length` positions, allocated once and zeroed:
-    a row's attention masks the positions past its own, but their values still enter the kernel, where
-    uninitialised memory holding NaN would poison the row (0 x NaN). Rows are slots; `view(n, length)` gives the
-    first n slots' first `length` positions to a forward, without copying."""
+    """Every layer's keys and values for up to `rows` rows and `length` positions. Rows are slots;
+    `view(rows, length)` gives slots' first `length` positions to a forward, without copying.
+
+    `empty` allocates it zeroed, for the running sets: a row's attention masks the positions past its own,
+    but their values still enter the kernel, where uninitialised memory holding NaN would poison the row
+    (0 x NaN). `of` does not zero it, for a decoder that reads only positions it has written (block
+    diffusion's committed blocks)."""
 
     def __init__(self, layers: list[KV]) -> None:
         self.layers = layers
@@ -60,6 +67,18 @@ class KVCache:
 
         return cls([(one(), one()) for _ in range(n_layers)])
 
+    @classmethod
+    def of(cls, kv: list[KV], length: int) -> KVCache:
+        """A forward's fresh keys/values at the start of a cache of `length` positions, allocated once (not
+        zeroed: the positions past them hold garbage until written)."""
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_empty(*t.shape[:2], length, t.shape[3])
+            out[:, :, : t.shape[2]] = t
+            return out
+
+        return cls([(one(k), one(v)) for k, v in kv])
+
     @property
     def rows(self) -> int:
         return self.layers[0][0].shape[0]
@@ -68,11 +87,28 @@ class KVCache:
     def length(self) -> int:
         return self.layers[0][0].shape[2]
 
-    def view(self, rows: slice | int, length: int) -> list[LayerKV]:
-        """Per-layer caches over slots `rows` (a slice, or one slot) and positions [0, length): views, so a
-        forward's updates land in this cache."""
+    def view(self, rows: slice | int = slice(None), length: int | None = None) -> list[LayerKV]:
+        """Per-layer caches over slots `rows` (a slice, or one slot; all by default) and positions
+        [0, length) (all by default): views, so a forward's updates land in this cache. The whole cache is
+        not sliced at all (the fast decoder asks for it at every step)."""
+        if rows == slice(None) and length is None:
+            return [LayerKV(k, v) for k, v in self.layers]
         sl = rows if isinstance(rows, slice) else slice(rows, rows + 1)
         return [LayerKV(k[sl, :, :length], v[sl, :, :length]) for k, v in self.layers]
+
+    def keep(self, rows: torch.Tensor, written: int | None = None) -> None:
+        """Only slots `rows` (a bool mask or indices) stay, in their order; only their first `written`
+        positions (all by default) are copied, the rest of each new slot is left unwritten."""
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            part = t[rows, :, :written]
+            if part.shape[2] == t.shape[2]:
+                return part
+            out = t.new_empty(part.shape[0], *t.shape[1:])
+            out[:, :, : part.shape[2]] = part
+            return out
+
+        self.layers = [(one(k), one(v)) for k, v in self.layers]
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot `src`'s first `length` positions into slot `dst` (a leaving row's slot is reused)."""
@@ -92,6 +128,3 @@ class KVCache:
             nv[:keep_rows, :, : v.shape[2]] = v[:keep_rows]
             grown.append((nk, nv))
         self.layers = grown
-
-
-Cache = list[KV] | list[LayerKV]  # what a forward is given: per-layer tuples (one start) or `LayerKV`s

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import ModelError
 from . import invariant
-from .kv import KV, Cache, LayerKV
+from .kv import KV, LayerKV
 from .quantize import Int4Linear
 
 
@@ -61,7 +61,7 @@ class Model(Protocol):
         ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
+        cache: list[LayerKV] | None = None,
         start: int | torch.Tensor = 0,
         keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]: ...
@@ -99,25 +99,19 @@ def attend(
     k: torch.Tensor,
     v: torch.Tensor,
     attn_mask: torch.Tensor | None,
-    cache: KV | LayerKV | None,
+    cache: LayerKV | None,
     start: int | torch.Tensor,
     upcast: bool,
 ) -> tuple[torch.Tensor, KV]:
     """Scaled dot-product attention of q (B, H, T, D) over k, v (B, Hkv, T, D), or over a cached canvas
-    with positions [start, start+T) overwritten in place by the fresh k, v (`start` one per row where the
-    cache is a `LayerKV` and rows decode at different places). Returns (B, T, H*D) and the
-    fresh (k, v). attn_mask: bool, broadcastable to (B, H, T, L); True = may attend. Grouped-query heads
-    are SDPA's own (`enable_gqa`), so the keys/values are never repeated per query head. A float32 cache
-    under upcast is used as it is (see `Net.cache_of`), not cast again at every step."""
+    with positions [start, start+T) overwritten in place by the fresh k, v (`start` one per row where rows
+    decode at different places; `LayerKV.update`). Returns (B, T, H*D) and the fresh (k, v). attn_mask:
+    bool, broadcastable to (B, H, T, L); True = may attend. Grouped-query heads are SDPA's own
+    (`enable_gqa`), so the keys/values are never repeated per query head. A float32 cache under upcast is
+    used as it is (see `Net.cache_of`), not cast again at every step."""
     fresh = (k, v)
-    if isinstance(cache, LayerKV):
+    if cache is not None:
         k, v = cache.update(k, v, start)
-    elif cache is not None:
-        assert isinstance(start, int), "a tuple cache is written at one start for every row"
-        ck, cv = cache
-        ck[:, :, start : start + k.shape[2]] = k
-        cv[:, :, start : start + v.shape[2]] = v
-        k, v = ck, cv
     gqa = q.shape[1] != k.shape[1]
     dtype = q.dtype
     if dtype != torch.float32 and upcast:  # low-precision rounding would depend on the batch's shape
@@ -302,7 +296,7 @@ class DiffusionLM(nn.Module):
         ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
+        cache: list[LayerKV] | None = None,
         start: int | torch.Tensor = 0,
         keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]:
@@ -313,8 +307,9 @@ class DiffusionLM(nn.Module):
         ids: (B, T). positions: (B, T) RoPE positions (default start..start+T-1; under left padding pass
         cumsum(key_mask)-1 so a row's positions match its unpadded self). key_mask: (B, L) bool, True for
         keys that may be attended to (L is T without a cache, the cached canvas length with one), or a
-        (B, 1, T, L) mask (block-causal). cache: per-layer (k, v) over the whole canvas; `ids` then stands
-        for positions [start, start+T), and the cache is updated in place there.
+        (B, 1, T, L) mask (block-causal). cache: a `LayerKV` per layer over the whole canvas (`KVCache.view`);
+        `ids` then stands for positions [start, start+T) (`start` one per row, or one for all), and the cache
+        is updated in place there.
         """
         B, T = ids.shape
         if positions is None:

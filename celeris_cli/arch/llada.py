@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
-from .layers import KV, DiffusionLM, apply_rope, attend, check_special_ids, check_type
+from .layers import KV, DiffusionLM, LayerKV, apply_rope, attend, check_special_ids, check_type
 
 # LLaDA config.json keys that change the architecture, and the only values we implement.
 _UNSUPPORTED = {
@@ -155,8 +155,8 @@ class Block(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         attn_mask: torch.Tensor | None,
-        cache: KV | None,
-        start: int,
+        cache: LayerKV | None,
+        start: int | torch.Tensor,
         upcast: bool = True,
     ) -> tuple[torch.Tensor, KV]:
         B, T, _ = x.shape

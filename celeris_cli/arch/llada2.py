@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import ModelError
 from . import invariant
-from .layers import KV, MLP, DiffusionLM, Weight, apply_rope, attend, check_special_ids, read_fields, rms_norm
+from .layers import KV, MLP, DiffusionLM, LayerKV, Weight, apply_rope, attend, check_special_ids, read_fields, rms_norm
 
 
 @dataclass(frozen=True)
@@ -197,8 +197,8 @@ class Layer(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         attn_mask: torch.Tensor | None,
-        cache: KV | None,
-        start: int,
+        cache: LayerKV | None,
+        start: int | torch.Tensor,
         upcast: bool,
     ) -> tuple[torch.Tensor, KV]:
         B, T, _ = x.shape

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelError
-from .layers import KV, MLP, DiffusionLM, LlamaShape, apply_rope, attend, read_fields, rms_norm
+from .layers import KV, MLP, DiffusionLM, LayerKV, LlamaShape, apply_rope, attend, read_fields, rms_norm
 from .qwen3 import AttentionShape, Backbone, Layer
 
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -174,8 +174,8 @@ class NemotronLayer(Layer):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         attn_mask: torch.Tensor | None,
-        cache: KV | None,
-        start: int,
+        cache: LayerKV | None,
+        start: int | torch.Tensor,
         upcast: bool,
     ) -> tuple[torch.Tensor, KV]:
         a, eps = self.self_attn, self.self_attn.shape.eps

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import KV, MLP, Weight, apply_rope, attend, rms_norm
+from .layers import KV, MLP, LayerKV, Weight, apply_rope, attend, rms_norm
 
 
 @dataclass(frozen=True)
@@ -120,8 +120,8 @@ class Layer(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         attn_mask: torch.Tensor | None,
-        cache: KV | None,
-        start: int,
+        cache: LayerKV | None,
+        start: int | torch.Tensor,
         upcast: bool,
     ) -> tuple[torch.Tensor, KV]:
         a, eps = self.self_attn, self.self_attn.shape.eps

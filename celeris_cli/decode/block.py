@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from ..arch.kv import KV, Cache
+from ..arch.kv import KV, KVCache, LayerKV
 from ..params import Blocks, Commit, Editing, Guidance, Ordering, Sampling, Shaping
 from .predict import sample_with_probability
 from .reference import commit_order, guide, select_top_k
@@ -64,7 +64,7 @@ class BlockNet(Protocol):
         ids: torch.Tensor,
         positions: torch.Tensor,
         key_mask: torch.Tensor,
-        cache: Cache | None = None,
+        cache: list[LayerKV] | None = None,
         start: int | torch.Tensor = 0,
         keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]: ...
@@ -176,11 +176,12 @@ def schedule(cv: Canvas, prompt_tokens: list[int], blocks: Blocks) -> tuple[torc
 
 class _View:
     """One view of the canvas for the model: the canvas itself, or (`hide`: (B, C) positions shown as
-    masks) guidance's unconditional view, with the prompt masked; and its cache of committed blocks."""
+    masks) guidance's unconditional view, with the prompt masked; and its cache of committed blocks (over
+    the whole canvas, not zeroed: a step reads only positions before its block's end, all written by then)."""
 
     def __init__(self, hide: torch.Tensor | None) -> None:
         self.hide = hide
-        self.cache: list[KV] | None = None
+        self.cache: KVCache | None = None  # exact before `pending` (generate_block_cached)
 
     def ids(self, cv: Canvas, rows: torch.Tensor, lo: int, hi: int, mask_id: int) -> torch.Tensor:
         ids = cv.x[rows, lo:hi]
@@ -363,14 +364,15 @@ def generate_block_cached(
     if s0 > 0:  # the prompt's whole blocks, once
         for v in views:
             _, kv = net.hidden(v.ids(cv, rows, 0, s0, mask_id), cv.pos[:, :s0], block_mask(cv.real, 0, s0, s0, W))
-            v.cache = [_grow(k, v_, cv.num_blocks * W) for k, v_ in kv]
+            v.cache = KVCache.of(kv, cv.num_blocks * W)
     pending = s0  # keys/values are exact before this canvas index
     for j in range(cv.start_block, cv.num_blocks):
         s, e, g = j * W, (j + 1) * W, j - cv.start_block
         out = cv.end[rows] <= s  # rows whose blocks are all decoded leave
         if out.any():
             for v in views:
-                v.cache = _keep(v.cache, ~out, pending)
+                if v.cache is not None:
+                    v.cache.keep(~out, pending)
             rows = rows[~out]
         active = rows
         for i in range(int(steps[rows, g].max()) if rows.numel() else 0):
@@ -381,10 +383,10 @@ def generate_block_cached(
             mask = block_mask(cv.real[rows], lo, e, e, W)
             hs = []
             for v in views:
-                seen = None if v.cache is None else [(ck[:, :, :e], cv_[:, :, :e]) for ck, cv_ in v.cache]
+                seen = None if v.cache is None else v.cache.view(length=e)
                 h, kv = net.hidden(v.ids(cv, rows, lo, e, mask_id), cv.pos[rows, lo:e], mask, seen, lo)
                 if v.cache is None:
-                    v.cache = [_grow(k_, v_, cv.num_blocks * W) for k_, v_ in kv]
+                    v.cache = KVCache.of(kv, cv.num_blocks * W)
                 hs.append(h[:, s - lo :])
             pending = s
             gens, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id, plan.shaping)
@@ -393,34 +395,13 @@ def generate_block_cached(
             done = finished(cv, rows, e, mask_id, stop)
             if done.any():  # finished rows leave at once; the batch and its caches shrink
                 for v in views:
-                    v.cache = _keep(v.cache, ~done, pending)
+                    if v.cache is not None:
+                        v.cache.keep(~done, pending)
                 rows = rows[~done]
         _committed(cv, active, e, plan.blocks.gen_length, on_block)
         if rows.numel() == 0:
             break
     return _result(cv, prompt, plan.blocks.gen_length, mask_id)
-
-
-def _grow(k: torch.Tensor, v: torch.Tensor, length: int) -> KV:
-    """A cache over the whole canvas, allocated once (not zeroed: every step reads only the positions
-    before its block's end, all written by then), holding `k`, `v` at its start."""
-    ck = k.new_empty(*k.shape[:2], length, k.shape[3])
-    cv = v.new_empty(*v.shape[:2], length, v.shape[3])
-    ck[:, :, : k.shape[2]] = k
-    cv[:, :, : v.shape[2]] = v
-    return ck, cv
-
-
-def _keep(cache: list[KV] | None, rows: torch.Tensor, written: int) -> list[KV] | None:
-    """The cache of the rows that stay; only its first `written` positions, the exact ones, are copied."""
-    if cache is None:
-        return None
-    out = []
-    for ck, cv in cache:
-        nk, nv = ck.new_empty(int(rows.sum()), *ck.shape[1:]), cv.new_empty(int(rows.sum()), *cv.shape[1:])
-        nk[:, :, :written], nv[:, :, :written] = ck[rows, :, :written], cv[rows, :, :written]
-        out.append((nk, nv))
-    return out
 
 
 def _canvas(prompt: torch.Tensor, prompt_mask: torch.Tensor, plan: BlockPlan, mask_id: int) -> Canvas:

@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ..arch.layers import KV
+from ..arch.kv import KV, KVCache, LayerKV
 from ..params import Confidence, Guidance, Ordering, Parallel, Sampling, Schedule, Shaping
 from .predict import confidence_masked, sample_masked
 from .reference import commit_order, guide, leave_when_finished, num_transfer_tokens, select_top_k, unconditional
@@ -56,13 +56,13 @@ class CachedNet(Protocol):
         key_mask: torch.Tensor,
         s: int,
         e: int,
-        cache: list[KV] | None = None,
+        cache: list[LayerKV] | None = None,
         end: int | None = None,
         select: torch.Tensor | None = None,
         keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]: ...
 
-    def cache_of(self, kv: list[KV]) -> list[KV]: ...
+    def cache_of(self, kv: list[KV]) -> KVCache: ...
 
 
 def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: Confidence) -> torch.Tensor:
@@ -89,7 +89,7 @@ class _View:
 
     def __init__(self, prompt_part: torch.Tensor | None) -> None:
         self.prompt_part = prompt_part  # (B, P): the prompt as this view shows it; None: the canvas's own
-        self.cache: list[KV] | None = None
+        self.cache: KVCache | None = None  # made once per block, by its first (full-canvas) forward
 
     def logits(
         self,
@@ -113,15 +113,16 @@ class _View:
             if mode != "none":
                 self.cache = net.cache_of(kv)
             return logits
+        assert self.cache is not None
         end = x.shape[1] if mode == "prefix" else e
-        return net.span_logits(canvas, pos, km, s, e, self.cache, end, select)[0]
+        return net.span_logits(canvas, pos, km, s, e, self.cache.view(), end, select)[0]
 
     def keep(self, rows: torch.Tensor) -> None:
         """Only these rows stay (the others have finished)."""
         if self.prompt_part is not None:
             self.prompt_part = self.prompt_part[rows]
         if self.cache is not None:
-            self.cache = [(k[rows], v[rows]) for k, v in self.cache]
+            self.cache.keep(rows)
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..arch.kv import KV, Cache
+from ..arch.kv import KV, KVCache, LayerKV
 from ..arch.layers import Model
 from ..errors import UsageError
 from ..params import STRATEGY_PARTS, GenerationParams
@@ -64,7 +64,7 @@ class Net:
         ids: torch.Tensor,
         positions: torch.Tensor,
         key_mask: torch.Tensor,
-        cache: Cache | None = None,
+        cache: list[LayerKV] | None = None,
         start: int | torch.Tensor = 0,
         keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]:
@@ -75,7 +75,7 @@ class Net:
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.head(h)
 
-    def cache_of(self, kv: list[KV]) -> list[KV]:
+    def cache_of(self, kv: list[KV]) -> KVCache:
         """A cache made of a full forward's keys/values: contiguous, one copy each, and in float32 where
         the model computes attention in float32 under low-precision weights (`upcast`), so that no later
         step casts the whole cache again. The values are the same the cast at every step gave."""
@@ -84,7 +84,7 @@ class Net:
         def keep(t: torch.Tensor) -> torch.Tensor:
             return t.to(torch.float32 if up else t.dtype, memory_format=torch.contiguous_format)
 
-        return [(keep(k), keep(v)) for k, v in kv]
+        return KVCache([(keep(k), keep(v)) for k, v in kv])
 
     def span_logits(
         self,
@@ -93,16 +93,16 @@ class Net:
         key_mask: torch.Tensor,
         s: int,
         e: int,
-        cache: list[KV] | None = None,
+        cache: list[LayerKV] | None = None,
         end: int | None = None,
         select: torch.Tensor | None = None,
         keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]:
         """Logits predicting positions [s, e) of the canvas `ids` (B, L), s >= 1: a full-canvas forward
         (no cache; returns every layer's keys/values unless keep_kv is False), or the window [s, end)
-        recomputed against `cache` (end defaults to e; its fresh keys/values are the window's only). With a
-        logit shift the window starts one position earlier. `select` (B, e - s) bool: the LM head runs on
-        those positions only, and the logits come flat, (N, V) in row order."""
+        recomputed against `cache` (`KVCache.view`; end defaults to e; its fresh keys/values are the
+        window's only). With a logit shift the window starts one position earlier. `select` (B, e - s) bool:
+        the LM head runs on those positions only, and the logits come flat, (N, V) in row order."""
         lo = s - self.shift
         if cache is None:
             h, kv = self.hidden(ids, positions, key_mask, keep_kv=keep_kv)

@@ -196,7 +196,7 @@ class WaveScheduler:
             keep = any(r.mode != "none" for r in group)
             h, kv = self.net.hidden(ids, Net.positions(km), km, keep_kv=keep)
             self._count(group, width)
-            layers = self.net.cache_of(kv) if keep else []
+            layers = self.net.cache_of(kv).layers if keep else []
             for i, r in enumerate(group):
                 s, e = r.span
                 lo = s - self.net.shift

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..arch.kv import KVCache
 from ..engine import Engine, GenerationParams
 from ..params import honoured
 from .evaluate import EvalSet, poem_quality
@@ -148,15 +149,14 @@ def autoregressive_limit(
             t0 = time.perf_counter()
             h, kv = model.hidden(ids[:, :prompt_length], pos[:, :prompt_length], keys[:, :prompt_length])
             ids[:, prompt_length] = model.head(h[:, -1]).argmax(-1)  # the first output token
-            cache = []
-            for k, v in kv:  # the whole length allocated once; each step writes one position in place
-                dtype = torch.float32 if _upcast(model, k) else k.dtype
-                ck = k.new_zeros(B, k.shape[1], L, k.shape[3], dtype=dtype)
-                cv = ck.clone()
+            # the whole length allocated once; each step writes one position in place
+            k0 = kv[0][0]
+            dtype = torch.float32 if _upcast(model, k0) else k0.dtype
+            cache = KVCache.empty(len(kv), B, k0.shape[1], L, k0.shape[3], dtype, k0.device)
+            for (ck, cv), (k, v) in zip(cache.layers, kv):
                 ck[:, :, :prompt_length], cv[:, :, :prompt_length] = k, v
-                cache.append((ck, cv))
             for t in range(prompt_length, L - 1):  # the token at t goes in, the one at t + 1 comes out
-                window = [(ck[:, :, : t + 1], cv[:, :, : t + 1]) for ck, cv in cache]
+                window = cache.view(length=t + 1)
                 h, _ = model.hidden(ids[:, t : t + 1], pos[:, t : t + 1], keys[:, : t + 1], window, t)
                 ids[:, t + 1] = model.head(h[:, -1]).argmax(-1)
             _sync(device)
