@@ -1,6 +1,6 @@
 """The planner's estimates for published models on 8, 24 and 80 GB cards (docs/memory.md's table): the
 weights and the largest batch that fits 90% of the card (the default CUDA budget), for a 64-token prompt
-and 256 generated tokens, in bfloat16 and with int8 weights. Estimates, not measurements.
+and 256 generated tokens, in bfloat16 and with int8 and int4 weights. Estimates, not measurements.
 
     python scripts/memory_table.py
 """
@@ -39,7 +39,7 @@ def main() -> None:
     print(head)
     print("|" + "---|" * (3 + len(CARDS)))
     for name, (shape, req) in MODELS.items():
-        for dtype, quantize in (("bfloat16", "none"), ("bfloat16", "int8")):
+        for dtype, quantize in (("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4")):
             r = replace(req, dtype=dtype, quantize=quantize)  # type: ignore[arg-type]
             w = plan(shape, r).weights / 2**30
             cells = []
@@ -47,7 +47,7 @@ def main() -> None:
                 k = largest_batch(shape, r, int(0.9 * card * 10**9))
                 one = plan(shape, replace(r, batch=1)).peak / 2**30
                 cells.append(f"{k} (1 row: {one:.1f} GiB)" if k else f"does not fit ({one:.1f} GiB for 1 row)")
-            label = "bf16" if quantize == "none" else "int8"
+            label = "bf16" if quantize == "none" else quantize
             print(
                 f"| {name} ({r.strategy}) {label} | {shape.params / 1e9:.1f}B | {w:.1f} GiB | "
                 + " | ".join(cells)
