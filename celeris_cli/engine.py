@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -417,6 +417,10 @@ class Engine:
             raise too_large[0]
         return [r for r in results if r is not None]
 
+    def live(self, max_batch: int) -> LiveRun:
+        """A running set of at most `max_batch` rows that takes rows while it runs (`LiveRun`)."""
+        return LiveRun(self, max_batch)
+
     def _running_width(self, encoded: Sequence[list[int]], params: Sequence[GenerationParams], max_batch: int) -> int:
         """At most max_batch rows, and under a memory budget (`--max-memory`) as many as fit (at least one)
         when every row in flight is as long as the longest prompt with the longest answer of its block width:
@@ -497,6 +501,101 @@ class Engine:
             if on_batch is not None:
                 on_batch(len(idx))
         return [r for r in results if r is not None]
+
+
+class LiveRun:
+    """A block-diffusion running set fed while it runs: `add` rows between the answers `answers` yields (the
+    queue daemon hands it each batch as it is packed, so a file claimed while others decode joins their
+    running set as rows leave). Each answer is the one its row gets alone, as in `decode_running`; its
+    `wall_s` runs from its `add`. Out of memory, it goes on with the rows not yet answered in a running set
+    half as wide, down to one row; a row out of memory alone is answered with `TooLarge` (as
+    `decode_running`). Another exception ends the run: the rows left are the caller's to decode again."""
+
+    def __init__(self, engine: Engine, max_batch: int) -> None:
+        self.engine, self.max_batch, self.width = engine, max_batch, max_batch
+        self.scheduler: BlockScheduler | None = None
+        self.net: Net | None = None
+        self.deterministic: bool | None = None
+        self.rows: dict[int, tuple[str, list[int], GenerationParams, int, float]] = {}  # by key, as added
+
+    def accepts(self, params: GenerationParams) -> bool:
+        """Whether a row with these final settings can join: block diffusion without guidance
+        (`Engine.continuous`), computed the same way as the rows already here (`deterministic`)."""
+        same = self.deterministic is None or not self.rows or params.deterministic == self.deterministic
+        return self.engine.continuous(params) and same
+
+    def add(self, key: int, prompt: str, ids: list[int], params: GenerationParams, seed: int) -> None:
+        """A row (its final settings, `accepts`) under the caller's `key`, behind those waiting."""
+        assert self.accepts(params), "a row this running set cannot decode"
+        if self.scheduler is None or not self.rows:  # a fresh running set (its caches allocated as rows come)
+            self.width = self.max_batch
+            self._fresh(params)
+        self.deterministic = params.deterministic
+        self.rows[key] = (prompt, list(ids), params, seed, time.perf_counter())
+        self._enqueue(key)
+
+    def _fresh(self, params: GenerationParams) -> None:
+        scheduler, self.net = self.engine._scheduler([params], self.width)
+        assert isinstance(scheduler, BlockScheduler)
+        self.scheduler = scheduler
+
+    def _enqueue(self, key: int) -> None:
+        _, ids, params, seed, _ = self.rows[key]
+        assert self.scheduler is not None
+        if params.subword_min_p > 0 and not self.scheduler.pieces.numel():  # word pieces, once a row needs them
+            pieces = sorted(self.engine._special(params).word_pieces)
+            self.scheduler.pieces = torch.tensor(pieces, device=self.engine.device, dtype=torch.long)
+        self.scheduler.add([self.engine._request(key, ids, params, seed)])
+
+    @property
+    def pending(self) -> int:
+        """Rows added and not yet answered."""
+        return len(self.rows)
+
+    def answers(self) -> Generator[tuple[int, Result | TooLarge], None, None]:
+        """(key, result) as each row finishes, until no row is waiting or in flight; rows added meanwhile
+        (between two answers) are decoded in the same run. A row out of memory alone: (key, TooLarge)."""
+        while self.scheduler is not None and self.rows:
+            scheduler, net, deterministic = self.scheduler, self.net, self.deterministic
+            assert net is not None and deterministic is not None
+            reset_peak(self.engine.device)
+            try:
+                for key, out, forwards in _running(scheduler.run(), deterministic):
+                    prompt, ids, params, seed, t0 = self.rows.pop(key)
+                    peak = round(read_peak(self.engine.device) / 2**20, 1)
+                    wall = time.perf_counter() - t0
+                    yield key, self.engine._result(prompt, ids, out, params, seed, forwards, wall, self.width, peak)
+                if scheduler is self.scheduler:
+                    return  # (rows added at its last answer went to a fresh running set: on with that one)
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    self.rows.clear()
+                    raise
+                self.engine.memory.release()
+                waiting = {r.key for r in scheduler.waiting}
+                # in flight: the rows in its lanes, or the one it was admitting (its prompt's prefill)
+                alone = [r.req.key for lane in scheduler.lanes.values() for r in lane.rows] or [
+                    k for k in self.rows if k not in waiting
+                ]
+                if self.width > 1:
+                    log.info("out of memory with %d rows in flight; going on with %d", self.width, self.width // 2)
+                    self.width //= 2
+                    failed = None
+                else:  # the one row in flight does not fit alone
+                    failed = alone[0]
+                    _, ids, params, _, _ = self.rows.pop(failed)
+                    needed = self.engine.memory.need([ids], params)
+                if self.rows:
+                    self._fresh(next(iter(self.rows.values()))[2])
+                    for key in self.rows:
+                        self._enqueue(key)
+                if failed is not None:
+                    yield failed, too_large_error(needed, "out of memory alone")
+            except BaseException:  # closed: the rows left are never answered here
+                self.rows.clear()
+                raise
+            finally:
+                self.engine._account(scheduler, net)
 
 
 def _running_kind(params: GenerationParams, bidirectional: bool = False) -> str | None:

@@ -250,3 +250,57 @@ def test_a_memory_budget_counts_a_cache_for_each_block_width(block_engine: Engin
     engine.memory.budget = engine.memory.need([max(encoded, key=len)] * 4, eight)  # four rows of one width
     assert engine._running_width(encoded, [eight] * 12, 4) == 4
     assert engine._running_width(encoded, [four, eight] * 6, 4) < 4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_added_while_the_running_set_runs_answer_as_they_do_alone(
+    block_engine: Engine, temperature: float
+) -> None:
+    live = block_engine.live(max_batch=3)
+    rows = []
+    for i, prompt in enumerate(PROMPTS * 2):
+        settings = {"temperature": temperature, "gen_length": 8 + 5 * i, "block_length": 4 if i % 3 else 8, "seed": i}
+        rows.append((prompt, block_engine.params(settings), i))
+    added = 0
+
+    def add() -> None:
+        nonlocal added
+        prompt, params, seed = rows[added]
+        live.add(added, prompt, block_engine.encode_prompt(prompt), params, seed)
+        added += 1
+
+    add()  # one row: its lane's cache has one slot, and grows as rows join
+    got: dict[int, str] = {}
+    joined_while_running = []
+    for key, result in live.answers():
+        got[key] = result.text  # type: ignore[union-attr]
+        for _ in range(2):  # two rows join each time one leaves, while others are in flight
+            if added < len(rows):
+                joined_while_running.append(live.scheduler is not None and live.scheduler.in_flight > 1)
+                add()
+    alone = [block_engine.finish(_alone(block_engine, p, s, seed), s.stop, block_engine.encode_prompt(p))[0]
+             for p, s, seed in rows]  # fmt: skip
+    assert [got[k] for k in range(len(rows))] == alone
+    assert any(joined_while_running)
+
+
+def test_a_live_running_set_out_of_memory_narrows_and_a_row_too_large_alone_fails_alone(
+    tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path
+) -> None:
+    from celeris_cli.errors import TooLarge
+
+    from .test_memory_backoff import LONG, SETTINGS, OutOfMemoryAbove
+
+    folder = make_model(tmp_path_factory.mktemp("oomlive") / "m", tiny_tokenizer, seed=4, block_causal=True)
+    engine = load_engine(folder, device="cpu", dtype="float32")
+    params = engine.params({"strategy": "block-fast", **SETTINGS})
+    alone = {p: engine.generate([p], params)[0].text for p in PROMPTS}
+    engine.model = OutOfMemoryAbove(engine.model, rows=2, width=40)  # type: ignore[assignment]
+    live = engine.live(max_batch=6)
+    prompts = PROMPTS[:3] + [LONG] + PROMPTS[3:]
+    for k, p in enumerate(prompts):
+        live.add(k, p, engine.encode_prompt(p), params, params.seed)
+    got = dict(live.answers())
+    assert isinstance(got[3], TooLarge) and "out of memory alone" in str(got[3])
+    assert {prompts[k]: r.text for k, r in got.items() if k != 3} == alone  # type: ignore[union-attr]
+    assert live.width == 1 and not live.pending

@@ -116,14 +116,16 @@ class KVCache:
             k[dst, :, :length] = k[src, :, :length]
             v[dst, :, :length] = v[src, :, :length]
 
-    def grow(self, length: int, keep_rows: int) -> None:
-        """At least `length` positions per slot, the first `keep_rows` slots' contents kept."""
-        if length <= self.length:
+    def grow(self, length: int, keep_rows: int, rows: int | None = None) -> None:
+        """At least `length` positions per slot (and `rows` slots), the first `keep_rows` slots' contents kept."""
+        rows = max(rows or 0, self.rows)
+        if length <= self.length and rows == self.rows:
             return
+        length = max(length, self.length)
         grown = []
         for k, v in self.layers:
-            nk = k.new_zeros(k.shape[0], k.shape[1], length, k.shape[3])
-            nv = v.new_zeros(v.shape[0], v.shape[1], length, v.shape[3])
+            nk = k.new_zeros(rows, k.shape[1], length, k.shape[3])
+            nv = v.new_zeros(rows, v.shape[1], length, v.shape[3])
             nk[:keep_rows, :, : k.shape[2]] = k[:keep_rows]
             nv[:keep_rows, :, : v.shape[2]] = v[:keep_rows]
             grown.append((nk, nv))

@@ -122,9 +122,11 @@ class Lane:
         self.cache = cache
         self.rows: list[Any] = []
 
-    def ensure(self, length: int) -> None:
-        if length > self.cache.length:
-            self.cache.grow(max(length, 2 * self.cache.length), len(self.rows))
+    def ensure(self, length: int, rows: int = 0) -> None:
+        """At least `length` positions a slot and `rows` slots (a running set taking rows while it runs)."""
+        if length > self.cache.length or rows > self.cache.rows:
+            longer = max(length, 2 * self.cache.length) if length > self.cache.length else length
+            self.cache.grow(longer, len(self.rows), rows)
 
     def drop(self, gone: set[int]) -> None:
         """Rows whose id() is in `gone` leave; each later row moves into the first free slot."""
@@ -141,7 +143,11 @@ class BlockScheduler:
     """Decodes `BlockRequest`s with at most `max_batch` rows in flight; `run` yields (key, generated ids,
     forwards) as each row finishes, in the order they finish. `refill` False runs static batches instead:
     up to max_batch rows are admitted only once the running set is empty (the comparison `bench` makes).
-    on_block(key, generated ids so far): called as each row's block is committed (streaming)."""
+    on_block(key, generated ids so far): called as each row's block is committed (streaming).
+
+    `add` gives it more requests while it runs, between the rows `run` yields (the queue's files arriving
+    while others decode); they wait behind those already waiting, and a lane's cache grows (slots, length)
+    if they need it."""
 
     def __init__(
         self,
@@ -161,6 +167,7 @@ class BlockScheduler:
         self.pieces = torch.tensor(sorted(word_pieces), device=device, dtype=torch.long)
         self.lanes: dict[int, Lane] = {}  # by block width
         self.sizes: dict[int, tuple[int, int]] = {}  # by block width: (slots, length) of its cache
+        self.waiting: deque[BlockRequest] = deque()
         self.occupancy = Occupancy()
 
     @property
@@ -169,25 +176,29 @@ class BlockScheduler:
 
     # -- the loop ------------------------------------------------------------------------------------
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
-    def run(self, requests: Iterable[BlockRequest]) -> Iterator[tuple[int, list[int], int]]:
-        # the longest answers first (stable), so the last rows to run are short ones and the tail is brief
-        waiting = deque(sorted(requests, key=lambda r: -r.plan.blocks.gen_length))
-        # each width's cache, allocated once: as many slots as rows can run at once, as long as the longest
-        # canvas (growing it on the way would hold the old and the new at once, and double its length)
-        self.sizes = {}
-        for r in waiting:
-            W = r.plan.blocks.block_length
-            rows, length = self.sizes.get(W, (0, 0))
-            self.sizes[W] = (min(rows + 1, self.max_batch), max(length, _end(r)))
-        while waiting or self.in_flight:
+    def run(self, requests: Iterable[BlockRequest] = ()) -> Iterator[tuple[int, list[int], int]]:
+        self.add(requests)
+        while self.waiting or self.in_flight:
             if self.refill or not self.in_flight:
-                while waiting and self.in_flight < self.max_batch:
-                    self._admit(waiting.popleft())
+                while self.waiting and self.in_flight < self.max_batch:
+                    self._admit(self.waiting.popleft())
             self.occupancy.rounds += 1
             self.occupancy.in_flight += self.in_flight
             for lane in list(self.lanes.values()):
                 if lane.rows:
                     yield from self._leave(lane, self._round(lane))
+
+    def add(self, requests: Iterable[BlockRequest]) -> None:
+        """Requests to decode, behind those waiting; among them the longest answers first (stable), so the
+        last rows to run are short ones and the tail is brief."""
+        new = sorted(requests, key=lambda r: -r.plan.blocks.gen_length)
+        # each width's cache, allocated once: as many slots as rows can run at once, as long as the longest
+        # canvas (growing it on the way would hold the old and the new at once, and double its length)
+        for r in new:
+            W = r.plan.blocks.block_length
+            rows, length = self.sizes.get(W, (0, 0))
+            self.sizes[W] = (min(rows + 1, self.max_batch), max(length, _end(r)))
+        self.waiting.extend(new)
 
     def _admit(self, req: BlockRequest) -> None:
         assert supports(req.plan), "guidance runs in static batches"
@@ -202,7 +213,7 @@ class BlockScheduler:
             rows, length = self.sizes.get(W, (self.max_batch, end))
             self.lanes[W] = Lane(self._allocate(rows, max(length, end)))
         lane = self.lanes[W]
-        lane.ensure(end)
+        lane.ensure(end, max(len(lane.rows) + 1, self.sizes.get(W, (0, 0))[0]))
         slot = len(lane.rows)
         s0 = row.first * W
         if s0 > 0:  # the prompt's whole blocks, into the row's slot

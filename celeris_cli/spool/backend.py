@@ -141,27 +141,29 @@ class EngineBackend:
             [p.payload[2] for p in batch],
             presets=False,
         )
-        return [
-            {
-                "text": r.text,
-                "finish_reason": r.finish_reason,
-                "usage": {
-                    "prompt_tokens": r.prompt_tokens,
-                    "completion_tokens": r.output_tokens,
-                    "total_tokens": r.prompt_tokens + r.output_tokens,
-                },
-                "timing": {
-                    "wall_s": r.wall_s,
-                    "batch_size": r.batch_size,
-                    "nfe": r.nfe,
-                    "denoise_steps": r.denoise_steps,
-                    "steps_per_block": r.steps_per_block,
-                    "tokens_per_s": r.tokens_per_s,
-                    "device": r.device,
-                    "dtype": r.dtype,
-                    "peak_memory_mb": r.peak_memory_mb,
-                },
-                "settings": r.settings,
-            }
-            for r in results
-        ]
+        return [body_of(r) for r in results]
+
+
+def body_of(r: Any) -> dict[str, Any]:
+    """A response body: an engine `Result` as the queue writes it."""
+    return {
+        "text": r.text,
+        "finish_reason": r.finish_reason,
+        "usage": {
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.output_tokens,
+            "total_tokens": r.prompt_tokens + r.output_tokens,
+        },
+        "timing": {
+            "wall_s": r.wall_s,
+            "batch_size": r.batch_size,
+            "nfe": r.nfe,
+            "denoise_steps": r.denoise_steps,
+            "steps_per_block": r.steps_per_block,
+            "tokens_per_s": r.tokens_per_s,
+            "device": r.device,
+            "dtype": r.dtype,
+            "peak_memory_mb": r.peak_memory_mb,
+        },
+        "settings": r.settings,
+    }

@@ -104,7 +104,8 @@ class Spool:
             for folder in (self.f.outputs, self.f.logs):  # our temp files of a publish cut short
                 for tmp in folder.glob(".*.tmp"):
                     tmp.unlink(missing_ok=True)
-            self.pool = as_pool(self.backend_factory(), self.cfg.request_timeout_s)  # a bad model fails now
+            # a bad model fails now
+            self.pool = as_pool(self.backend_factory(), self.cfg.request_timeout_s, self.cfg.batch_size)
             for job in self.inbox.open(self.failures.max_claim):
                 self.claimed[job.seq] = job
         except BaseException:
@@ -219,6 +220,11 @@ class Spool:
 
     # -- processing --------------------------------------------------------------------------------
     def process(self, paths: list[Path]) -> None:
+        self.drain(self.take(paths))
+
+    def take(self, paths: list[Path]) -> list[Item]:
+        """Claim and read files (resumed ones first, then `paths`, up to a round's budget of requests);
+        returns their requests to decode (and publishes a file with nothing left to decode)."""
         budget = self.cfg.batch_size * 8  # requests taken per round bounds memory and latency
         jobs = []
         taken = 0
@@ -244,16 +250,25 @@ class Spool:
                     jobs.append(new)
                     taken += len(new.requests)
         work = [item for job in jobs for item in self.prepare(job, job.requests)]
-        work += self.complete([job for job in jobs if job.pending == 0 and job.seq in self.claimed])
-        self.drain(work)
+        return work + self.complete([job for job in jobs if job.pending == 0 and job.seq in self.claimed])
 
     def drain(self, work: list[Item]) -> None:
-        """Run `work`, up to `pool.slots` batches at once. On a stop nothing new starts (not even the
-        halves of a failed batch) and the batches in flight are finished."""
+        """Run `work`, up to `pool.slots` batches at once. While batches are in flight, a slot is free and
+        nothing else waits, files that arrived meanwhile are claimed and join them (the running set admits
+        their rows as others leave), up to one round's budget more, after which the loop's other duties
+        come first. On a stop nothing new starts (not even the halves of a failed batch) and the batches in
+        flight are finished."""
         assert self.pool is not None
         queue = deque(self.pack(work))
         first = True
+        more = self.cfg.batch_size * 8  # requests this drain may claim while it runs
         while (queue and not self.stopping) or self.flight:
+            if self.flight and not queue and not self.stopping and len(self.flight) < self.pool.slots and more > 0:
+                ready, _ = self.inbox.scan()
+                if ready:
+                    new = self.take(ready)
+                    more -= max(len(new), 1)
+                    queue.extend(self.pack(new))
             while queue and not self.stopping and len(self.flight) < self.pool.slots:
                 self.submit(queue.popleft())
             if not self.flight:

@@ -1,18 +1,24 @@
 """Where the queue's batches run: a pool takes batches and hands each back when it is done, so the daemon
 can keep several in flight (one per Ray actor) and journal each one as it completes.
 
-The in-process engine is the pool with one slot: it decodes a batch when the daemon waits for it, on the
-main thread, where `request_timeout_s` (SIGALRM) can interrupt it. A pool never decides what a failure
-means: it hands back the exception, and the daemon bisects or records it.
+The in-process engine is a running set (`RunningPool`, `Engine.live`): batches submitted while others
+decode join their running set as rows leave, so a file claimed meanwhile is admitted while another file's
+batch is still running, and the set stays full. It decodes when the daemon waits, on the main thread, and
+hands back each batch as its last row finishes. With `request_timeout_s` (SIGALRM around one batch) or
+`max_memory` (batches sized to a budget) it is the pool of one slot that decodes a batch at a time
+(`InlinePool`), as is any backend that is not the engine. A pool never decides what a failure means: it
+hands back the exception, and the daemon bisects or records it.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from .backend import Backend, Prepared
+from .backend import Backend, EngineBackend, Prepared, body_of
 from .batching import deadline
 from .formats import Request
 
@@ -78,5 +84,91 @@ class InlinePool:
         pass
 
 
-def as_pool(engine: Backend | Pool, timeout_s: float | None) -> Pool:
-    return engine if isinstance(engine, Pool) else InlinePool(engine, timeout_s)
+class RunningPool:
+    """The in-process engine's running set as a pool: `submit` adds a batch's rows to it (they wait behind
+    the rows already there), `wait` decodes until every row of some batch is answered and hands back each
+    batch that is, the others staying in flight. A batch whose settings cannot join a running set
+    (guidance, strategies other than block-fast, another `deterministic`) decodes alone at the next wait."""
+
+    slots = 3  # batches in flight: the next ones wait their turn inside the running set, so it stays full
+
+    def __init__(self, backend: EngineBackend, max_batch: int) -> None:
+        self.backend = backend
+        self.live = backend.engine.live(max_batch)
+        self.tickets = itertools.count(1)
+        self.keys = itertools.count()
+        self.rows: dict[int, tuple[int, int]] = {}  # row key -> (ticket, place in its batch)
+        self.open: dict[int, list[dict[str, Any] | None]] = {}  # ticket -> bodies so far, in batch order
+        self.failed: dict[int, BaseException] = {}  # ticket -> a row's failure (too large alone)
+        self.alone: deque[tuple[int, list[Prepared]]] = deque()  # batches that decode on their own
+        self.answers: Generator[tuple[int, Any], None, None] | None = None
+
+    def prepare(self, request: Request) -> Prepared:
+        return self.backend.prepare(request)
+
+    def submit(self, batch: list[Prepared]) -> int:
+        ticket = next(self.tickets)
+        params = batch[0].group  # final: one batch shares its settings
+        if not self.live.accepts(params):
+            self.alone.append((ticket, batch))
+            return ticket
+        self.open[ticket] = [None] * len(batch)
+        for place, p in enumerate(batch):
+            key = next(self.keys)
+            self.rows[key] = (ticket, place)
+            text, ids, seed = p.payload
+            self.live.add(key, text, ids, params, seed)
+        return ticket
+
+    def wait(self) -> list[Done]:
+        if self.alone:
+            ticket, batch = self.alone.popleft()
+            try:
+                return [Done(ticket, bodies=self.backend.run(batch))]
+            except Exception as e:  # the daemon decides what it means
+                return [Done(ticket, error=e)]
+        done: list[Done] = []
+        try:
+            while not done and self.open:
+                if self.answers is None:
+                    assert self.live.pending, "batches in flight with no row in the running set"
+                    self.answers = self.live.answers()
+                answer = next(self.answers, None)
+                if answer is None:  # that run ended; rows added at its last answer start the next
+                    self.answers = None
+                    continue
+                key, result = answer
+                ticket, place = self.rows.pop(key)
+                bodies = self.open[ticket]
+                if isinstance(result, BaseException):  # the batch fails for it; the daemon's halves find it
+                    self.failed.setdefault(ticket, result)
+                    bodies[place] = {}
+                else:
+                    bodies[place] = body_of(result)
+                if all(b is not None for b in bodies):
+                    del self.open[ticket]
+                    error = self.failed.pop(ticket, None)
+                    good = [b for b in bodies if b is not None]
+                    done.append(Done(ticket, error=error) if error is not None else Done(ticket, bodies=good))
+        except Exception as e:  # the running set failed: every batch in it, for the daemon to halve
+            self.answers = None
+            done += [Done(ticket, error=e) for ticket in self.open]
+            self.open.clear()
+            self.rows.clear()
+            self.failed.clear()
+        return done
+
+    def close(self) -> None:
+        if self.answers is not None:
+            self.answers.close()
+            self.answers = None
+
+
+def as_pool(engine: Backend | Pool, timeout_s: float | None, max_batch: int = 16, running: bool = True) -> Pool:
+    """The pool a backend runs batches on: itself if it is one (Ray), the engine's running set where nothing
+    asks for one batch at a time (`running`, a timeout, a memory budget), otherwise one batch at a time."""
+    if isinstance(engine, Pool):
+        return engine
+    if running and timeout_s is None and isinstance(engine, EngineBackend) and engine.engine.memory.budget is None:
+        return RunningPool(engine, max_batch)
+    return InlinePool(engine, timeout_s)
