@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from .errors import UsageError
 
-Remasking = Literal["low_confidence", "random"]
+Remasking = Literal["low_confidence", "random", "sequential"]
 CacheMode = Literal["none", "prefix", "dual"]
 Confidence = Literal["prob", "margin", "lead", "entropy"]
 DreamAlg = Literal["maskgit_plus", "topk_margin", "entropy", "origin"]
@@ -97,8 +97,9 @@ KNOBS: dict[str, Knob] = {
     "remasking": Knob(
         str,
         "low_confidence",
-        choices=("low_confidence", "random"),
-        help="Which predictions commit first: the most confident, or at random.",
+        choices=("low_confidence", "random", "sequential"),
+        help="Which predictions commit first: the most confident, at random, or the leftmost masked positions in "
+        "order (SDAR's sequential; the threshold is off).",
     ),
     "order_temperature": Knob(
         float,
@@ -548,9 +549,15 @@ class GenerationParams:
                 f"{name('denoise_steps')} {self.denoise_steps} exceeds {name('gen_length')} {self.gen_length}: a step "
                 "commits at least one token, so more steps than tokens cannot run"
             )
-        if self.remasking == "random" and self.order_temperature > 0 and "order_temperature" in self.explicit:
+        if self.remasking != "low_confidence" and self.order_temperature > 0 and "order_temperature" in self.explicit:
             raise UsageError(
-                f"{name('order_temperature')}: random remasking already commits in random order; set it to 0"
+                f"{name('order_temperature')}: {self.remasking} remasking commits in an order of its own, not by "
+                "confidence; set it to 0"
+            )
+        if self.remasking == "sequential" and self.threshold < 1 and "threshold" in self.explicit:
+            raise UsageError(
+                f"{name('threshold')}: sequential remasking commits the leftmost masked positions in order, not "
+                "the confident ones; set it to 1"
             )
         if self.strategy == "block-fast" and self.cfg_scale > 0 and self.part("editing").active:
             raise UsageError(
@@ -571,8 +578,10 @@ class GenerationParams:
             fixes["alg_temp"] = 0.0
         if self.denoise_steps > self.gen_length and self.strategy != "dream":
             fixes["denoise_steps"] = self.gen_length
-        if self.remasking == "random" and self.order_temperature > 0:
+        if self.remasking != "low_confidence" and self.order_temperature > 0:
             fixes["order_temperature"] = 0.0
+        if self.remasking == "sequential" and self.threshold < 1:
+            fixes["threshold"] = 1.0
         blocks = (
             len(self.schedule.block_spans)
             if "denoise_steps" in honoured(self.strategy) and "block_length" in honoured(self.strategy)
@@ -733,8 +742,14 @@ def script_layers(raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-# generation_config.json as `transformers` writes it: keys that mean something to Celeris
-HF_KEYS = {"max_new_tokens": "gen_length"}  # temperature, top_p and top_k have the same names as ours
+# generation_config.json as `transformers` writes it: keys that mean something to Celeris (temperature, top_p,
+# top_k and threshold have the same names as ours); LLaDA2.1's token editing under the names its own
+# `generate` takes (its model card: editing_threshold, max_post_steps)
+HF_KEYS = {
+    "max_new_tokens": "gen_length",
+    "editing_threshold": "edit_threshold",
+    "max_post_steps": "max_post_edit_steps",
+}
 
 
 def model_layer(raw: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[int], list[str]]:

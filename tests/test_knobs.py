@@ -235,3 +235,39 @@ def test_prompts_sharing_a_seed_do_not_share_their_noise(engine: Engine) -> None
     assert outs[0] != outs[1]
     again, _ = flat.decode_ids([b, a], params)
     assert again == outs[::-1]  # and each is still a function of its own request
+
+
+@pytest.mark.parametrize("strategy", ["reference", "fast"])
+@pytest.mark.parametrize("remasking", ["sequential", "low_confidence"])
+def test_sequential_remasking_fills_the_canvas_left_to_right(engine: Engine, strategy: str, remasking: str) -> None:
+    """One token a step: under `sequential` every canvas a forward sees has its masks as a suffix of the
+    answer (SDAR's sequential; its reference cases are in tests/test_sdar.py); by confidence it does not."""
+    counting = CountingModel(engine.model)
+    seen: list[torch.Tensor] = []
+    hidden = counting.hidden
+
+    def record(ids, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(ids.clone())
+        return hidden(ids, *args, **kwargs)
+
+    counting.hidden = record  # type: ignore[method-assign]
+    spy = Engine(counting, engine.tokenizer, engine.device, engine.dtype)  # type: ignore[arg-type]
+    base = {k: v for k, v in BASE.items() if k in honoured(strategy)} | {"threshold": 1.0, "early_exit": False}
+    settings = {**base, "strategy": strategy, "denoise_steps": 16, "remasking": remasking}
+    prompts = [spy.encode_prompt(p) for p in PROMPTS]
+    spy.decode_ids(prompts, spy.params({k: v for k, v in settings.items() if k in {*honoured(strategy), "strategy"}}))
+    mask = engine.tokenizer.mask_id
+    answers = [ids[:, -16:] == mask for ids in seen if ids.shape[1] >= 16 and bool((ids == mask).any())]
+    in_order = all(bool((m.int().diff(dim=1) >= 0).all()) for m in answers)  # masked never before a filled one
+    assert answers and in_order == (remasking == "sequential")
+
+
+def test_sequential_remasking_turns_the_threshold_off_and_refuses_one_asked_for(engine: Engine) -> None:
+    from celeris_cli.errors import UsageError
+
+    assert engine.params({"strategy": "fast"}).threshold < 1  # the defaults' threshold
+    assert engine.params({"strategy": "fast", "remasking": "sequential"}).threshold == 1.0  # is off
+    with pytest.raises(UsageError, match="threshold: sequential remasking commits the leftmost masked positions"):
+        engine.params({"strategy": "fast", "remasking": "sequential", "threshold": 0.9})
+    with pytest.raises(UsageError, match="order_temperature: sequential remasking commits in an order of its own"):
+        engine.params({"strategy": "fast", "remasking": "sequential", "order_temperature": 1.0})

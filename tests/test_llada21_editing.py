@@ -97,3 +97,18 @@ def test_editing_ends_a_block_whose_model_predicts_the_mask_itself(engine, strat
     kw = {"gen_length": 8, "block_length": 4, "threshold": 0.9, "editing_threshold": 0.5, "max_post_steps": 2}
     [out], _ = engine.decode_ids([CASES[0]["input_ids"]], engine.params(_settings(kw, strategy)))
     assert out[:8] == [mask] * 8
+
+
+def test_editing_settings_in_a_folders_generation_config_are_its_defaults(tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "llada21"
+    shutil.copytree(DATA / "llada2" / "llada2_tiny", folder)
+    gen = {"editing_threshold": 0.5, "max_post_steps": 16, "threshold": 0.7}  # LLaDA2.1's generate's names
+    (folder / "generation_config.json").write_text(json.dumps(gen), encoding="utf-8")
+    engine = load_engine(folder, device="cpu", dtype="float32")
+    params = engine.params()
+    assert (params.edit_threshold, params.max_post_edit_steps, params.threshold) == (0.5, 16, 0.7)
+    plain = load_engine(DATA / "llada2" / "llada2_tiny", device="cpu", dtype="float32").params()
+    assert (plain.edit_threshold, plain.max_post_edit_steps) == (1.0, 0)  # off unless the folder sets them
+    assert engine.params({"edit_threshold": 1.0}).edit_threshold == 1.0  # a user's setting over the folder's

@@ -92,10 +92,12 @@ def commit_order(
     conf: torch.Tensor, ordering: Ordering, fade: float | torch.Tensor, gens: list[torch.Generator]
 ) -> torch.Tensor:
     """(B, T) scores ranking positions for the scheduled commits: the confidence (with order noise scaled
-    by `fade`, the share of the block still to commit), or for `random` remasking a uniform draw from each
-    row's own stream."""
+    by `fade`, the share of the block still to commit), for `random` remasking a uniform draw from each
+    row's own stream, for `sequential` the position itself (the leftmost first)."""
     if ordering.remasking == "random":
         return uniform(tuple(conf.shape[1:]), gens, torch.float32, conf.device)
+    if ordering.remasking == "sequential":
+        return -torch.arange(conf.shape[1], device=conf.device, dtype=torch.float32).expand(conf.shape)
     return order_scores(conf, ordering.order_temperature, fade, gens).float()
 
 
