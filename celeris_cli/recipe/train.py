@@ -464,9 +464,12 @@ def save_checkpoint(
 def _same_kind(init: Path, model: LLaDAModel) -> bool:
     """Whether the init folder's model is bidirectional or block-causal as `model` is: a bidirectional
     model's settings (its strategy) would not run on a block model, nor the other way round."""
+    from ..arch.folder import ModelFolder
+    from ..errors import CelerisError
+
     try:
-        block = bool(json.loads((init / "config.json").read_text(encoding="utf-8")).get("block_causal", False))
-    except (OSError, json.JSONDecodeError, AttributeError):
+        block = bool(getattr(ModelFolder.open(init).cfg, "block_causal", False))
+    except (OSError, CelerisError):
         return False
     return block == bool(model.cfg.block_causal)
 
