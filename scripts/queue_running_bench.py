@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """The queue daemon, one batch at a time against its running set, side by side (docs/scheduling.md).
 
-    python scripts/queue_running_bench.py [--files 4] [--per-file 32] [--batch-size 16]
+    python scripts/queue_running_bench.py [--files 4] [--per-file 32] [--batch-size 16] [--lengths model]
 
 Writes `--files` JSONL files of held-out poem and English openings, each line asking for its own gen_length
-(16 to 128, cycling), into two fresh queue folders, and runs `celeris watch --once`'s loop (`Spool.run`) on
+(16 to 128, cycling; `--lengths model`: none, the model's own, rows ending where the model ends them), into
+two fresh queue folders, and runs `celeris watch --once`'s loop (`Spool.run`) on
 each with the default model in float32: once with the in-process pool that decodes one batch at a time
 (`InlinePool`), once with the running set (`RunningPool`), the model loaded once for both. Prints one JSON
 line: wall time, output tokens/s and the ratio, and how many answers are identical. Run it alone.
@@ -28,6 +29,7 @@ def main() -> int:
     ap.add_argument("--files", type=int, default=4)
     ap.add_argument("--per-file", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--lengths", choices=("mixed", "model"), default="mixed")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from celeris_cli.measure.evaluate import EvalSet
@@ -75,7 +77,8 @@ def main() -> int:
     a, b = runs["one_batch_at_a_time"].pop("texts"), runs["running_set"].pop("texts")
     same = sum(a[k] == b.get(k) for k in a)
     ratio = runs["running_set"]["tokens_per_s"] / max(runs["one_batch_at_a_time"]["tokens_per_s"], 1e-9)
-    print(json.dumps({**runs, "speedup": round(ratio, 3), "identical_answers": same, "of": len(a)}))
+    report = {"lengths": args.lengths, **runs, "speedup": round(ratio, 3), "identical_answers": same, "of": len(a)}
+    print(json.dumps(report))
     return 0
 
 
