@@ -507,12 +507,16 @@ class LiveRun:
     """A block-diffusion running set fed while it runs: `add` rows between the answers `answers` yields (the
     queue daemon hands it each batch as it is packed, so a file claimed while others decode joins their
     running set as rows leave). Each answer is the one its row gets alone, as in `decode_running`; its
-    `wall_s` runs from its `add`. Out of memory, it goes on with the rows not yet answered in a running set
-    half as wide, down to one row; a row out of memory alone is answered with `TooLarge` (as
-    `decode_running`). Another exception ends the run: the rows left are the caller's to decode again."""
+    `wall_s` runs from its `add`. Under a memory budget (`--max-memory`, CUDA's default) at most as many rows
+    run as the planner expects to fit, as in `decode_running`. Out of memory, it goes on with the rows not
+    yet answered in a running set half as wide, down to one row; a row out of memory alone is answered with
+    `TooLarge` (as `decode_running`), and the width comes back. Another exception ends the run: the rows
+    left are the caller's to decode again."""
 
     def __init__(self, engine: Engine, max_batch: int) -> None:
-        self.engine, self.max_batch, self.width = engine, max_batch, max_batch
+        self.engine, self.max_batch = engine, max_batch
+        self.cap = max_batch  # out of memory, halved (down to 1) until the set runs empty or a row fails alone
+        self.width = max_batch  # rows in flight at most: the cap, and under a memory budget what fits
         self.scheduler: BlockScheduler | None = None
         self.net: Net | None = None
         self.deterministic: bool | None = None
@@ -528,11 +532,21 @@ class LiveRun:
         """A row (its final settings, `accepts`) under the caller's `key`, behind those waiting."""
         assert self.accepts(params), "a row this running set cannot decode"
         if self.scheduler is None or not self.rows:  # a fresh running set (its caches allocated as rows come)
-            self.width = self.max_batch
+            self.cap = self.max_batch
             self._fresh(params)
         self.deterministic = params.deterministic
         self.rows[key] = (prompt, list(ids), params, seed, time.perf_counter())
+        self._resize()
         self._enqueue(key)
+
+    def _resize(self) -> None:
+        """The width: the cap, and under a memory budget as many rows as fit when each is as large as the
+        largest here (`Engine._running_width`); rows in flight past it finish, none joins meanwhile."""
+        rows = list(self.rows.values())
+        fits = self.engine._running_width([r[1] for r in rows], [r[2] for r in rows], self.cap) if rows else self.cap
+        self.width = max(1, min(self.cap, fits))
+        if self.scheduler is not None:
+            self.scheduler.max_batch = self.width
 
     def _fresh(self, params: GenerationParams) -> None:
         scheduler, self.net = self.engine._scheduler([params], self.width)
@@ -579,14 +593,16 @@ class LiveRun:
                 ]
                 if self.width > 1:
                     log.info("out of memory with %d rows in flight; going on with %d", self.width, self.width // 2)
-                    self.width //= 2
+                    self.cap = self.width // 2
                     failed = None
-                else:  # the one row in flight does not fit alone
+                else:  # the one row in flight does not fit alone; the others go on as wide as before
                     failed = alone[0]
                     _, ids, params, _, _ = self.rows.pop(failed)
                     needed = self.engine.memory.need([ids], params)
+                    self.cap = self.max_batch
                 if self.rows:
                     self._fresh(next(iter(self.rows.values()))[2])
+                    self._resize()
                     for key in self.rows:
                         self._enqueue(key)
                 if failed is not None:

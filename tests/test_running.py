@@ -303,4 +303,25 @@ def test_a_live_running_set_out_of_memory_narrows_and_a_row_too_large_alone_fail
     got = dict(live.answers())
     assert isinstance(got[3], TooLarge) and "out of memory alone" in str(got[3])
     assert {prompts[k]: r.text for k, r in got.items() if k != 3} == alone  # type: ignore[union-attr]
-    assert live.width == 1 and not live.pending
+    assert not live.pending
+
+
+def test_a_live_running_set_under_a_memory_budget_runs_only_as_many_rows_as_fit(block_engine: Engine) -> None:
+    from .test_memory_backoff import OutOfMemoryAbove
+
+    params = block_engine.params({"gen_length": 24, "block_length": 8})
+    ids = [block_engine.encode_prompt(p) for p in PROMPTS]
+    two = block_engine.memory.need([max(ids, key=len)] * 2, params)
+    real, budget = block_engine.model, block_engine.memory.budget
+    block_engine.model = OutOfMemoryAbove(real, rows=99, width=9999)  # type: ignore[assignment]  (records shapes)
+    block_engine.memory.budget = two
+    try:
+        live = block_engine.live(max_batch=6)
+        for k, (p, i) in enumerate(zip(PROMPTS, ids)):
+            live.add(k, p, i, params, 0)
+        assert live.width == 2
+        got = dict(live.answers())
+        widest = max(rows for rows, _ in block_engine.model.shapes)  # type: ignore[attr-defined]
+    finally:
+        block_engine.model, block_engine.memory.budget = real, budget
+    assert widest == 2 and len(got) == len(PROMPTS)

@@ -82,3 +82,46 @@ def test_the_daemon_runs_the_engine_as_a_running_set_unless_one_batch_at_a_time_
     backend = EngineBackend(None, "cpu", "float32", 1, cfg.generation)
     assert isinstance(as_pool(backend, None, 4), RunningPool)
     assert isinstance(as_pool(backend, 30.0, 4), InlinePool)  # a per-batch timeout: one batch at a time
+
+
+class FailsOnAToken:
+    """The model, except that a forward whose ids hold `token` raises (a request whose decode fails)."""
+
+    def __init__(self, model: Any, token: int) -> None:
+        self.model, self.token = model, token
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def hidden(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if bool((ids == self.token).any()):
+            raise RuntimeError("simulated failure of one request")
+        return self.model.hidden(ids, *args, **kwargs)
+
+
+def test_a_request_failing_in_the_running_set_fails_alone_and_other_files_are_answered(tmp_path: Path) -> None:
+    cfg = load_config(make_queue(tmp_path, batch_size=2, generation={"gen_length": 16}))
+    backend = EngineBackend(None, "cpu", "float32", 1, cfg.generation)
+    tok = backend.engine.tokenizer
+    good, bad, other = "The old man", "独坐幽篁里，", "The river"
+    [token] = [t for t in tok.encode(bad) if t not in tok.encode(good) + tok.encode(other)][:1]
+    model = backend.engine.model
+    backend.engine.model = FailsOnAToken(model, token)
+    drop(tmp_path, "a.txt", f"{good}\n{bad}\n")
+    # a batch of one beside them (settings of its own), from another file: decoding beside the failing
+    # request must not fail it
+    drop(tmp_path, "b.jsonl", json.dumps({"prompt": other, "gen_length": 12}) + "\n")
+    assert Spool(cfg, lambda: backend).run(once=True) == 1  # failures were recorded
+    backend.engine.model = model
+    got = {name: [line["response"]["body"]["text"] if line["error"] is None else None for line in lines]
+           for name, lines in outputs(tmp_path).items()}  # fmt: skip
+    failed = [json.loads(x) for x in (tmp_path / "logs" / "failed.jsonl").read_text().splitlines()]
+    assert [(f["source"]["file"], f["source"]["line"], f["code"]) for f in failed] == [("a.txt", 2, "engine_error")]
+
+    def alone(prompt: str) -> str:
+        [body] = backend.run([backend.prepare(Request("x", 1, prompt))])
+        return str(body["text"])
+
+    [body] = backend.run([backend.prepare(Request("x", 1, other, params={"gen_length": 12}))])
+    assert got["b.jsonl.results.jsonl"] == [body["text"]]
+    assert got["a.txt.results.jsonl"][0] == alone(good)

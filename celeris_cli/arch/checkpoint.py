@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import ModelError
+from ..errors import ModelError, UsageError
 from .folder import INDEX, SINGLE, ModelFolder
 from .layers import ArchConfig
 from .llada import LLaDAModel
@@ -41,6 +41,8 @@ def load_model(
     """The folder's model on `device` in `dtype` (floating tensors), in eval mode. Each tensor is read
     from disk into its own memory and cast there, so the peak stays near the loaded weights. `quantize`
     ("int8", "int4"): each weight is quantized as it is read (`quantize`)."""
+    if quantize == "int4" and torch.device(device).type == "cuda" and dtype != torch.bfloat16:
+        raise UsageError("--quantize int4 on CUDA needs --dtype bfloat16: torch's CUDA int4 kernel takes bfloat16")
     mf = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder)
     folder, files = mf.path, mf.weight_files
     with torch.device("meta"):

@@ -171,11 +171,11 @@ def _activations(shape: Shape, tokens: int, a: int, upcast: bool) -> int:
     return tokens * (2 * shape.hidden * a + max(attention, mlp))
 
 
-def _head(shape: Shape, positions: int, a: int, upcast: bool, int8: bool) -> int:
+def _head(shape: Shape, positions: int, a: int, upcast: bool, int8: bool, kernel: bool = False) -> int:
     """The LM head's output for `positions`, its sampling copies, a large head's per-call float32 cast,
-    and an int8 head's dequantized copy (`quantize`: the head is read as a matrix; an int4 head runs the
-    kernel, a tied one is the int8 embedding)."""
-    f32 = upcast and a < 4
+    and an int8 head's dequantized copy (`quantize`: the head is read as a matrix; an int4 head of its own
+    runs the kernel (`kernel`): no copy, no cast; a tied one is the int8 embedding)."""
+    f32 = upcast and a < 4 and not kernel
     cast = shape.rows * shape.hidden * 4 if f32 and shape.rows * shape.hidden * 4 > HEAD_CACHE_BYTES else 0
     return positions * shape.rows * 4 * LOGIT_COPIES + cast + (shape.rows * shape.hidden * a if int8 else 0)
 
@@ -189,7 +189,9 @@ def plan(shape: Shape, req: Request) -> Estimate:
     a, B, V = DTYPE_BYTES[req.dtype], req.batch, req.views
     f32 = req.upcast and a < 4
     int8 = req.quantize == "int8" or (req.quantize == "int4" and shape.tied)  # a head read as a matrix
-    head_copy = shape.rows * shape.hidden * 4 if f32 and shape.rows * shape.hidden * 4 <= HEAD_CACHE_BYTES else 0
+    kernel = req.quantize == "int4" and not shape.tied  # an int4 head of its own: its kernel, never a matrix
+    small = shape.rows * shape.hidden * 4 <= HEAD_CACHE_BYTES
+    head_copy = shape.rows * shape.hidden * 4 if f32 and small and not kernel else 0
     weights = weights_bytes(shape, req.dtype, req.quantize) + head_copy
     L = req.prompt + req.gen_length  # the canvas
     W = min(req.block_length, req.gen_length)
@@ -199,7 +201,7 @@ def plan(shape: Shape, req: Request) -> Estimate:
         seen = L  # a bounded canvas (suffix_window) still reaches the whole canvas at its last block
         act = _activations(shape, B * seen, a, req.upcast)
         if req.cache == "none":
-            phases.append(Estimate(weights, 0, act, _head(shape, masked, a, req.upcast, int8)))
+            phases.append(Estimate(weights, 0, act, _head(shape, masked, a, req.upcast, int8, kernel)))
         else:
             cache = V * _kv(shape, B, seen, 4 if f32 else a)
             fresh = _kv(shape, B, seen, a)
@@ -207,21 +209,21 @@ def plan(shape: Shape, req: Request) -> Estimate:
             phases.append(Estimate(weights, 2 * cache + fresh, 0, 0))  # the new cache built beside the old
             window = W if req.cache == "dual" else seen - req.prompt
             step = _activations(shape, B * window, a, req.upcast)
-            phases.append(Estimate(weights, cache, step, _head(shape, masked, a, req.upcast, int8)))
+            phases.append(Estimate(weights, cache, step, _head(shape, masked, a, req.upcast, int8, kernel)))
     elif req.strategy in ("block-fast", "block"):
         C = math.ceil(L / W) * W + W  # block-aligned canvas (a row's first block may hold its prompt's tail)
         if req.strategy == "block":
             act = V * _activations(shape, B * C, a, req.upcast)
-            phases.append(Estimate(weights, 0, act, _head(shape, masked, a, req.upcast, int8)))
+            phases.append(Estimate(weights, 0, act, _head(shape, masked, a, req.upcast, int8, kernel)))
         else:
             cache = V * _kv(shape, B, C, a)
             prefill = (req.prompt // W) * W  # one row's, into its slot
             phases.append(Estimate(weights, cache, _activations(shape, prefill, a, req.upcast), 0))
             step = _activations(shape, B * W, a, req.upcast) + (_kv(shape, B, C, 4) // shape.layers if f32 else 0)
-            phases.append(Estimate(weights, cache, step, _head(shape, masked, a, req.upcast, int8)))
+            phases.append(Estimate(weights, cache, step, _head(shape, masked, a, req.upcast, int8, kernel)))
     elif req.strategy in ("reference", "dream"):
         act = _activations(shape, B * L, a, req.upcast)
-        phases.append(Estimate(weights, 0, act, _head(shape, B * V * L, a, req.upcast, int8)))
+        phases.append(Estimate(weights, 0, act, _head(shape, B * V * L, a, req.upcast, int8, kernel)))
     else:
         raise UsageError(f"no memory plan for strategy {req.strategy!r}")
     return max(phases, key=lambda e: e.peak)

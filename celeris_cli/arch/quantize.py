@@ -180,9 +180,15 @@ class Int4Linear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized matrix (a transient copy in the model's dtype): the kernel applied to the identity."""
-        eye = torch.eye(self.cols, dtype=self.dtype, device=self.qweight.device)
-        return self._mm(eye)[:, : self.rows].t().contiguous()
+        """The dequantized matrix (a transient copy in the model's dtype): the kernel applied to the identity,
+        a slice of it at a time (no code path reads it while decoding: the head runs the kernel)."""
+        out = torch.empty(self.rows, self.cols, dtype=self.dtype, device=self.qweight.device)
+        for lo in range(0, self.cols, 1024):
+            hi = min(lo + 1024, self.cols)
+            eye = torch.zeros(hi - lo, self.cols, dtype=self.dtype, device=self.qweight.device)
+            eye[:, lo:hi].fill_diagonal_(1)
+            out[:, lo:hi] = self._mm(eye)[:, : self.rows].t()
+        return out
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         _Int8._save_to_state_dict(self, destination, prefix, keep_vars)  # type: ignore[arg-type]

@@ -178,7 +178,9 @@ def generate_fast(
             fade = left[:, None] / (e - s)
             rank = torch.where(masked, commit_order(conf, plan.ordering, fade, gens), float("-inf"))
             k = schedule[:, i].clamp_min(1)  # at least one commit per row that still has masks
-            commit = select_top_k(rank, k) | (masked & (conf >= par.threshold))
+            commit = select_top_k(rank, k)
+            if plan.ordering.remasking != "sequential":  # sequential commits in order: no threshold (even 1.0 >= 1)
+                commit |= masked & (conf >= par.threshold)
             xa[:, s:e] = torch.where(commit, proposal, block)
             if par.early_exit:  # a finished row leaves at once; the rest of its canvas is its stop token
                 keep = leave_when_finished(x, xa, active, P, s, e, mask_id, stop)

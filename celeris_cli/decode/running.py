@@ -213,7 +213,10 @@ class BlockScheduler:
             rows, length = self.sizes.get(W, (self.max_batch, end))
             self.lanes[W] = Lane(self._allocate(rows, max(length, end)))
         lane = self.lanes[W]
-        lane.ensure(end, max(len(lane.rows) + 1, self.sizes.get(W, (0, 0))[0]))
+        slots = max(len(lane.rows) + 1, self.sizes.get(W, (0, 0))[0])
+        if slots > lane.cache.rows:  # a running set fed while it runs: double the slots, up to max_batch
+            slots = max(slots, min(self.max_batch, 2 * lane.cache.rows))
+        lane.ensure(end, slots)
         slot = len(lane.rows)
         s0 = row.first * W
         if s0 > 0:  # the prompt's whole blocks, into the row's slot

@@ -282,7 +282,9 @@ class WaveScheduler:
             fade = left[:, None] / T
             rank = torch.where(masked, commit_order(conf, plan.ordering, fade, gens), float("-inf"))
             k = torch.stack([r.schedule[r.step] for r in rows]).clamp_min(1)
-            commit = select_top_k(rank, k) | (masked & (conf >= plan.parallel.threshold))
+            commit = select_top_k(rank, k)
+            if plan.ordering.remasking != "sequential":  # sequential commits in order: no threshold (even 1.0 >= 1)
+                commit |= masked & (conf >= plan.parallel.threshold)
             new = torch.where(commit, proposal, block)
             for r, row_block in zip(rows, new):
                 s, e = r.span

@@ -222,10 +222,10 @@ class Spool:
     def process(self, paths: list[Path]) -> None:
         self.drain(self.take(paths))
 
-    def take(self, paths: list[Path]) -> list[Item]:
-        """Claim and read files (resumed ones first, then `paths`, up to a round's budget of requests);
-        returns their requests to decode (and publishes a file with nothing left to decode)."""
-        budget = self.cfg.batch_size * 8  # requests taken per round bounds memory and latency
+    def take(self, paths: list[Path], budget: int | None = None) -> list[Item]:
+        """Claim and read files (resumed ones first, then `paths`, up to `budget` requests, a round's by
+        default); returns their requests to decode (and publishes a file with nothing left to decode)."""
+        budget = self.cfg.batch_size * 8 if budget is None else budget  # bounds memory and latency
         jobs = []
         taken = 0
         for job in [j for j in self.claimed.values() if j.resumed]:
@@ -266,7 +266,7 @@ class Spool:
             if self.flight and not queue and not self.stopping and len(self.flight) < self.pool.slots and more > 0:
                 ready, _ = self.inbox.scan()
                 if ready:
-                    new = self.take(ready)
+                    new = self.take(ready, more)
                     more -= max(len(new), 1)
                     queue.extend(self.pack(new))
             while queue and not self.stopping and len(self.flight) < self.pool.slots:

@@ -4,9 +4,9 @@ can keep several in flight (one per Ray actor) and journal each one as it comple
 The in-process engine is a running set (`RunningPool`, `Engine.live`): batches submitted while others
 decode join their running set as rows leave, so a file claimed meanwhile is admitted while another file's
 batch is still running, and the set stays full. It decodes when the daemon waits, on the main thread, and
-hands back each batch as its last row finishes. With `request_timeout_s` (SIGALRM around one batch) or
-`max_memory` (batches sized to a budget) it is the pool of one slot that decodes a batch at a time
-(`InlinePool`), as is any backend that is not the engine. A pool never decides what a failure means: it
+hands back each batch as its last row finishes; under a memory budget the running set is as wide as
+fits. With `request_timeout_s` (SIGALRM around one batch) it is the pool of one slot that decodes a batch
+at a time (`InlinePool`), as is any backend that is not the engine. A pool never decides what a failure means: it
 hands back the exception, and the daemon bisects or records it.
 """
 
@@ -88,7 +88,9 @@ class RunningPool:
     """The in-process engine's running set as a pool: `submit` adds a batch's rows to it (they wait behind
     the rows already there), `wait` decodes until every row of some batch is answered and hands back each
     batch that is, the others staying in flight. A batch whose settings cannot join a running set
-    (guidance, strategies other than block-fast, another `deterministic`) decodes alone at the next wait."""
+    (guidance, strategies other than block-fast, another `deterministic`) decodes on its own, taking turns
+    with the running set. If the running set raises (not out of memory: it narrows itself), each batch in it
+    decodes again on its own, so only the batch at fault fails (and the daemon halves it)."""
 
     slots = 3  # batches in flight: the next ones wait their turn inside the running set, so it stays full
 
@@ -100,8 +102,10 @@ class RunningPool:
         self.rows: dict[int, tuple[int, int]] = {}  # row key -> (ticket, place in its batch)
         self.open: dict[int, list[dict[str, Any] | None]] = {}  # ticket -> bodies so far, in batch order
         self.failed: dict[int, BaseException] = {}  # ticket -> a row's failure (too large alone)
+        self.batches: dict[int, list[Prepared]] = {}  # ticket -> its batch, while in the running set
         self.alone: deque[tuple[int, list[Prepared]]] = deque()  # batches that decode on their own
         self.answers: Generator[tuple[int, Any], None, None] | None = None
+        self.turn_alone = False  # alone batches and the running set take turns
 
     def prepare(self, request: Request) -> Prepared:
         return self.backend.prepare(request)
@@ -113,6 +117,7 @@ class RunningPool:
             self.alone.append((ticket, batch))
             return ticket
         self.open[ticket] = [None] * len(batch)
+        self.batches[ticket] = batch
         for place, p in enumerate(batch):
             key = next(self.keys)
             self.rows[key] = (ticket, place)
@@ -121,12 +126,14 @@ class RunningPool:
         return ticket
 
     def wait(self) -> list[Done]:
-        if self.alone:
+        if self.alone and (self.turn_alone or not self.open):
+            self.turn_alone = False
             ticket, batch = self.alone.popleft()
             try:
                 return [Done(ticket, bodies=self.backend.run(batch))]
             except Exception as e:  # the daemon decides what it means
                 return [Done(ticket, error=e)]
+        self.turn_alone = bool(self.alone)
         done: list[Done] = []
         try:
             while not done and self.open:
@@ -146,14 +153,15 @@ class RunningPool:
                 else:
                     bodies[place] = body_of(result)
                 if all(b is not None for b in bodies):
-                    del self.open[ticket]
+                    del self.open[ticket], self.batches[ticket]
                     error = self.failed.pop(ticket, None)
                     good = [b for b in bodies if b is not None]
                     done.append(Done(ticket, error=error) if error is not None else Done(ticket, bodies=good))
-        except Exception as e:  # the running set failed: every batch in it, for the daemon to halve
+        except Exception:  # the running set failed: each of its batches again on its own, to find the one at fault
             self.answers = None
-            done += [Done(ticket, error=e) for ticket in self.open]
+            self.alone.extend((ticket, self.batches[ticket]) for ticket in sorted(self.open))
             self.open.clear()
+            self.batches.clear()
             self.rows.clear()
             self.failed.clear()
         return done
@@ -166,9 +174,9 @@ class RunningPool:
 
 def as_pool(engine: Backend | Pool, timeout_s: float | None, max_batch: int = 16, running: bool = True) -> Pool:
     """The pool a backend runs batches on: itself if it is one (Ray), the engine's running set where nothing
-    asks for one batch at a time (`running`, a timeout, a memory budget), otherwise one batch at a time."""
+    asks for one batch at a time (`running`, a per-batch timeout), otherwise one batch at a time."""
     if isinstance(engine, Pool):
         return engine
-    if running and timeout_s is None and isinstance(engine, EngineBackend) and engine.engine.memory.budget is None:
+    if running and timeout_s is None and isinstance(engine, EngineBackend):
         return RunningPool(engine, max_batch)
     return InlinePool(engine, timeout_s)
