@@ -325,3 +325,39 @@ def test_a_live_running_set_under_a_memory_budget_runs_only_as_many_rows_as_fit(
     finally:
         block_engine.model, block_engine.memory.budget = real, budget
     assert widest == 2 and len(got) == len(PROMPTS)
+
+
+def test_a_rows_attention_does_not_change_with_how_far_the_rows_beside_it_reach() -> None:
+    """SDPA's float32 result for a row changes with the number of keys even where the extra ones are
+    masked; the running set's rows attend over exactly their own keys (`LayerKV.exact`)."""
+    from celeris_cli.arch.layers import attend
+
+    g = torch.Generator().manual_seed(0)
+    H, D, W = 4, 16, 8
+    starts = torch.tensor([0, 40])  # the second row reaches key 48, the first only key 8
+    q, k, v = (torch.randn(2, H, W, D, generator=g) for _ in range(3))
+
+    def row0(n: int, L: int) -> torch.Tensor:
+        cache = KVCache.empty(1, n, H, 64, D, torch.float32, torch.device("cpu"))
+        keys = torch.arange(L)[None, :] < (starts[:n] + W)[:, None]
+        y, _ = attend(q[:n], k[:n], v[:n], keys[:, None, None, :], cache.view(slice(0, n), L, exact=True)[0],
+                      starts[:n], False)  # fmt: skip
+        return y[0]
+
+    assert torch.equal(row0(2, 48), row0(1, 8))
+
+
+def test_the_default_models_answers_in_a_running_set_of_16_equal_each_alone() -> None:
+    """The 195 requests of the queue's SIGKILL test (tests/test_serve_batch.py): before `LayerKV.exact`,
+    one of them ("Shall I compare 117") answered otherwise beside its batch mates than alone."""
+    from celeris_cli import load_engine
+
+    engine = load_engine("celeris-block", device="cpu", dtype="float32")
+    starts = ["The quick", "床前明月光，", "Shall I compare", "白日依山尽，", "To be, or not"]
+    prompts = [f"{starts[i % 5]} {i}" for i in range(195)]
+    params = [engine.params_for(p, engine.params({"gen_length": 8, "seed": i})) for i, p in enumerate(prompts)]
+    encoded = [engine.encode_prompt(p) for p in prompts]
+    together = engine.decode_running(prompts, encoded, params, list(range(195)), 16)
+    for i in (117, 0, 58, 194):
+        [alone] = engine.decode_running([prompts[i]], [encoded[i]], [params[i]], [i], 1)
+        assert together[i].text == alone.text, i

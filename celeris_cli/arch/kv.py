@@ -18,10 +18,15 @@ KV = tuple[torch.Tensor, torch.Tensor]  # (B, kv_heads, L, head_dim) each
 
 
 class LayerKV:
-    """One layer's cache: keys and values, (B, kv_heads, L, head_dim) each (views of a larger store)."""
+    """One layer's cache: keys and values, (B, kv_heads, L, head_dim) each (views of a larger store).
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = k, v
+    `exact`: attention over it runs per group of rows over exactly the keys they see (`invariant.attention`),
+    not over all L. The block running set asks for it: L there is the furthest row's reach, set by the rows
+    beside it, and SDPA's result for a row changes with L even where the extra keys are masked (measured:
+    L 40 against 48), which flipped a near tie of the default model's (rule 2)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, exact: bool = False) -> None:
+        self.k, self.v, self.exact = k, v, exact
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor) -> KV:
         """Write k, v (B, kv_heads, T, head_dim) at positions [start, start + T) of each row (`start`: an int,
@@ -87,14 +92,14 @@ class KVCache:
     def length(self) -> int:
         return self.layers[0][0].shape[2]
 
-    def view(self, rows: slice | int = slice(None), length: int | None = None) -> list[LayerKV]:
+    def view(self, rows: slice | int = slice(None), length: int | None = None, exact: bool = False) -> list[LayerKV]:
         """Per-layer caches over slots `rows` (a slice, or one slot; all by default) and positions
         [0, length) (all by default): views, so a forward's updates land in this cache. The whole cache is
-        not sliced at all (the fast decoder asks for it at every step)."""
+        not sliced at all (the fast decoder asks for it at every step). `exact`: see `LayerKV`."""
         if rows == slice(None) and length is None:
-            return [LayerKV(k, v) for k, v in self.layers]
+            return [LayerKV(k, v, exact) for k, v in self.layers]
         sl = rows if isinstance(rows, slice) else slice(rows, rows + 1)
-        return [LayerKV(k[sl, :, :length], v[sl, :, :length]) for k, v in self.layers]
+        return [LayerKV(k[sl, :, :length], v[sl, :, :length], exact) for k, v in self.layers]
 
     def keep(self, rows: torch.Tensor, written: int | None = None) -> None:
         """Only slots `rows` (a bool mask or indices) stay, in their order; only their first `written`

@@ -239,7 +239,8 @@ class BlockScheduler:
         ids = torch.stack([r.x[r.start : r.start + W] for r in rows])
         positions = starts[:, None] + torch.arange(W, device=self.device)[None, :]
         key_mask = (torch.arange(L, device=self.device)[None, :] < (starts + W)[:, None])[:, None, None, :]
-        h, _ = self.net.hidden(ids, positions, key_mask, lane.cache.view(slice(0, n), L), starts, False)
+        cache = lane.cache.view(slice(0, n), L, exact=True)  # a row's attention over its own keys only
+        h, _ = self.net.hidden(ids, positions, key_mask, cache, starts, False)
         self.occupancy.forwards += 1
         self.occupancy.rows += n
         self.occupancy.positions += n * W
