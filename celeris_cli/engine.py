@@ -521,6 +521,7 @@ class LiveRun:
         self.net: Net | None = None
         self.deterministic: bool | None = None
         self.rows: dict[int, tuple[str, list[int], GenerationParams, int, float]] = {}  # by key, as added
+        self.on_block: OnBlock | None = None  # (key, generated ids so far) as each row's block is committed
 
     def accepts(self, params: GenerationParams) -> bool:
         """Whether a row with these final settings can join: block diffusion without guidance
@@ -549,7 +550,7 @@ class LiveRun:
             self.scheduler.max_batch = self.width
 
     def _fresh(self, params: GenerationParams) -> None:
-        scheduler, self.net = self.engine._scheduler([params], self.width)
+        scheduler, self.net = self.engine._scheduler([params], self.width, on_block=self.on_block)
         assert isinstance(scheduler, BlockScheduler)
         self.scheduler = scheduler
 

@@ -1,7 +1,9 @@
-"""The runner under the routes: waiting rows decoded together and grouped by settings, a row whose client
-left dropped before decoding, a failing row failing alone, the block hook that streaming reads, and the
-concurrency limit and disconnects through the real app (in-process, on a loopback port). A tiny random
-block-causal model; a gate at the engine's decode_ids holds a batch while the test arranges the queue."""
+"""The runner under the routes: rows join the engine's running set as they arrive (while others decode)
+and answer as they do alone, no forward runs more rows than the batch size, a row whose client left
+before it joined is never decoded, a failing row fails alone, rows the running set cannot take (guidance)
+decode in static batches, the block hook that streaming reads, and the concurrency limit and disconnects
+through the real app (in-process, on a loopback port). A tiny random block-causal model; a gate at the
+model boundary holds the first forward while the test arranges the queue."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from celeris_cli.engine import Engine, load_engine
 from celeris_cli.serve.runner import Runner
@@ -29,28 +32,39 @@ def engine(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path) -> En
 
 
 class Gate:
-    """Wraps engine.decode_ids: records each batch's prompts, and holds every batch until released."""
+    """The model, wrapped at its boundary: records the ids of each forward, holds every forward until
+    released, and raises for a forward holding the token `fail_on` (a request whose decode fails)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.real = engine.decode_ids
-        self.calls: list[list[list[int]]] = []
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.calls: list[torch.Tensor] = []
         self.started = threading.Event()
         self.release = threading.Event()
-        self.fail_on: list[int] | None = None
+        self.fail_on: int | None = None
 
-    def __call__(self, batch: Any, params: Any, seeds: Any = None, on_block: Any = None) -> Any:
-        self.calls.append([list(ids) for ids in batch])
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["model"], name)
+
+    def hidden(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append(ids.clone())
         self.started.set()
         assert self.release.wait(60)
-        if self.fail_on is not None and self.fail_on in [list(ids) for ids in batch]:
-            raise RuntimeError("simulated out of memory")
-        return self.real(batch, params, seeds, on_block=on_block)
+        if self.fail_on is not None and bool((ids == self.fail_on).any()):
+            raise RuntimeError("simulated failure")
+        return self.model.hidden(ids, *args, **kwargs)
+
+    def seen(self, token: int) -> bool:
+        return any(bool((ids == token).any()) for ids in self.calls)
+
+    @property
+    def widest(self) -> int:
+        return max(ids.shape[0] for ids in self.calls)
 
 
 @pytest.fixture()
 def gated(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Runner, Gate]]:
-    gate = Gate(engine)
-    monkeypatch.setattr(engine, "decode_ids", gate)
+    gate = Gate(engine.model)
+    monkeypatch.setattr(engine, "model", gate)
     runner = Runner(engine, {"gen_length": 16, "temperature": 1.0}, max_batch=8)
     yield runner, gate
     gate.release.set()
@@ -61,41 +75,45 @@ def req(prompt: str, **params: Any) -> Request:
     return Request("r", 0, prompt=prompt, params={"seed": 1, **params})
 
 
-def test_waiting_rows_are_decoded_together_grouped_by_settings_and_answer_as_alone(
+def only_in(engine: Engine, prompt: str, *others: str) -> int:
+    """A token of `prompt`'s that none of `others` has."""
+    theirs = {t for o in others for t in engine.encode_prompt(o)}
+    return next(t for t in engine.encode_prompt(prompt) if t not in theirs)
+
+
+def test_rows_arriving_while_others_decode_join_the_running_set_and_answer_as_alone(
     gated: tuple[Runner, Gate], engine: Engine
 ) -> None:
     runner, gate = gated
-    first = runner.submit([runner.prepare(req("The quick"))])
-    assert gate.started.wait(30)  # the worker holds the first batch; the rest wait together
-    same = [runner.prepare(req(p, seed=i)) for i, p in enumerate(["床前明月光，", "To be, or not", "白日依山尽，"])]
-    other = runner.prepare(req("The quick", block_steps=2))
-    futures = runner.submit([same[0], other, same[1], same[2]])
+    long, short = runner.prepare(req("The quick", gen_length=64)), runner.prepare(req("床前明月光，", gen_length=8))
+    first = runner.submit([long, short])
+    assert gate.started.wait(30)  # the worker holds the first forward; more rows arrive meanwhile
+    later = [runner.prepare(req("To be, or not", gen_length=8)), runner.prepare(req("白日依山尽，", block_steps=2))]
+    futures = first + runner.submit(later)  # other settings share the running set too
+    finished: list[int] = []
+    for i, f in enumerate(futures):
+        f.add_done_callback(lambda _, i=i: finished.append(i))
     gate.release.set()
-    answers = [f.result(60) for f in first + futures]
-    assert [len(c) for c in gate.calls] == [1, 3, 1]  # the three of equal settings in one batch
-    assert answers[1].batch_size == 3 and answers[2].batch_size == 1
-    for prepared, answer in zip([same[0], other, same[1], same[2]], answers[1:]):
-        alone = runner.submit([prepared])[0].result(60)
-        assert alone.text == answer.text and alone.batch_size == 1
+    answers = [f.result(60) for f in futures]
+    assert finished.index(2) < finished.index(0)  # a later short row joined, and left, while the long one ran
+    for prepared, answer in zip([long, short, *later], answers):
+        assert runner.submit([prepared])[0].result(60).text == answer.text
 
 
-def test_no_batch_holds_more_rows_than_the_batch_size(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    gate = Gate(engine)
-    monkeypatch.setattr(engine, "decode_ids", gate)
+def test_no_forward_runs_more_rows_than_the_batch_size(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate(engine.model)
+    gate.release.set()
+    monkeypatch.setattr(engine, "model", gate)
     runner = Runner(engine, {"gen_length": 16}, max_batch=2)
     try:
-        runner.submit([runner.prepare(req("The quick"))])
-        assert gate.started.wait(30)
-        futures = runner.submit([runner.prepare(req(p, seed=i)) for i, p in enumerate(["床前", "To be", "白日"])])
-        gate.release.set()
+        futures = runner.submit([runner.prepare(req(p, seed=i)) for i, p in enumerate(["床前", "To be", "白日", "A"])])
         assert all(f.result(60).text is not None for f in futures)
-        assert [len(c) for c in gate.calls] == [1, 2, 1]
+        assert gate.widest == 2
     finally:
-        gate.release.set()
         runner.close()
 
 
-def test_a_row_whose_client_left_is_dropped_before_decoding(gated: tuple[Runner, Gate]) -> None:
+def test_a_row_whose_client_left_is_dropped_before_decoding(gated: tuple[Runner, Gate], engine: Engine) -> None:
     runner, gate = gated
     runner.submit([runner.prepare(req("The quick"))])
     assert gate.started.wait(30)
@@ -103,20 +121,26 @@ def test_a_row_whose_client_left_is_dropped_before_decoding(gated: tuple[Runner,
     assert gone.cancel()
     gate.release.set()
     assert kept.result(60).text is not None
-    decoded = [ids for call in gate.calls for ids in call]
-    assert runner.prepare(req("床前明月光，")).payload[1] not in decoded
-    assert runner.prepare(req("To be, or not")).payload[1] in decoded
+    assert not gate.seen(only_in(engine, "床前明月光，", "The quick", "To be, or not"))
+    assert gate.seen(only_in(engine, "To be, or not", "The quick", "床前明月光，"))
 
 
-def test_a_row_that_fails_its_batch_fails_alone(gated: tuple[Runner, Gate]) -> None:
+def test_a_row_that_fails_in_the_running_set_fails_alone(gated: tuple[Runner, Gate], engine: Engine) -> None:
     runner, gate = gated
-    bad = runner.prepare(req("床前明月光，"))
-    gate.fail_on = bad.payload[1]
-    futures = runner.submit([runner.prepare(req("The quick")), bad, runner.prepare(req("To be, or not"))])
+    gate.fail_on = only_in(engine, "床前明月光，", "The quick", "To be, or not")
+    futures = runner.submit([runner.prepare(req(p)) for p in ("The quick", "床前明月光，", "To be, or not")])
     gate.release.set()
     assert futures[0].result(60).text is not None and futures[2].result(60).text is not None
     with pytest.raises(RuntimeError, match="simulated"):
         futures[1].result(60)
+
+
+def test_guidance_rows_decode_in_static_batches_and_answer_as_alone(gated: tuple[Runner, Gate]) -> None:
+    runner, gate = gated
+    gate.release.set()
+    rows = [runner.prepare(req(p, cfg_scale=1.5, strategy="block")) for p in ("The quick", "To be, or not")]
+    together = [f.result(60).text for f in runner.submit(rows)]
+    assert together == [runner.submit([r])[0].result(60).text for r in rows]
 
 
 @pytest.mark.parametrize("strategy", ["block", "block-fast"])
@@ -213,8 +237,7 @@ def test_a_client_that_disconnects_frees_its_row(app_server: tuple[Any, str, Gat
     gate.release.set()
     first.join()
     time.sleep(0.2)
-    decoded = [ids for call in gate.calls for ids in call]
-    assert engine.encode_prompt("To be, or not") not in decoded
+    assert not gate.seen(only_in(engine, "To be, or not", "The quick"))
     wait_for(lambda: state.in_flight == 0, timeout=30)
 
 

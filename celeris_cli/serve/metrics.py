@@ -26,7 +26,7 @@ class ServeMetrics:
         self.prompt_tokens = Counter("celeris_serve_prompt_tokens", "Prompt tokens read", registry=r)
         self.batch_rows = Histogram(
             "celeris_serve_batch_rows",
-            "Rows decoded together in one engine batch",
+            "Rows decoded together: in one static batch, or in the running set as each of its rows finished",
             buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=r,
         )
