@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +81,39 @@ def route_linears(model: nn.Module) -> None:
             module.__class__ = Linear
 
 
+Plan = list[tuple[Any, int, int, int, torch.Tensor | None]]  # (rows, key span start and end, query offset, mask)
+_last_plan: tuple[object, object, tuple[int, ...], Plan] | None = None  # the previous layer's: same mask, same plan
+
+
+def _plan(mask: torch.Tensor | None, start: int | torch.Tensor, B: int, T: int, L: int, device: torch.device) -> Plan:
+    """`attention`'s groups of rows for this mask: the same for every layer of one forward (each is given the
+    same mask and start objects), so worked out once per forward."""
+    global _last_plan
+    key = (B, T, L)
+    if _last_plan is not None and _last_plan[0] is mask and _last_plan[1] is start and _last_plan[2] == key:
+        return _last_plan[3]
+    full = torch.ones(1, 1, 1, L, dtype=torch.bool, device=device) if mask is None else mask
+    full = full.expand(B, *full.shape[1:])
+    seen = full.reshape(B, -1, L).any(1)  # (B, L): keys some query of the row may attend to
+    anything = seen.any(1)
+    lead = torch.where(anything, seen.int().argmax(1), 0).tolist()  # leading keys no query sees
+    last = torch.where(anything, L - seen.flip(1).int().argmax(1), L).tolist()  # one past the last seen key
+    groups: dict[tuple[int, int], list[int]] = {}
+    for b, span in enumerate(zip(lead, last)):
+        groups.setdefault(span, []).append(b)
+    plan: Plan = []
+    for (off, end), rows in groups.items():
+        q_off = max(0, off - start) if isinstance(start, int) else 0
+        if q_off >= T:
+            continue
+        pick: Any = torch.tensor(rows, device=device) if len(rows) < B else slice(None)
+        m = full[pick][..., off:end]
+        m = m[:, :, q_off:] if m.shape[2] == T else m
+        plan.append((pick, off, end, q_off, None if bool(m.all()) else m))
+    _last_plan = (mask, start, key, plan)
+    return plan
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, start: int | torch.Tensor, gqa: bool
 ) -> torch.Tensor:
@@ -93,32 +127,17 @@ def attention(
     contiguous and a mask that allows everything is dropped, as for the same row alone, so that both take
     one kernel path on one layout. Returns (B, H, T, D)."""
     B, H, T, _ = q.shape
-    L = k.shape[2]
-    mask = q.new_ones(1, 1, 1, L, dtype=torch.bool) if mask is None else mask
-    mask = mask.expand(B, *mask.shape[1:])
-    seen = mask.reshape(B, -1, L).any(1)  # (B, L): keys some query of the row may attend to
-    anything = seen.any(1)
-    lead = torch.where(anything, seen.int().argmax(1), 0).tolist()  # leading keys no query sees
-    last = torch.where(anything, L - seen.flip(1).int().argmax(1), L).tolist()  # one past the last seen key
-    groups: dict[tuple[int, int], list[int]] = {}
-    for b, span in enumerate(zip(lead, last)):
-        groups.setdefault(span, []).append(b)
     y: torch.Tensor | None = None
-    for (off, end), rows in groups.items():
-        q_off = max(0, off - start) if isinstance(start, int) else 0
-        if q_off >= T:
-            continue
-        pick = torch.tensor(rows, device=q.device) if len(rows) < B else slice(None)
-        m = mask[pick][..., off:end]
-        m = m[:, :, q_off:] if m.shape[2] == T else m
+    for pick, off, end, q_off, m in _plan(mask, start, B, T, k.shape[2], q.device):
+        n = B if isinstance(pick, slice) else len(pick)
         out = F.scaled_dot_product_attention(
             q[pick][:, :, q_off:].contiguous(),
             k[pick][:, :, off:end].contiguous(),
             v[pick][:, :, off:end].contiguous(),
-            attn_mask=None if bool(m.all()) else m,
+            attn_mask=m,
             enable_gqa=gqa,
         )
-        if len(rows) == B and q_off == 0:
+        if n == B and q_off == 0:
             return out
         y = q.new_zeros(B, H, T, v.shape[-1]) if y is None else y
         y[pick, :, q_off:] = out
