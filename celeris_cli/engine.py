@@ -543,8 +543,10 @@ class LiveRun:
     def _resize(self) -> None:
         """The width: the cap, and under a memory budget as many rows as fit when each is as large as the
         largest here (`Engine._running_width`); rows in flight past it finish, none joins meanwhile."""
-        rows = list(self.rows.values())
-        fits = self.engine._running_width([r[1] for r in rows], [r[2] for r in rows], self.cap) if rows else self.cap
+        fits = self.cap
+        if self.engine.memory.budget is not None and self.rows:  # else nothing to work out, at every add
+            rows = list(self.rows.values())
+            fits = self.engine._running_width([r[1] for r in rows], [r[2] for r in rows], self.cap)
         self.width = max(1, min(self.cap, fits))
         if self.scheduler is not None:
             self.scheduler.max_batch = self.width

@@ -50,16 +50,20 @@ def test_int8_stores_every_matrix_as_int8_and_keeps_the_logits_close(folder: Pat
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75  # most greedy picks unchanged
 
 
-def test_int8_answers_stay_close_on_the_embedded_model() -> None:
+EMBEDDED_PROMPTS = ["The cat sat", "Once upon a time", "A small dog ran", "The sun", "In the morning", "We went"]
+
+
+def _embedded_answers(scheme: str) -> list[str]:
+    """The default model's greedy answers to EMBEDDED_PROMPTS with `scheme` weights."""
     from celeris_cli import load_engine
 
-    prompts = ["The cat sat", "Once upon a time", "A small dog ran", "The sun", "In the morning", "We went"]
-    outs = []
-    for scheme in ("none", "int8"):
-        engine = load_engine("celeris-block", device="cpu", dtype="float32", quantize=scheme)
-        params = engine.params({"gen_length": 16, "temperature": 0})
-        outs.append([r.text for r in engine.generate(prompts, params)])
-    assert sum(a == b for a, b in zip(*outs)) >= len(prompts) // 2
+    engine = load_engine("celeris-block", device="cpu", dtype="float32", quantize=scheme)
+    return [r.text for r in engine.generate(EMBEDDED_PROMPTS, engine.params({"gen_length": 16, "temperature": 0}))]
+
+
+def test_int8_answers_stay_close_on_the_embedded_model() -> None:
+    full, int8 = _embedded_answers("none"), _embedded_answers("int8")
+    assert sum(a == b for a, b in zip(full, int8)) >= len(EMBEDDED_PROMPTS) // 2
 
 
 def test_an_unknown_scheme_is_refused_by_name() -> None:
@@ -133,13 +137,13 @@ def test_an_untied_int4_head_runs_the_kernel_never_the_dequantized_matrix(monkey
 
 
 def test_int4_answers_stay_close_on_the_embedded_model() -> None:
-    from celeris_cli import load_engine
+    full, int4 = _embedded_answers("none"), _embedded_answers("int4")
+    assert full != int4  # the weights did change
+    assert sum(a.split()[:2] == b.split()[:2] for a, b in zip(full, int4)) >= len(EMBEDDED_PROMPTS) // 2
 
-    prompts = ["The cat sat", "Once upon a time", "A small dog ran", "The sun", "In the morning", "We went"]
-    outs = []
-    for scheme in ("none", "int4"):
-        engine = load_engine("celeris-block", device="cpu", dtype="float32", quantize=scheme)
-        params = engine.params({"gen_length": 16, "temperature": 0})
-        outs.append([r.text for r in engine.generate(prompts, params)])
-    assert outs[0] != outs[1]  # the weights did change
-    assert sum(a.split()[:2] == b.split()[:2] for a, b in zip(*outs)) >= len(prompts) // 2
+
+def test_int4_on_cuda_without_bfloat16_is_refused_by_name() -> None:
+    """torch's CUDA int4 kernel takes bfloat16 activations: float32 weights there are refused before any
+    CUDA call (so this runs without a GPU)."""
+    with pytest.raises(UsageError, match="--quantize int4 on CUDA needs --dtype bfloat16"):
+        load_model(FOLDERS[0], "cuda", torch.float32, "int4")

@@ -125,3 +125,33 @@ def test_a_request_failing_in_the_running_set_fails_alone_and_other_files_are_an
     [body] = backend.run([backend.prepare(Request("x", 1, other, params={"gen_length": 12}))])
     assert got["b.jsonl.results.jsonl"] == [body["text"]]
     assert got["a.txt.results.jsonl"][0] == alone(good)
+
+
+def test_a_batch_that_cannot_join_the_running_set_decodes_on_its_own_beside_it(tmp_path: Path) -> None:
+    """Guidance keeps a row out of the running set: its batch takes turns with it (`RunningPool.alone`),
+    and every answer is still its request's alone."""
+    cfg = load_config(make_queue(tmp_path, batch_size=2, generation={"gen_length": 16}))
+    backend = EngineBackend(None, "cpu", "float32", 1, cfg.generation)
+    lines = [{"prompt": "The old man"}, {"prompt": "床前明月光，", "cfg_scale": 1.5}, {"prompt": "The river"}]
+    drop(tmp_path, "g.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
+    pool = RunningPool(backend, 2)
+    alone_batches: list[int] = []
+    run = backend.run
+    backend.run = lambda batch: alone_batches.append(len(batch)) or run(batch)  # type: ignore[method-assign]
+    try:
+        from celeris_cli.spool import daemon
+
+        real = daemon.as_pool
+        daemon.as_pool = lambda *a, **k: pool  # type: ignore[assignment]
+        assert Spool(cfg, lambda: backend).run(once=True) == 0
+    finally:
+        daemon.as_pool = real
+        del backend.run
+    assert alone_batches == [1]  # only the guidance row decoded on its own
+    got = [line["response"]["body"]["text"] for line in outputs(tmp_path)["g.jsonl.results.jsonl"]]
+    want = []
+    for x in lines:
+        params = {k: v for k, v in x.items() if k != "prompt"}
+        [body] = backend.run([backend.prepare(Request("x", 1, x["prompt"], params=params))])
+        want.append(body["text"])
+    assert got == want

@@ -48,9 +48,10 @@ class BlockRequest:
     seed: int
 
 
-def supports(plan: BlockPlan) -> bool:
-    """Whether a request with these settings can join a running set (guidance cannot: see the module)."""
-    return plan.guidance.cfg_scale == 0
+def supports(plan: BlockPlan | Any) -> bool:
+    """Whether a request with these settings (a block or a fast plan) can join a running set: guidance
+    cannot, its unconditional view would need a second cache per row (see the module)."""
+    return bool(plan.guidance.cfg_scale == 0)
 
 
 @dataclass

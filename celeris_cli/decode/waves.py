@@ -38,7 +38,7 @@ from ..arch.kv import KVCache
 from .fast import FastPlan
 from .predict import confidence_masked, sample_masked
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
-from .running import Lane, Occupancy
+from .running import Lane, Occupancy, supports
 from .sampling import shape_masked, stream_seed
 from .strategies import Net
 
@@ -51,11 +51,6 @@ class FastRequest:
     prompt: list[int]
     plan: FastPlan
     seed: int
-
-
-def supports(plan: FastPlan) -> bool:
-    """Guidance's unconditional view would need a cache of its own per row: it runs in static batches."""
-    return plan.guidance.cfg_scale == 0
 
 
 @dataclass
