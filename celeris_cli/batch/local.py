@@ -1,6 +1,8 @@
 """Running requests on an in-process engine: prepare each (a bad one becomes its failure), pack the rest
-into batches by settings and length, decode; a failing batch is bisected so one poison request fails
-alone. The queue's own packing and bisection (`spool.batching`). Also what each Ray actor runs."""
+into batches by settings and length, decode them through the pool the queue daemon uses (the engine's
+running set, `spool.pool.RunningPool`: rows of the next batches join as rows of the last ones finish); a
+failing batch is bisected so one poison request fails alone (`spool.pool.run_batches`, the daemon's
+`batching.settle`). Also what each Ray actor runs."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ from typing import Any
 
 from ..errors import CelerisError
 from ..spool.backend import Backend, Prepared
-from ..spool.batching import pack_by_group, run_bisecting
+from ..spool.batching import pack_by_group
 from ..spool.formats import Request
+from ..spool.pool import as_pool, run_batches
 from . import Outcome
 
 log = logging.getLogger(__name__)
@@ -59,16 +62,16 @@ class LocalExecutor:
         self.backend = backend
         self.batch_size = batch_size
         self.token_budget = token_budget
+        self.pool = as_pool(backend, None, batch_size)
 
     def run(self, requests: list[Request], done: frozenset[int] = frozenset()) -> Iterator[list[Outcome]]:
-        batches, failed = prepare_and_pack(self.backend.prepare, requests, self.batch_size, self.token_budget)
+        batches, failed = prepare_and_pack(self.pool.prepare, requests, self.batch_size, self.token_budget)
         failed, batches = skip_done(failed, batches, done)
         if failed:
             yield failed
-        for batch in batches:
-            yield list(self.decode(batch))
+        yield from self.decode(batches)
 
-    def decode(self, batch: list[Prepared]) -> Iterator[Outcome]:
-        """One packed batch; a failing batch is bisected so a poison request fails alone."""
-        for d in run_bisecting(self.backend, batch, _same, None, lambda: False, _log):
-            yield Outcome(d.item.request, d.body, d.code or None, d.message or None, d.retryable)
+    def decode(self, batches: list[list[Prepared]]) -> Iterator[list[Outcome]]:
+        """Packed batches, each batch's outcomes once all of it is decided."""
+        for decided in run_batches(self.pool, batches, _log):
+            yield [Outcome(d.item.request, d.body, d.code or None, d.message or None, d.retryable) for d in decided]

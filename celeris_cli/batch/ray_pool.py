@@ -203,10 +203,10 @@ class RayWorker:
         actor's own) fall in one group, already in cost order, so packing them again cannot split them."""
         from .local import prepare_and_pack
 
-        batches, failed = prepare_and_pack(self.executor.backend.prepare, requests, len(requests), 1 << 62)
+        batches, failed = prepare_and_pack(self.executor.pool.prepare, requests, len(requests), 1 << 62)
         yield from failed
-        for batch in batches:
-            yield from self.executor.decode(batch)
+        for outcomes in self.executor.decode(batches):
+            yield from outcomes
 
     @staticmethod
     def _row(oc: Outcome) -> str:

@@ -1,4 +1,5 @@
-"""Batching: pack prepared requests into batches, and run one so that a poison request fails alone.
+"""Batching: pack prepared requests into batches, and decide what a batch back from its pool means
+(`settle`, for the queue daemon and `celeris batch` both), so that a poison request fails alone.
 
 An exception from the backend fails a batch of one; a larger batch is bisected and both halves run
 again, so the rest of the batch is served. `request_timeout_s` bounds one run with SIGALRM, which
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ..errors import CelerisError
-from .backend import Backend, Prepared
+from .backend import Prepared
 from .intake import Job
 
 Item = tuple[Job, Prepared]
@@ -95,26 +96,17 @@ def describe(e: BaseException) -> tuple[str, bool, str]:
     return "engine_error", True, f"{type(e).__name__}: {e}"
 
 
-def run_bisecting(
-    backend: Backend,
-    batch: list[T],
-    prepared: Callable[[T], Prepared],
-    timeout_s: float | None,
-    stopping: Callable[[], bool],
-    log: Callable[..., None],
-) -> list[Decided[T]]:
-    """What became of the items of `batch` that were decided (fewer when a stop cut a bisection short)."""
-    try:
-        with deadline(timeout_s):
-            bodies = backend.run([prepared(item) for item in batch])
-        return [Decided(item, body) for item, body in zip(batch, bodies)]
-    except Exception as e:  # one failing request must not stop the daemon nor sink its batch
-        code, retryable, message = describe(e)
-        if len(batch) == 1:
-            return [Decided(batch[0], None, code, message, retryable)]
-        log("bisect", size=len(batch), error=message)
-        mid = len(batch) // 2
-        out = run_bisecting(backend, batch[:mid], prepared, timeout_s, stopping, log)
-        if not stopping():
-            out += run_bisecting(backend, batch[mid:], prepared, timeout_s, stopping, log)
-        return out
+def settle(
+    batch: list[T], bodies: list[dict[str, Any]] | None, error: BaseException | None
+) -> tuple[list[list[T]], list[Decided[T]]]:
+    """A batch back from its pool, as every path that runs batches decides it: failed with several items,
+    its two halves to run again (first), so the request at fault fails alone and the rest are served;
+    failed alone, that item's failure; otherwise one outcome per item."""
+    if error is not None:
+        if len(batch) > 1:
+            mid = len(batch) // 2
+            return [batch[:mid], batch[mid:]], []
+        code, retryable, message = describe(error)
+        return [], [Decided(batch[0], None, code, message, retryable)]
+    assert bodies is not None and len(bodies) == len(batch)
+    return [], [Decided(item, body) for item, body in zip(batch, bodies)]

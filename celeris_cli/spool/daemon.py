@@ -25,7 +25,7 @@ from typing import Any
 from ..errors import EXIT_FAILED, EXIT_IO, EXIT_OK, CelerisError
 from . import poison, signals
 from .backend import Backend
-from .batching import Decided, Item, describe, pack
+from .batching import Decided, Item, describe, pack, settle
 from .config import BatchConfig
 from .finish import ONCE_PUBLISH_TRIES, Finisher, Published
 from .folders import HEARTBEAT, check_writable, create_missing, queue_lock
@@ -347,16 +347,11 @@ class Spool:
         request at fault fails alone); otherwise its outcomes are recorded. Also returns new work (lines
         appended to a file meanwhile)."""
         batch, t0 = self.flight.pop(done.ticket)
-        if done.error is not None:
-            code, retryable, message = describe(done.error)
-            if len(batch) > 1:
-                self.events("bisect", ticket=done.ticket, size=len(batch), error=message)
-                mid = len(batch) // 2
-                return [batch[:mid], batch[mid:]], []
-            outcomes = [Decided(batch[0], None, code, message, retryable)]
-        else:
-            assert done.bodies is not None and len(done.bodies) == len(batch)
-            outcomes = [Decided(item, body) for item, body in zip(batch, done.bodies)]
+        halves, outcomes = settle(batch, done.bodies, done.error)
+        if halves:
+            assert done.error is not None
+            self.events("bisect", ticket=done.ticket, size=len(batch), error=describe(done.error)[2])
+            return halves, []
         return [], self.record_batch(done.ticket, batch, outcomes, t0)
 
     def record_batch(self, ticket: int, batch: list[Item], outcomes: list[Decided[Item]], t0: float) -> list[Item]:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from .backend import Backend, EngineBackend, Prepared, body_of
-from .batching import deadline
+from .batching import Decided, deadline, describe, settle
 from .formats import Request
 
 
@@ -180,3 +180,32 @@ def as_pool(engine: Backend | Pool, timeout_s: float | None, max_batch: int = 16
     if running and timeout_s is None and isinstance(engine, EngineBackend):
         return RunningPool(engine, max_batch)
     return InlinePool(engine, timeout_s)
+
+
+def run_batches(
+    pool: Pool, batches: Iterable[list[Prepared]], log: Callable[..., None]
+) -> Iterator[list[Decided[Prepared]]]:
+    """Every batch through `pool`, at most `pool.slots` in flight, as the queue daemon runs them: a failed
+    batch of several is halved (`batching.settle`) and its halves run next, so the request at fault fails
+    alone. Yields each batch's outcomes once every item of it is decided, whole (the journal of `celeris
+    batch` records batches whole)."""
+    todo: deque[tuple[int, list[Prepared]]] = deque(enumerate(batches))
+    left = {root: len(batch) for root, batch in todo}  # items of each batch not decided yet
+    decided: dict[int, list[Decided[Prepared]]] = {}
+    flight: dict[int, tuple[int, list[Prepared]]] = {}  # ticket -> (its batch, this part of it)
+    while todo or flight:
+        while todo and len(flight) < pool.slots:
+            root, part = todo.popleft()
+            flight[pool.submit(part)] = (root, part)
+        for done in pool.wait():
+            root, part = flight.pop(done.ticket)
+            halves, outcomes = settle(part, done.bodies, done.error)
+            if halves:
+                assert done.error is not None
+                log("bisect", size=len(part), error=describe(done.error)[2])
+                todo.extendleft((root, half) for half in reversed(halves))
+                continue
+            decided.setdefault(root, []).extend(outcomes)
+            left[root] -= len(outcomes)
+            if not left[root]:
+                yield decided.pop(root)
