@@ -26,11 +26,12 @@ def engine():  # type: ignore[no-untyped-def]
     return load_engine(FOLDER, device="cpu", dtype="float32")
 
 
-def test_its_mask_is_the_row_after_the_tokenizer_and_dreams_strategies_run_it(engine) -> None:  # type: ignore[no-untyped-def]
+def test_its_mask_is_the_row_after_the_tokenizer_and_its_pad_ends_the_text(engine) -> None:  # type: ignore[no-untyped-def]
     ids = REF["ids"]
     assert engine.arch.name == "rnd1" and engine.model.logit_shift == 1
     assert engine.tokenizer.mask_id == ids["mask"] == engine.tokenizer.backend.size() == ids["tokenizer_len"]
     assert engine.tokenizer.eos_id == ids["eos"] and engine.params().strategy == "dream"
+    assert engine.special.stop_ids == {ids["eos"], ids["pad"]} and engine.special.pad_id == ids["pad"]
 
 
 def test_tensor_names_logits_and_routing_equal_its_own_code_in_float32() -> None:
