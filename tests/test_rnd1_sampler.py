@@ -136,6 +136,14 @@ def test_greedy_takes_the_likeliest_token_whatever_shapes_the_ranking(engine) ->
     assert one[0] == one[1]
 
 
+def test_under_top_k_the_entropy_is_nan_and_an_entropy_bound_unmasks_nothing_before_the_fill(engine) -> None:  # type: ignore[no-untyped-def]
+    """RND1 sums -(p log p) over every token: the filtered ones give 0 x -inf = NaN, no bound holds, and
+    the answer is the first forward's prediction everywhere, after a forward per step all the same."""
+    bounded = engine.params({"strategy": "rnd1", "gen_length": 8, "denoise_steps": 4, "top_k": 5, "eb_gamma": 9.0})
+    outs, nfe = engine.decode_ids(PROMPTS, bounded)
+    assert nfe == 4 and outs == engine.decode_ids(PROMPTS, bounded.with_(denoise_steps=1))[0]
+
+
 def test_top_p_keeps_the_two_likeliest_tokens_as_rnd1s_filter_does() -> None:
     logits = torch.tensor([[4.0, 1.0, 0.5, 0.0]])
     kept = rnd1_log_probs(logits, Filters(temperature=1.0, top_p=0.01, top_k=0)).isfinite()
