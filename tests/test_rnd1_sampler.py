@@ -122,6 +122,7 @@ def _answers(engine, **extra: Any) -> list[list[int]]:  # type: ignore[no-untype
         ({"temperature": 1.0}, {"top_k": 3}),
         ({"temperature": 1.0}, {"temperature": 0.3}),
         ({"temperature": 1.0}, {"denoise_steps": 4}),
+        ({"temperature": 0.0}, {"strategy": "dream"}),
     ],
     ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()),
 )
