@@ -192,6 +192,21 @@ KNOBS: dict[str, Knob] = {
         "an integer >= 0",
         help="Token editing: forwards a block may take after its last mask is filled, while they still edit.",
     ),
+    # RND1's own decoding (`decode.rnd1`): how a token is chosen and which positions unmask
+    "greedy": Knob(
+        bool,
+        True,
+        help="rnd1: take each position's likeliest token; the temperature, top-k and top-p then shape only the "
+        "entropy that ranks positions (RND1's greedy). --no-greedy draws the tokens at the temperature.",
+    ),
+    "eb_gamma": Knob(
+        float,
+        -1.0,
+        lambda v: v == -1.0 or (math.isfinite(v) and v >= 0),
+        "a finite number >= 0, or -1 (off)",
+        help="rnd1: entropy-bounded unmasking: each step unmasks, most confident first, the longest run whose "
+        "entropy sum minus its largest entropy stays within X (-1 = off: the entropy-ranked schedule).",
+    ),
     # per request
     "seed": Knob(
         int,
@@ -203,8 +218,9 @@ KNOBS: dict[str, Knob] = {
     "strategy": Knob(
         str,
         "fast",
-        choices=("fast", "reference", "dream", "block", "block-fast", "nemotron", "ar"),
-        help="fast (cache, threshold, early exit), reference (LLaDA's decoder), dream (Dream's own), block or "
+        choices=("fast", "reference", "dream", "rnd1", "block", "block-fast", "nemotron", "ar"),
+        help="fast (cache, threshold, early exit), reference (LLaDA's decoder), dream (Dream's own), rnd1 (RND1's "
+        "own), block or "
         "block-fast (block diffusion, LLaDA2; block-fast keeps an exact cache), nemotron (Nemotron-Labs-Diffusion's "
         "diffusion mode), ar (left to right, on a model trained for it too). The model folder's architecture "
         "says which run on it (celeris inspect).",
@@ -336,6 +352,36 @@ class Unmasking:
 
 
 @dataclass(frozen=True)
+class Canvas:
+    """One canvas of gen_length positions and its steps: no blocks, no time schedule (RND1)."""
+
+    gen_length: int
+    denoise_steps: int
+
+
+@dataclass(frozen=True)
+class Filters:
+    """The temperature, top-k and top-p, without min-p (RND1 has none)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+
+
+@dataclass(frozen=True)
+class EntropyRanking:
+    """RND1's unmasking: greedy tokens or drawn ones; the entropy-ranked schedule, or with eb_gamma >= 0
+    the entropy-bounded one."""
+
+    greedy: bool
+    eb_gamma: float
+
+    @property
+    def bounded(self) -> bool:
+        return self.eb_gamma >= 0
+
+
+@dataclass(frozen=True)
 class Blocks:
     """Block diffusion's schedule. The steps are given one of two ways: `block_steps` for every block, whose
     tokens commit at block_length // block_steps per step (the remainder to the first steps), as LLaDA2
@@ -420,17 +466,23 @@ PARTS: dict[str, type] = {
     "commit": Commit,
     "length": Length,
     "editing": Editing,
+    "canvas": Canvas,
+    "filters": Filters,
+    "entropy": EntropyRanking,
 }
 STRATEGY_PARTS: dict[str, tuple[str, ...]] = {
     "reference": ("schedule", "sampling", "ordering", "guidance"),
     "fast": ("schedule", "sampling", "ordering", "guidance", "parallel", "shaping"),
     "dream": ("timeline", "sampling", "unmasking"),
+    "rnd1": ("canvas", "filters", "entropy"),
     "block": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing"),
     "block-fast": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing"),
     "nemotron": ("blocks", "sampling", "commit"),
     "ar": ("length", "sampling"),
 }
 PER_REQUEST = ("seed", "strategy", "deterministic", "stop")  # honoured by every strategy, outside the decoder
+# strategies whose own code allows more steps than tokens (a step may commit nothing): Dream's, RND1's
+UNCAPPED = frozenset({"dream", "rnd1"})
 
 
 def honoured(strategy: str) -> tuple[str, ...]:
@@ -467,6 +519,8 @@ class GenerationParams:
     block_steps: int = KNOBS["block_steps"].default
     edit_threshold: float = KNOBS["edit_threshold"].default
     max_post_edit_steps: int = KNOBS["max_post_edit_steps"].default
+    greedy: bool = KNOBS["greedy"].default
+    eb_gamma: float = KNOBS["eb_gamma"].default
     seed: int = KNOBS["seed"].default
     strategy: str = KNOBS["strategy"].default
     deterministic: bool = KNOBS["deterministic"].default
@@ -543,11 +597,16 @@ class GenerationParams:
             and self.strategy == "dream"
         ):
             raise UsageError("alg_temp: origin unmasks at random, with no ranking to draw from; set it to 0")
-        capped = self.strategy != "dream"  # Dream's schedule may commit nothing on a step; its own code allows it
+        capped = self.strategy not in UNCAPPED
         if capped and self.denoise_steps > self.gen_length and "denoise_steps" in layer:
             raise UsageError(
                 f"{name('denoise_steps')} {self.denoise_steps} exceeds {name('gen_length')} {self.gen_length}: a step "
                 "commits at least one token, so more steps than tokens cannot run"
+            )
+        if self.strategy == "rnd1" and self.gen_length < 2:
+            raise UsageError(
+                f"{name('gen_length')} {self.gen_length}: the rnd1 strategy keeps the canvas's last position for "
+                "the end of text (as RND1's own sampler), so it needs at least 2"
             )
         if self.remasking != "low_confidence" and self.order_temperature > 0 and "order_temperature" in self.explicit:
             raise UsageError(
@@ -576,7 +635,7 @@ class GenerationParams:
         fixes: dict[str, Any] = {}
         if self.alg == "origin" and self.alg_temp > 0:
             fixes["alg_temp"] = 0.0
-        if self.denoise_steps > self.gen_length and self.strategy != "dream":
+        if self.denoise_steps > self.gen_length and self.strategy not in UNCAPPED:
             fixes["denoise_steps"] = self.gen_length
         if self.remasking != "low_confidence" and self.order_temperature > 0:
             fixes["order_temperature"] = 0.0
@@ -744,18 +803,21 @@ def script_layers(raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 # generation_config.json as `transformers` writes it: keys that mean something to Celeris (temperature, top_p,
 # top_k and threshold have the same names as ours); LLaDA2.1's token editing under the names its own
-# `generate` takes (its model card: editing_threshold, max_post_steps)
+# `generate` takes (its model card: editing_threshold, max_post_steps); RND1's steps (its
+# RND1GenerationConfig; its greedy and eb_gamma have our names)
 HF_KEYS = {
     "max_new_tokens": "gen_length",
     "editing_threshold": "edit_threshold",
     "max_post_steps": "max_post_edit_steps",
+    "num_diffusion_steps": "denoise_steps",
 }
 
 
 def model_layer(raw: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[int], list[str]]:
     """Split a model folder's generation_config.json into Celeris settings, extra stop ids (HF's
     `eos_token_id`, an int or a list) and the keys ignored (bookkeeping such as `_from_model_config`,
-    `transformers_version`, or settings Celeris does not have). `do_sample: false` means greedy."""
+    `transformers_version`, or settings Celeris does not have). `do_sample: false` means greedy, except
+    beside RND1's `greedy`, which it only mirrors (there the temperature still shapes the entropy ranking)."""
     settings: dict[str, Any] = {}
     ignored: list[str] = []
     for key, value in raw.items():
@@ -767,7 +829,7 @@ def model_layer(raw: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[int],
             settings[key] = value
         else:
             ignored.append(key)
-    if raw.get("do_sample") is False:
+    if raw.get("do_sample") is False and "greedy" not in raw:
         settings["temperature"] = 0.0
     eos = raw.get("eos_token_id")
     eos_list = eos if isinstance(eos, list) else [] if eos is None else [eos]

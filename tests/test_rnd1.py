@@ -1,8 +1,7 @@
 """RND1, its forward against its own modeling code (RadicalNumerics/RND1: modeling_rnd.py) on a tiny
 checkpoint saved by `save_pretrained`, made in a scratch environment outside this project (provenance, and
-the one shim its config class needed, in the JSON). RND1's own sampler (entropy-ranked unmasking with a
-reserved last position) is not Dream's algorithm and is not reproduced: Celeris decodes RND1 with Dream's
-strategies (see docs/models.md)."""
+the one shim its config class needed, in the JSON). Its own sampler, the default strategy, is checked in
+`test_rnd1_sampler.py`; Dream's strategies run it too."""
 
 from __future__ import annotations
 
@@ -26,11 +25,13 @@ def engine():  # type: ignore[no-untyped-def]
     return load_engine(FOLDER, device="cpu", dtype="float32")
 
 
-def test_its_mask_is_the_row_after_the_tokenizer_and_dreams_strategies_run_it(engine) -> None:  # type: ignore[no-untyped-def]
+def test_its_mask_is_the_row_after_the_tokenizer_and_its_pad_ends_the_text(engine) -> None:  # type: ignore[no-untyped-def]
     ids = REF["ids"]
     assert engine.arch.name == "rnd1" and engine.model.logit_shift == 1
     assert engine.tokenizer.mask_id == ids["mask"] == engine.tokenizer.backend.size() == ids["tokenizer_len"]
-    assert engine.tokenizer.eos_id == ids["eos"] and engine.params().strategy == "dream"
+    assert engine.tokenizer.eos_id == ids["eos"] and engine.params().strategy == "rnd1"
+    assert engine.special.stop_ids == {ids["eos"], ids["pad"]} and engine.special.pad_id == ids["pad"]
+    assert set(engine.arch.strategies) == {"rnd1", "dream", "fast", "reference"}
 
 
 def test_tensor_names_logits_and_routing_equal_its_own_code_in_float32() -> None:

@@ -79,10 +79,14 @@ def test_building_the_record_directly_is_validated_too() -> None:
 def test_every_strategy_declares_what_it_honours() -> None:
     dream, block = {"eps", "alg", "alg_temp"}, {"block_steps"}
     editing = {"edit_threshold", "max_post_edit_steps"}  # the block strategies' alone
-    assert set(KNOBS) - set(honoured("fast")) == dream | block | editing  # the fast decoder honours the rest
+    rnd1 = {"greedy", "eb_gamma"}  # RND1's own sampler's alone
+    assert set(KNOBS) - set(honoured("fast")) == dream | block | editing | rnd1  # the fast decoder honours the rest
     shaping = {"presence_penalty", "min_tokens", "subword_min_p"}
     fast_only = {"threshold", "cache", "confidence", "early_exit", "suffix_window"} | shaping
-    assert set(KNOBS) - set(honoured("reference")) == fast_only | dream | block | editing
+    assert set(KNOBS) - set(honoured("reference")) == fast_only | dream | block | editing | rnd1
+    assert set(honoured("rnd1")) == {"gen_length", "denoise_steps", "temperature", "top_p", "top_k"} | rnd1 | set(
+        PER_REQUEST
+    )
     assert set(honoured("dream")) == {
         "gen_length",
         "denoise_steps",

@@ -221,7 +221,7 @@ def plan(shape: Shape, req: Request) -> Estimate:
             phases.append(Estimate(weights, cache, _activations(shape, prefill, a, req.upcast), 0))
             step = _activations(shape, B * W, a, req.upcast) + (_kv(shape, B, C, 4) // shape.layers if f32 else 0)
             phases.append(Estimate(weights, cache, step, _head(shape, masked, a, req.upcast, int8, kernel)))
-    elif req.strategy in ("reference", "dream"):
+    elif req.strategy in ("reference", "dream", "rnd1"):
         act = _activations(shape, B * L, a, req.upcast)
         phases.append(Estimate(weights, 0, act, _head(shape, B * V * L, a, req.upcast, int8, kernel)))
     else:

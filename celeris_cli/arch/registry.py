@@ -138,7 +138,7 @@ _ENTRIES = (
         module="rnd1",
         layout="Qwen3-MoE (q/k norm per head, softmax router)",
         attention="bidirectional",
-        strategies=_DREAM,
+        strategies=("rnd1", *_DREAM),  # its own sampler first
     ),
     # one checkpoint, two decoders: its diffusion mode (a seed token, then bidirectional denoising over a
     # causal cache) and its AR mode; block 32 as its config's block_size, one token per step, no threshold

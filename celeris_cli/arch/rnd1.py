@@ -4,7 +4,9 @@ logits predict position j (`logit_shift = 1`), as Dream's.
 
 Its mask id is the tokenizer's length (151669 for Qwen3's tokenizer): an embedding row with no token
 string, so config.json's `mask_token_id` is taken as it is, outside the tokenizer (`mask_outside_tokenizer`).
-A config saying `is_causal: true` is refused.
+A config saying `is_causal: true` is refused. Its sampler keeps the canvas's last position as the pad
+token (`<|endoftext|>`), so every answer ends in one: the pad is a stop token (`pad_stops`), and the text
+ends at the first.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .qwen3_model import Qwen3Config, Qwen3DiffusionLM
 
 class RND1Config(Qwen3Config):
     mask_outside_tokenizer = True
+    pad_stops = True
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RND1Config:

@@ -171,6 +171,8 @@ class Tokenizer:
         self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else self.eos_id
         self.bos_id = cfg.bos_token_id
         pads = [backend.find(p) for p in PAD_STOPS]
+        if getattr(cfg, "pad_stops", False):  # a family whose answers end in its pad token (RND1's)
+            pads.append(self.pad_id)
         self.stop_ids = frozenset(i for i in (self.eos_id, self.eot_id, *pads) if i is not None)
         size = backend.size()
         if size > cfg.rows:

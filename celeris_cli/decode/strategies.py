@@ -24,6 +24,7 @@ from .dream import DreamPlan, generate_dream
 from .fast import FastPlan, generate_fast
 from .nemotron import ARPlan, SeededPlan, generate_ar, generate_seeded
 from .reference import ReferencePlan, generate_reference
+from .rnd1 import RND1Plan, generate_rnd1
 from .sampling import RowNoise
 
 
@@ -177,6 +178,17 @@ def _dream(
     return generate_dream(net, prompt, prompt_mask, _plan(DreamPlan, params), tokens.mask_id, noise)
 
 
+def _rnd1(
+    net: Net,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: GenerationParams,
+    tokens: SpecialTokens,
+    noise: RowNoise,
+) -> torch.Tensor:
+    return generate_rnd1(net, prompt, prompt_mask, _plan(RND1Plan, params), tokens.mask_id, tokens.pad_id, noise)
+
+
 def _block(
     net: Net,
     prompt: torch.Tensor,
@@ -209,6 +221,7 @@ STRATEGIES: dict[str, Strategy] = {
     "reference": _reference,
     "fast": _fast,
     "dream": _dream,
+    "rnd1": _rnd1,
     "block": _block,
     "block-fast": _block,
     "nemotron": _nemotron,
@@ -219,6 +232,7 @@ PLANS: dict[str, type] = {
     "reference": ReferencePlan,
     "fast": FastPlan,
     "dream": DreamPlan,
+    "rnd1": RND1Plan,
     "block": BlockPlan,
     "block-fast": BlockPlan,
     "nemotron": SeededPlan,
