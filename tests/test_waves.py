@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from celeris_cli.arch import invariant
 from celeris_cli.decode import waves
 from celeris_cli.decode.sampling import RowNoise, request_seed
 from celeris_cli.decode.strategies import Net, fast_plan_of, get_strategy
@@ -157,3 +158,41 @@ def test_refresh_buckets_never_pad_a_row_past_its_slack() -> None:
     assert sorted(b for bucket in buckets for b in bucket) == list(range(len(widths)))
     for bucket in buckets:
         assert max(widths[b] for b in bucket) <= 1.25 * min(widths[b] for b in bucket)
+
+
+def test_a_rows_logits_are_bit_for_bit_those_it_has_alone_beside_wider_rows(llada: Engine) -> None:
+    """Each refresh bucket pads its rows to the widest and each lane's step reads keys up to its furthest row;
+    SDPA's float32 result for a row changes with the number of keys even where the extra ones are masked, so
+    each row attends over exactly its own (`invariant.exact`). Compared bit for bit, not by the answers, with
+    the linear layers' rows tiled as in the deterministic mode (a matmul's float32 rounding may change with its
+    number of rows, which is not what this pins)."""
+    linear = invariant.linear
+
+    def tiled(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        with invariant.enabled(True):
+            return linear(x, w, b)
+
+    seen: dict[tuple[int, int, int], torch.Tensor] = {}
+    commit = waves.WaveScheduler._commit
+
+    def spy(self: waves.WaveScheduler, stepped: list[Any]) -> None:
+        for part in stepped:
+            seen[(part.row.req.key, part.row.block, part.row.step)] = part.logits.clone()
+        commit(self, stepped)
+
+    base = {"strategy": "fast", "temperature": 0.0, "early_exit": False, "denoise_steps": 8}
+    narrow = {**base, "gen_length": 16, "block_length": 8, "cache": "dual"}
+    wider = [{**base, "gen_length": g, "block_length": 8, "cache": c} for g, c in ((40, "dual"), (96, "dual"))]
+    prompt = PROMPTS[0]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(waves.WaveScheduler, "_commit", spy)
+        mp.setattr(invariant, "linear", tiled)
+        _running(llada, [(prompt, llada.params(narrow), 0)], max_batch=1)
+        alone = {k[1:]: v for k, v in seen.items()}
+        seen.clear()
+        rows = [(prompt, llada.params(narrow), 0)] + [(p, llada.params(s), 1) for p, s in zip(PROMPTS[1:], wider)]
+        _running(llada, rows, max_batch=3)
+    beside = {k[1:]: v for k, v in seen.items() if k[0] == 0}
+    assert beside.keys() == alone.keys() and len(alone) > 4
+    bad = [(k, float((beside[k] - a).abs().max())) for k, a in sorted(alone.items()) if not torch.equal(beside[k], a)]
+    assert not bad, bad

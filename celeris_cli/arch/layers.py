@@ -116,7 +116,7 @@ def attend(
     dtype = q.dtype
     if dtype != torch.float32 and upcast:  # low-precision rounding would depend on the batch's shape
         q, k, v = q.float(), k.float(), v.float()
-    if invariant.active() or (isinstance(cache, LayerKV) and cache.exact):
+    if invariant.exact_keys() or (isinstance(cache, LayerKV) and cache.exact):
         y = invariant.attention(q, k, v, attn_mask, start, gqa)
     else:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)

@@ -19,9 +19,10 @@ Each tick advances every row by one step:
 Rows with different samplers, thresholds, shaping, steps, lengths, block widths and cache modes share the
 running set; only guidance keeps a request out (its unconditional view would need a second cache per row).
 
-A row's forwards are those it would take alone, with padding no key mask lets it see and batch mates; its
-result does not depend on them bit for bit with `deterministic` on, and in the answers with it off, in
-float32, as for static batches. Its noise comes from its own stream at its own (block, step), as in
+A row's forwards are those it would take alone, with padding no key mask lets it see and batch mates, and
+its attention runs over exactly its own keys (`invariant.exact`: SDPA's float32 result for a row changes
+with the number of keys even where the extra ones are masked); its result does not depend on them bit for
+bit with `deterministic` on, and in the answers with it off, in float32. Its noise comes from its own stream at its own (block, step), as in
 `generate_fast`. `refill=False` gives static batches through the same loop, for `bench --workload mixed`.
 """
 
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..arch import invariant
 from ..arch.kv import KVCache
 from .fast import FastPlan
 from .predict import confidence_masked, sample_masked
@@ -189,7 +191,8 @@ class WaveScheduler:
                     T = r.span[1] - r.span[0]
                     r.schedule = num_transfer_tokens(torch.tensor([T], device=self.device), r.steps)[0]
             keep = any(r.mode != "none" for r in group)
-            h, kv = self.net.hidden(ids, Net.positions(km), km, keep_kv=keep)
+            with invariant.exact(True):  # each row over its own keys, as alone
+                h, kv = self.net.hidden(ids, Net.positions(km), km, keep_kv=keep)
             self._count(group, width)
             layers = self.net.cache_of(kv).layers if keep else []
             for i, r in enumerate(group):
@@ -223,7 +226,8 @@ class WaveScheduler:
         positions = starts[:, None] + torch.arange(window, device=self.device)[None, :]
         widths = torch.tensor([r.width for r in rows], device=self.device)
         key_mask = (torch.arange(length, device=self.device)[None, :] < widths[:, None])[:, None, None, :]
-        h, _ = self.net.hidden(ids, positions, key_mask, lane.cache.view(slice(0, n), length), starts, False)
+        with invariant.exact(True):  # each row over its own keys, as alone
+            h, _ = self.net.hidden(ids, positions, key_mask, lane.cache.view(slice(0, n), length), starts, False)
         self._count(rows, window)
         blocks = [r.x[r.span[0] : r.span[1]].clone() for r in rows]
         masked = torch.stack(blocks) == self.mask_id
