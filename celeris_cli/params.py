@@ -427,7 +427,7 @@ STRATEGY_PARTS: dict[str, tuple[str, ...]] = {
     "dream": ("timeline", "sampling", "unmasking"),
     "block": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing"),
     "block-fast": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing"),
-    "nemotron": ("blocks", "sampling", "commit"),
+    "nemotron": ("blocks", "sampling", "ordering", "commit"),
     "ar": ("length", "sampling"),
 }
 PER_REQUEST = ("seed", "strategy", "deterministic", "stop")  # honoured by every strategy, outside the decoder

@@ -99,7 +99,7 @@ def test_every_strategy_declares_what_it_honours() -> None:
     sampling = {"temperature", "min_p", "top_p", "top_k"}
     assert set(honoured("ar")) == {"gen_length"} | sampling | set(PER_REQUEST)
     assert set(honoured("nemotron")) == {
-        "gen_length", "block_length", "denoise_steps", "threshold"
+        "gen_length", "block_length", "denoise_steps", "threshold", "remasking", "order_temperature"
     } | sampling | block | set(PER_REQUEST)  # fmt: skip
     for strategy in STRATEGY_PARTS:
         assert set(PER_REQUEST) <= set(honoured(strategy))
