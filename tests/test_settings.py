@@ -79,10 +79,11 @@ def test_building_the_record_directly_is_validated_too() -> None:
 def test_every_strategy_declares_what_it_honours() -> None:
     dream, block = {"eps", "alg", "alg_temp"}, {"block_steps"}
     editing = {"edit_threshold", "max_post_edit_steps"}  # the block strategies' alone
-    assert set(KNOBS) - set(honoured("fast")) == dream | block | editing  # the fast decoder honours the rest
+    draft = {"draft_threshold"}  # speculative decoding's alone
+    assert set(KNOBS) - set(honoured("fast")) == dream | block | editing | draft  # the fast decoder: the rest
     shaping = {"presence_penalty", "min_tokens", "subword_min_p"}
     fast_only = {"threshold", "cache", "confidence", "early_exit", "suffix_window"} | shaping
-    assert set(KNOBS) - set(honoured("reference")) == fast_only | dream | block | editing
+    assert set(KNOBS) - set(honoured("reference")) == fast_only | dream | block | editing | draft
     assert set(honoured("dream")) == {
         "gen_length",
         "denoise_steps",
@@ -101,6 +102,9 @@ def test_every_strategy_declares_what_it_honours() -> None:
     assert set(honoured("nemotron")) == {
         "gen_length", "block_length", "denoise_steps", "threshold", "remasking", "order_temperature"
     } | sampling | block | set(PER_REQUEST)  # fmt: skip
+    assert set(honoured("nemotron-spec")) == {"gen_length", "block_length", "draft_threshold"} | sampling | set(
+        PER_REQUEST
+    )
     for strategy in STRATEGY_PARTS:
         assert set(PER_REQUEST) <= set(honoured(strategy))
 
