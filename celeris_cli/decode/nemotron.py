@@ -56,7 +56,7 @@ class SeededPlan:
     commit: Commit
 
 
-class _Canvas:
+class CausalCanvas:
     """The rows' prompts (left-padded) and answers, their positions, and the cache the causal passes fill."""
 
     def __init__(self, net: Any, prompt: torch.Tensor, prompt_mask: torch.Tensor, gen_length: int, fill: int) -> None:
@@ -99,7 +99,7 @@ class _Canvas:
         return x0
 
 
-def _stop_after(x: torch.Tensor, start: int, stop: torch.Tensor) -> None:
+def stop_after(x: torch.Tensor, start: int, stop: torch.Tensor) -> None:
     """Fill each row's answer after its first stop token with that token (what the engine cuts)."""
     ans = x[:, start:]
     hit = torch.isin(ans, stop)
@@ -122,7 +122,7 @@ def generate_ar(
     its stop token or the end (the rest of a finished row is its stop token)."""
     B, P = prompt.shape
     G = plan.length.gen_length
-    cv = _Canvas(net, prompt, prompt_mask, G, mask_id)
+    cv = CausalCanvas(net, prompt, prompt_mask, G, mask_id)
     stop = torch.tensor(sorted(stop_ids), device=prompt.device, dtype=prompt.dtype)
     rows = list(range(B))
     done = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # no masks left to right: any stop ends a row
@@ -133,7 +133,7 @@ def generate_ar(
         if t + 1 == G or bool(done.all()):
             break
         h = cv.forward(P + t, P + t + 1, causal=True)[:, -1]
-    _stop_after(cv.x, P, stop)
+    stop_after(cv.x, P, stop)
     return cv.x
 
 
@@ -151,7 +151,7 @@ def generate_seeded(
     B, P = prompt.shape
     blocks, sampling, threshold = plan.blocks, plan.sampling, plan.commit.threshold
     G, W = blocks.gen_length, blocks.block_length
-    cv = _Canvas(net, prompt, prompt_mask, G, mask_id)
+    cv = CausalCanvas(net, prompt, prompt_mask, G, mask_id)
     stop = torch.tensor(sorted(stop_ids), device=prompt.device, dtype=prompt.dtype)
     rows = list(range(B))
     h = cv.forward(0, P, causal=True)[:, -1]
@@ -183,5 +183,5 @@ def generate_seeded(
         if bool(done.all()) or e == P + G:
             break
         h = cv.forward(s, e, causal=True)[:, -1]  # the commit pass: the block's keys and values, causally
-    _stop_after(cv.x, P, stop)
+    stop_after(cv.x, P, stop)
     return cv.x

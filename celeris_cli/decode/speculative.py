@@ -33,7 +33,7 @@ import torch
 
 from ..arch.kv import KVCache
 from ..params import Draft, Sampling
-from .nemotron import _Canvas, _stop_after
+from .nemotron import CausalCanvas, stop_after
 from .predict import sample_with_probability
 from .sampling import RowNoise
 
@@ -50,7 +50,7 @@ class _Rows:
     """The rows still decoding: their indices in the batch, the canvas index of each one's seed (its last
     decided token, not yet in the cache) and the cache over their slots, in the same order."""
 
-    def __init__(self, cv: _Canvas, cache: KVCache, P: int) -> None:
+    def __init__(self, cv: CausalCanvas, cache: KVCache, P: int) -> None:
         B = cv.x.shape[0]
         self.cv, self.cache = cv, cache
         self.idx = torch.arange(B, device=cv.x.device)
@@ -110,7 +110,7 @@ def generate_speculative(
     the rest of a finished row its stop token."""
     B, P = prompt.shape
     G, W = plan.draft.gen_length, plan.draft.block_length
-    cv = _Canvas(net, prompt, prompt_mask, G + W, mask_id)  # room for a block drafted at the answer's end
+    cv = CausalCanvas(net, prompt, prompt_mask, G + W, mask_id)  # room for a block drafted at the answer's end
     stop = torch.tensor(sorted(stop_ids), device=prompt.device, dtype=prompt.dtype)
     h = cv.forward(0, P, causal=True)[:, -1]
     cv.x[:, P] = cv.pick(h, plan.sampling, noise.at(list(range(B)), 0, 0))  # as the AR mode's first token
@@ -136,5 +136,5 @@ def generate_speculative(
         new = (cols[None, :] < accepted[:, None]) & (at + 1 < P + G)  # decided answer positions of this pass
         rows.seed_at = rows.seed_at + accepted
         stays = ~(torch.isin(ar, stop) & new).any(1) & (rows.seed_at < P + G - 1)
-    _stop_after(cv.x[:, : P + G], P, stop)
+    stop_after(cv.x[:, : P + G], P, stop)
     return cv.x[:, : P + G]
