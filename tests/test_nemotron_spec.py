@@ -42,7 +42,9 @@ def _spec(engine: Any, n: int, **extra: Any) -> Any:
 
 
 @pytest.mark.parametrize(
-    "extra", [{"block_length": 4}, {"block_length": 8, "draft_threshold": 0.5}, {}], ids=["4", "8-threshold", "32"]
+    "extra",
+    [{"block_length": 1}, {"block_length": 4}, {"block_length": 8, "draft_threshold": 0.5}, {}],
+    ids=["1", "4", "8-threshold", "32"],
 )
 def test_greedy_speculation_is_the_ar_mode_token_for_token_alone_and_batched(engine, extra) -> None:  # type: ignore[no-untyped-def]
     n = 40
