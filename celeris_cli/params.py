@@ -175,6 +175,15 @@ KNOBS: dict[str, Knob] = {
         POSITIVE,
         help="Denoising steps of each block (LLaDA2's `steps`), instead of --denoise-steps in total.",
     ),
+    # speculative decoding (Nemotron-Labs-Diffusion's linear_spec_generate): how a draft block is filled
+    "draft_threshold": Knob(
+        float,
+        0.0,
+        _finite(0.0, 1.0),
+        "between 0 and 1",
+        help="nemotron-spec: each draft forward fills every masked position of the block at least this sure, "
+        "and always the surest; 0 drafts the whole block in one forward (the family's default).",
+    ),
     # token editing (LLaDA2.1; the block strategies)
     "edit_threshold": Knob(
         float,
@@ -218,12 +227,13 @@ KNOBS: dict[str, Knob] = {
     "strategy": Knob(
         str,
         "fast",
-        choices=("fast", "reference", "dream", "rnd1", "block", "block-fast", "nemotron", "ar"),
+        choices=("fast", "reference", "dream", "rnd1", "block", "block-fast", "nemotron", "ar", "nemotron-spec"),
         help="fast (cache, threshold, early exit), reference (LLaDA's decoder), dream (Dream's own), rnd1 (RND1's "
         "own), block or "
         "block-fast (block diffusion, LLaDA2; block-fast keeps an exact cache), nemotron (Nemotron-Labs-Diffusion's "
-        "diffusion mode), ar (left to right, on a model trained for it too). The model folder's architecture "
-        "says which run on it (celeris inspect).",
+        "diffusion mode), ar (left to right, on a model trained for it too), nemotron-spec (its speculative "
+        "decoding: a diffusion draft checked by a causal pass, the ar answer in fewer forwards). The model "
+        "folder's architecture says which run on it (celeris inspect).",
     ),
     "deterministic": Knob(
         bool,
@@ -447,6 +457,15 @@ class Length:
 
 
 @dataclass(frozen=True)
+class Draft:
+    """Speculative decoding's settings: the answer's length, the draft block and how a draft is filled."""
+
+    gen_length: int
+    block_length: int
+    draft_threshold: float
+
+
+@dataclass(frozen=True)
 class Commit:
     """Block diffusion's threshold: every masked position above it commits, and at least the schedule's."""
 
@@ -469,6 +488,7 @@ PARTS: dict[str, type] = {
     "canvas": Canvas,
     "filters": Filters,
     "entropy": EntropyRanking,
+    "draft": Draft,
 }
 STRATEGY_PARTS: dict[str, tuple[str, ...]] = {
     "reference": ("schedule", "sampling", "ordering", "guidance"),
@@ -477,8 +497,9 @@ STRATEGY_PARTS: dict[str, tuple[str, ...]] = {
     "rnd1": ("canvas", "filters", "entropy"),
     "block": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing"),
     "block-fast": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing"),
-    "nemotron": ("blocks", "sampling", "commit"),
+    "nemotron": ("blocks", "sampling", "ordering", "commit"),
     "ar": ("length", "sampling"),
+    "nemotron-spec": ("draft", "sampling"),
 }
 PER_REQUEST = ("seed", "strategy", "deterministic", "stop")  # honoured by every strategy, outside the decoder
 # strategies whose own code allows more steps than tokens (a step may commit nothing): Dream's, RND1's
@@ -517,6 +538,7 @@ class GenerationParams:
     alg: DreamAlg = KNOBS["alg"].default
     alg_temp: float = KNOBS["alg_temp"].default
     block_steps: int = KNOBS["block_steps"].default
+    draft_threshold: float = KNOBS["draft_threshold"].default
     edit_threshold: float = KNOBS["edit_threshold"].default
     max_post_edit_steps: int = KNOBS["max_post_edit_steps"].default
     greedy: bool = KNOBS["greedy"].default
@@ -665,7 +687,7 @@ class GenerationParams:
         many it decodes depends on the prompt's length."""
         if self.strategy == "nemotron":  # its blocks start at the answer, after a seed token each
             return self.part("blocks").seeded_steps()
-        if self.strategy == "ar":  # one token per forward
+        if self.strategy in ("ar", "nemotron-spec"):  # one token per forward (speculation: at most that)
             return [self.gen_length]
         if "block_steps" in honoured(self.strategy):
             return self.part("blocks").steps_for(prompt_tokens)

@@ -79,9 +79,9 @@ def test_the_query_scale_and_yarn_act_past_the_original_length() -> None:
     assert (full[:, 16:] - plain[:, 16:]).abs().max() > 1e-3
 
 
-def test_it_loads_with_both_strategies_its_own_first(engine) -> None:  # type: ignore[no-untyped-def]
+def test_it_loads_with_its_three_strategies_its_own_first(engine) -> None:  # type: ignore[no-untyped-def]
     assert engine.arch.name == "nemotron_labs_diffusion"
-    assert engine.arch.strategies == ("nemotron", "ar") and engine.params().strategy == "nemotron"
+    assert engine.arch.strategies == ("nemotron", "ar", "nemotron-spec") and engine.params().strategy == "nemotron"
     assert engine.tokenizer.mask_id == REF["ids"]["mask"] and engine.tokenizer.eos_id == REF["ids"]["eos"]
 
 

@@ -80,10 +80,11 @@ def test_every_strategy_declares_what_it_honours() -> None:
     dream, block = {"eps", "alg", "alg_temp"}, {"block_steps"}
     editing = {"edit_threshold", "max_post_edit_steps"}  # the block strategies' alone
     rnd1 = {"greedy", "eb_gamma"}  # RND1's own sampler's alone
-    assert set(KNOBS) - set(honoured("fast")) == dream | block | editing | rnd1  # the fast decoder honours the rest
+    draft = {"draft_threshold"}  # speculative decoding's alone
+    assert set(KNOBS) - set(honoured("fast")) == dream | block | editing | rnd1 | draft  # the fast decoder: the rest
     shaping = {"presence_penalty", "min_tokens", "subword_min_p"}
     fast_only = {"threshold", "cache", "confidence", "early_exit", "suffix_window"} | shaping
-    assert set(KNOBS) - set(honoured("reference")) == fast_only | dream | block | editing | rnd1
+    assert set(KNOBS) - set(honoured("reference")) == fast_only | dream | block | editing | rnd1 | draft
     assert set(honoured("rnd1")) == {"gen_length", "denoise_steps", "temperature", "top_p", "top_k"} | rnd1 | set(
         PER_REQUEST
     )
@@ -103,8 +104,11 @@ def test_every_strategy_declares_what_it_honours() -> None:
     sampling = {"temperature", "min_p", "top_p", "top_k"}
     assert set(honoured("ar")) == {"gen_length"} | sampling | set(PER_REQUEST)
     assert set(honoured("nemotron")) == {
-        "gen_length", "block_length", "denoise_steps", "threshold"
+        "gen_length", "block_length", "denoise_steps", "threshold", "remasking", "order_temperature"
     } | sampling | block | set(PER_REQUEST)  # fmt: skip
+    assert set(honoured("nemotron-spec")) == {"gen_length", "block_length", "draft_threshold"} | sampling | set(
+        PER_REQUEST
+    )
     for strategy in STRATEGY_PARTS:
         assert set(PER_REQUEST) <= set(honoured(strategy))
 

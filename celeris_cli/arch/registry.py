@@ -140,8 +140,9 @@ _ENTRIES = (
         attention="bidirectional",
         strategies=("rnd1", *_DREAM),  # its own sampler first
     ),
-    # one checkpoint, two decoders: its diffusion mode (a seed token, then bidirectional denoising over a
-    # causal cache) and its AR mode; block 32 as its config's block_size, one token per step, no threshold
+    # one checkpoint, three decoders: its diffusion mode (a seed token, then bidirectional denoising over a
+    # causal cache), its AR mode and its speculative decoding (diffusion drafts, causal verification);
+    # block 32 as its config's block_size, one token per step, no threshold
     Architecture(
         name="nemotron_labs_diffusion",
         classes=("NemotronLabsDiffusionModel",),
@@ -149,7 +150,7 @@ _ENTRIES = (
         module="nemotron",
         layout="Ministral-3 (YaRN, Llama-4 query scale; encoder., diffusion_head)",
         attention="block-causal",
-        strategies=("nemotron", "ar"),
+        strategies=("nemotron", "ar", "nemotron-spec"),
         defaults={"block_length": 32, "block_steps": 32, "threshold": 1.0},
     ),
     Architecture(

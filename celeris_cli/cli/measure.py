@@ -102,7 +102,7 @@ def bench_cmd(
         None,
         "--modes",
         help="Comma-separated subset of: reference, threshold, threshold+exit, prefix-cache, dual-cache "
-        "(block-diffusion models: block, block-fast).",
+        "(block-diffusion models: block, block-fast; Nemotron-Labs-Diffusion: ar, nemotron, nemotron-spec).",
     ),
     set_name: str = typer.Option(None, "--set", help="Settings for every mode, as JSON."),
     sweep: str = typer.Option(

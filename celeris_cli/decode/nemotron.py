@@ -10,7 +10,11 @@ cache, and its last position's logits choose the first answer token (the "seed")
   masks; each step runs the block alone over the cache, bidirectionally inside the block, and commits the
   surest masked positions: the schedule's share (block_steps per block, the masks in equal shares, the
   remainder to the first steps), or, with a threshold below 1, every position at least that sure and
-  always the surest. A row whose block holds a stop token with nothing masked before it stops denoising.
+  always the surest. Which positions are "surest" is the remasking's order (`reference.commit_order`):
+  the confidence (low_confidence, the family's default, with optional order noise), the leftmost masked
+  positions first (sequential: the family's `leftmost` selection policy, which ignores the threshold), or
+  a uniform draw from the row's own stream (random). A row whose block holds a stop token with nothing
+  masked before it stops denoising.
   Then one causal pass over the block writes its keys and values into the cache, and its last position's
   logits choose the next block's seed. With block_length 1 a block is its seed alone: the AR mode.
 
@@ -28,9 +32,9 @@ from typing import Any
 import torch
 
 from ..arch.kv import KVCache
-from ..params import Blocks, Commit, Length, Sampling
+from ..params import Blocks, Commit, Length, Ordering, Sampling
 from .predict import sample_with_probability
-from .reference import finished_rows, num_transfer_tokens, select_top_k
+from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
 from .sampling import RowNoise
 
 
@@ -48,10 +52,11 @@ class SeededPlan:
 
     blocks: Blocks
     sampling: Sampling
+    ordering: Ordering
     commit: Commit
 
 
-class _Canvas:
+class CausalCanvas:
     """The rows' prompts (left-padded) and answers, their positions, and the cache the causal passes fill."""
 
     def __init__(self, net: Any, prompt: torch.Tensor, prompt_mask: torch.Tensor, gen_length: int, fill: int) -> None:
@@ -94,7 +99,7 @@ class _Canvas:
         return x0
 
 
-def _stop_after(x: torch.Tensor, start: int, stop: torch.Tensor) -> None:
+def stop_after(x: torch.Tensor, start: int, stop: torch.Tensor) -> None:
     """Fill each row's answer after its first stop token with that token (what the engine cuts)."""
     ans = x[:, start:]
     hit = torch.isin(ans, stop)
@@ -117,7 +122,7 @@ def generate_ar(
     its stop token or the end (the rest of a finished row is its stop token)."""
     B, P = prompt.shape
     G = plan.length.gen_length
-    cv = _Canvas(net, prompt, prompt_mask, G, mask_id)
+    cv = CausalCanvas(net, prompt, prompt_mask, G, mask_id)
     stop = torch.tensor(sorted(stop_ids), device=prompt.device, dtype=prompt.dtype)
     rows = list(range(B))
     done = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # no masks left to right: any stop ends a row
@@ -128,7 +133,7 @@ def generate_ar(
         if t + 1 == G or bool(done.all()):
             break
         h = cv.forward(P + t, P + t + 1, causal=True)[:, -1]
-    _stop_after(cv.x, P, stop)
+    stop_after(cv.x, P, stop)
     return cv.x
 
 
@@ -146,7 +151,7 @@ def generate_seeded(
     B, P = prompt.shape
     blocks, sampling, threshold = plan.blocks, plan.sampling, plan.commit.threshold
     G, W = blocks.gen_length, blocks.block_length
-    cv = _Canvas(net, prompt, prompt_mask, G, mask_id)
+    cv = CausalCanvas(net, prompt, prompt_mask, G, mask_id)
     stop = torch.tensor(sorted(stop_ids), device=prompt.device, dtype=prompt.dtype)
     rows = list(range(B))
     h = cv.forward(0, P, causal=True)[:, -1]
@@ -162,20 +167,21 @@ def generate_seeded(
             if not masked.any():
                 break
             hs = cv.forward(s, e, causal=False)
-            x0, conf = sample_with_probability(
-                net.head(hs[masked]), sampling, masked.sum(1).tolist(), noise.at(rows, j, i + 1)
-            )
+            gens = noise.at(rows, j, i + 1)  # the sampling's draws, then the order's, from each row's stream
+            x0, conf = sample_with_probability(net.head(hs[masked]), sampling, masked.sum(1).tolist(), gens)
             confidence = torch.full(block.shape, float("-inf"), device=block.device).masked_scatter(masked, conf)
-            if threshold < 1:  # every position at least that sure, and always the surest
+            fade = masked.sum(1, keepdim=True) / max(e - s - 1, 1)  # the share of the block still masked
+            rank = torch.where(masked, commit_order(confidence, plan.ordering, fade, gens), float("-inf"))
+            if threshold < 1:  # every position at least that sure, and always the first-ranked
                 chosen = masked & (confidence >= threshold)
-                best = confidence.argmax(1, keepdim=True)
+                best = rank.argmax(1, keepdim=True)
                 chosen.scatter_(1, best, masked.gather(1, best))
-            else:  # the schedule's share: the k surest
-                chosen = select_top_k(confidence, torch.full((B,), k, device=block.device)) & masked
+            else:  # the schedule's share: the k first-ranked
+                chosen = select_top_k(rank, torch.full((B,), k, device=block.device)) & masked
             block[chosen] = x0[chosen[masked]]
             done |= finished_rows(cv.x[:, P:e], mask_id, stop)[0]
         if bool(done.all()) or e == P + G:
             break
         h = cv.forward(s, e, causal=True)[:, -1]  # the commit pass: the block's keys and values, causally
-    _stop_after(cv.x, P, stop)
+    stop_after(cv.x, P, stop)
     return cv.x

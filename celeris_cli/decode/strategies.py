@@ -26,6 +26,7 @@ from .nemotron import ARPlan, SeededPlan, generate_ar, generate_seeded
 from .reference import ReferencePlan, generate_reference
 from .rnd1 import RND1Plan, generate_rnd1
 from .sampling import RowNoise
+from .speculative import SpecPlan, generate_speculative
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,9 @@ def _nemotron(
 ) -> torch.Tensor:
     if params.strategy == "ar":
         return generate_ar(net, prompt, prompt_mask, _plan(ARPlan, params), tokens.mask_id, tokens.stop_ids, noise)
+    if params.strategy == "nemotron-spec":
+        spec = _plan(SpecPlan, params)
+        return generate_speculative(net, prompt, prompt_mask, spec, tokens.mask_id, tokens.stop_ids, noise)
     plan = _plan(SeededPlan, params)
     return generate_seeded(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise)
 
@@ -226,6 +230,7 @@ STRATEGIES: dict[str, Strategy] = {
     "block-fast": _block,
     "nemotron": _nemotron,
     "ar": _nemotron,
+    "nemotron-spec": _nemotron,
 }
 BY_BLOCK = frozenset({"block", "block-fast"})  # the strategies that take an `on_block` hook (streaming)
 PLANS: dict[str, type] = {
@@ -237,6 +242,7 @@ PLANS: dict[str, type] = {
     "block-fast": BlockPlan,
     "nemotron": SeededPlan,
     "ar": ARPlan,
+    "nemotron-spec": SpecPlan,
 }
 
 

@@ -22,8 +22,9 @@ running set; only guidance keeps a request out (its unconditional view would nee
 A row's forwards are those it would take alone, with padding no key mask lets it see and batch mates, and
 its attention runs over exactly its own keys (`invariant.exact`: SDPA's float32 result for a row changes
 with the number of keys even where the extra ones are masked); its result does not depend on them bit for
-bit with `deterministic` on, and in the answers with it off, in float32. Its noise comes from its own stream at its own (block, step), as in
-`generate_fast`. `refill=False` gives static batches through the same loop, for `bench --workload mixed`.
+bit with `deterministic` on, and in the answers with it off, in float32. Its noise comes from its own
+stream at its own (block, step), as in `generate_fast`. `refill=False` gives static batches through the
+same loop, for `bench --workload mixed`.
 """
 
 from __future__ import annotations

@@ -36,8 +36,13 @@ MODES: dict[str, dict[str, Any]] = {
 BY_CACHE = {"none": "threshold+exit", "prefix": "prefix-cache", "dual": "dual-cache"}
 # block-diffusion families (LLaDA2): the reference recomputes the prefix at every step; block-fast caches it
 BLOCK_MODES: dict[str, dict[str, Any]] = {"block": {"strategy": "block"}, "block-fast": {"strategy": "block-fast"}}
-# one checkpoint decoded left to right and by diffusion (Nemotron-Labs-Diffusion): its own AR mode is the baseline
-SEEDED_MODES: dict[str, dict[str, Any]] = {"ar": {"strategy": "ar"}, "nemotron": {"strategy": "nemotron"}}
+# one checkpoint decoded left to right, by diffusion and by speculation (Nemotron-Labs-Diffusion): its own AR
+# mode is the baseline
+SEEDED_MODES: dict[str, dict[str, Any]] = {
+    "ar": {"strategy": "ar"},
+    "nemotron": {"strategy": "nemotron"},
+    "nemotron-spec": {"strategy": "nemotron-spec"},
+}
 
 
 def modes_for(engine: Engine, settings: dict[str, Any] | None = None) -> tuple[dict[str, dict[str, Any]], str]:
@@ -236,11 +241,12 @@ def bench(
     base = engine.params(layer)
 
     def mode(name: str, params: GenerationParams) -> GenerationParams:
-        """The mode's settings over `params`; the AR mode of a seeded table keeps only the knobs it honours
-        (it has no blocks and no steps)."""
-        if table is SEEDED_MODES and name == "ar":
+        """The mode's settings over `params`; the AR and speculative modes of a seeded table keep only the
+        knobs they honour (no steps; the AR mode no blocks either)."""
+        if table is SEEDED_MODES and name != "nemotron":
+            strategy = table[name]["strategy"]
             return engine.params(
-                {**{k: v for k, v in params.report().items() if k in honoured("ar")}, "strategy": "ar"}
+                {**{k: v for k, v in params.report().items() if k in honoured(strategy)}, "strategy": strategy}
             )
         return params.with_(**table[name])
 
