@@ -152,18 +152,10 @@ def test_the_running_sets_build_no_autograd_graph(llada: Engine) -> None:
     assert scheduler.lanes and all(not lane.cache.layers[0][0].requires_grad for lane in scheduler.lanes.values())
 
 
-def test_refresh_buckets_never_pad_a_row_past_its_slack() -> None:
-    widths = [10, 300, 12, 290, 40, 11, 250]
-    buckets = waves._buckets(widths)
-    assert sorted(b for bucket in buckets for b in bucket) == list(range(len(widths)))
-    for bucket in buckets:
-        assert max(widths[b] for b in bucket) <= 1.25 * min(widths[b] for b in bucket)
-
-
 def test_a_rows_logits_are_bit_for_bit_those_it_has_alone_beside_wider_rows(llada: Engine) -> None:
-    """Each refresh bucket pads its rows to the widest and each lane's step reads keys up to its furthest row;
-    SDPA's float32 result for a row changes with the number of keys even where the extra ones are masked, so
-    each row attends over exactly its own (`invariant.exact`). Compared bit for bit, not by the answers, with
+    """A row's forward runs beside rows of other widths and places; SDPA's float32 result for a row changes
+    with the number of keys even where the extra ones are masked (padded batches once made it so), so each
+    row attends over exactly its own (`arch.packed`). Compared bit for bit, not by the answers, with
     the linear layers' rows tiled as in the deterministic mode (a matmul's float32 rounding may change with its
     number of rows, which is not what this pins)."""
     linear = invariant.linear

@@ -36,7 +36,6 @@ from torch import nn
 ROW_TILE = 16  # rows of every matmul are a multiple of this: the kernels' full-tile path, on every call
 
 _active: contextvars.ContextVar[bool] = contextvars.ContextVar("batch_invariant", default=False)
-_exact: contextvars.ContextVar[bool] = contextvars.ContextVar("exact_keys", default=False)
 
 
 def active() -> bool:
@@ -52,24 +51,6 @@ def enabled(on: bool) -> Iterator[None]:
         yield
     finally:
         _active.reset(token)
-
-
-def exact_keys() -> bool:
-    """Whether attention runs per group of rows over exactly the keys they see (`attention`) here: inside
-    `enabled(True)` or `exact(True)`."""
-    return _active.get() or _exact.get()
-
-
-@contextlib.contextmanager
-def exact(on: bool) -> Iterator[None]:
-    """Attention only (not the linear layers) computed as under `enabled`, inside this block: a running set
-    whose rows' canvases differ in width pads them to the widest, and SDPA's result for a row changes with
-    the number of keys even where the extra ones are masked."""
-    token = _exact.set(on)
-    try:
-        yield
-    finally:
-        _exact.reset(token)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,6 +7,7 @@ Each architecture's module builds its network from these and exposes the same fo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from ..errors import ModelError
 from . import invariant
 from .kv import KV, LayerKV
+from .packed import PackedLayer
 from .quantize import Int4Linear
 
 
@@ -61,7 +63,7 @@ class Model(Protocol):
         ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
-        cache: list[LayerKV] | None = None,
+        cache: Sequence[LayerKV | PackedLayer] | None = None,
         start: int | torch.Tensor = 0,
         keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]: ...
@@ -99,7 +101,7 @@ def attend(
     k: torch.Tensor,
     v: torch.Tensor,
     attn_mask: torch.Tensor | None,
-    cache: LayerKV | None,
+    cache: LayerKV | PackedLayer | None,
     start: int | torch.Tensor,
     upcast: bool,
 ) -> tuple[torch.Tensor, KV]:
@@ -108,15 +110,18 @@ def attend(
     decode at different places; `LayerKV.update`). Returns (B, T, H*D) and the fresh (k, v). attn_mask:
     bool, broadcastable to (B, H, T, L); True = may attend. Grouped-query heads are SDPA's own
     (`enable_gqa`), so the keys/values are never repeated per query head. A float32 cache under upcast is
-    used as it is (see `Net.cache_of`), not cast again at every step."""
+    used as it is (see `Net.cache_of`), not cast again at every step. In a packed forward (`arch.packed`)
+    the layer's `PackedLayer` runs the attention, row by row."""
     fresh = (k, v)
+    if isinstance(cache, PackedLayer):
+        return cache.attend(q, k, v, upcast), fresh
     if cache is not None:
         k, v = cache.update(k, v, start)
     gqa = q.shape[1] != k.shape[1]
     dtype = q.dtype
     if dtype != torch.float32 and upcast:  # low-precision rounding would depend on the batch's shape
         q, k, v = q.float(), k.float(), v.float()
-    if invariant.exact_keys() or (isinstance(cache, LayerKV) and cache.exact):
+    if invariant.active() or (isinstance(cache, LayerKV) and cache.exact):
         y = invariant.attention(q, k, v, attn_mask, start, gqa)
     else:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
@@ -296,7 +301,7 @@ class DiffusionLM(nn.Module):
         ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
-        cache: list[LayerKV] | None = None,
+        cache: Sequence[LayerKV | PackedLayer] | None = None,
         start: int | torch.Tensor = 0,
         keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]:

@@ -8,7 +8,7 @@ unconditional passes of guidance included. Choosing a strategy by an unknown nam
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -17,6 +17,7 @@ import torch
 
 from ..arch.kv import KV, KVCache, LayerKV
 from ..arch.layers import Model
+from ..arch.packed import PackedLayer
 from ..errors import UsageError
 from ..params import STRATEGY_PARTS, GenerationParams
 from .block import BlockPlan, OnBlock, generate_block, generate_block_cached
@@ -65,8 +66,8 @@ class Net:
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
-        key_mask: torch.Tensor,
-        cache: list[LayerKV] | None = None,
+        key_mask: torch.Tensor | None,
+        cache: Sequence[LayerKV | PackedLayer] | None = None,
         start: int | torch.Tensor = 0,
         keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]:

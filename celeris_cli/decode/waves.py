@@ -7,24 +7,24 @@ an earlier one), and the block's later steps recompute only the block (`dual`) o
 suffix (`prefix`) against that cache. So a row's cache is its own and lives for one block: the rule for
 joining is that a row joins, and moves to its next block, with a refresh forward of its own canvas.
 
-Each tick advances every row by one step:
-- rows starting a block (just admitted, or done with their last one) get their refresh forward, grouped
-  with others of similar width (`_buckets`: a short canvas is never padded to a long one's width), each
-  row's canvas from column 0 as it would be alone, and their caches are written into a slot of their lane;
-- the rows of each lane (cache mode and block width) take their step in one forward, each row's window at
-  its own block over its own slot of the lane's cache (`KVCache`, per-row starts);
+Each tick advances every row by one step, in one forward of every row in flight laid end to end
+(`arch.packed`: no padding, whatever the rows' widths and places):
+- a row starting a block (just admitted, or done with its last one) takes its refresh: its canvas from
+  column 0 as it would be alone, its keys and values written into a slot of its lane (cache mode and block
+  width) as the forward runs;
+- a row in a lane takes its step: its window at its own block (`dual`: the block; `prefix`: the block and
+  what it sees past it), over its own slot of the lane's cache, its fresh keys and values written there;
 - every row then commits, per group of rows sharing their settings; a row whose block is done leaves its
   lane for the next tick's refreshes, a finished row (early exit, or its last block) is handed back, and
   its place goes to the next waiting request at once.
 Rows with different samplers, thresholds, shaping, steps, lengths, block widths and cache modes share the
 running set; only guidance keeps a request out (its unconditional view would need a second cache per row).
 
-A row's forwards are those it would take alone, with padding no key mask lets it see and batch mates, and
-its attention runs over exactly its own keys (`invariant.exact`: SDPA's float32 result for a row changes
-with the number of keys even where the extra ones are masked); its result does not depend on them bit for
-bit with `deterministic` on, and in the answers with it off, in float32. Its noise comes from its own
-stream at its own (block, step), as in `generate_fast`. `refill=False` gives static batches through the
-same loop, for `bench --workload mixed`.
+A row's forwards are those it would take alone, its attention over exactly its own keys (SDPA's float32
+result for a row changes with the number of keys even where the extra ones are masked), so its answer does
+not depend on its batch mates in float32, and bit for bit with `deterministic` on. Its noise comes from its
+own stream at its own (block, step), as in `generate_fast`. `refill=False` gives static batches through
+the same loop, for `bench --workload mixed`.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 
-from ..arch import invariant
 from ..arch.kv import KVCache
+from ..arch.packed import Segment, packed_layers
 from .fast import FastPlan
 from .predict import confidence_masked, sample_masked
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
-from .running import Lane, Occupancy, supports
+from .running import Lane, Occupancy, allocate, supports
 from .sampling import shape_masked, stream_seed
 from .strategies import Net
 
@@ -144,6 +144,7 @@ class WaveScheduler:
         self.pieces = torch.tensor(sorted(word_pieces), device=device, dtype=torch.long)
         self.lanes: dict[tuple[str, int], Lane] = {}
         self.occupancy = Occupancy()
+        self.n_layers = len(allocate(net, 1, 1, device).layers)
 
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
     def run(self, requests: Iterable[FastRequest]) -> Iterator[tuple[int, list[int], int]]:
@@ -158,8 +159,7 @@ class WaveScheduler:
                     in_flight += 1
             self.occupancy.rounds += 1
             self.occupancy.in_flight += in_flight
-            stepped = [part for lane in self.lanes.values() if lane.rows for part in self._step(lane)]
-            stepped += self._refresh(fresh)
+            stepped = self._tick(fresh)
             self._commit(stepped)
             fresh = []
             for r, outcome in self._advance([part.row for part in stepped]):
@@ -175,82 +175,71 @@ class WaveScheduler:
         x[: len(req.prompt)] = torch.tensor(req.prompt, dtype=torch.long, device=self.device)
         return _Row(req, x)
 
-    # -- forwards ------------------------------------------------------------------------------------
-    def _refresh(self, rows: list[_Row]) -> list[_Stepped]:
-        """The first forward of each row's block (every step's forward, without a cache): each row's canvas
-        from column 0, in buckets of similar width, its keys and values into a slot of its lane."""
-        out = []
-        for bucket in _buckets([r.width for r in rows]):
-            group = [rows[b] for b in bucket]
-            width = max(r.width for r in group)
-            ids = torch.full((len(group), width), self.pad_id, dtype=torch.long, device=self.device)
-            km = torch.zeros(len(group), width, dtype=torch.bool, device=self.device)
-            for i, r in enumerate(group):
-                ids[i, : r.width] = r.x[: r.width]
-                km[i, : r.width] = True
-                if r.step == 0:
-                    T = r.span[1] - r.span[0]
-                    r.schedule = num_transfer_tokens(torch.tensor([T], device=self.device), r.steps)[0]
-            keep = any(r.mode != "none" for r in group)
-            with invariant.exact(True):  # each row over its own keys, as alone
-                h, kv = self.net.hidden(ids, Net.positions(km), km, keep_kv=keep)
-            self._count(group, width)
-            layers = self.net.cache_of(kv).layers if keep else []
-            for i, r in enumerate(group):
-                s, e = r.span
-                lo = s - self.net.shift
-                block = r.x[s:e].clone()
-                out.append(_Stepped(r, block, self.net.head(h[i, lo : lo + e - s][block == self.mask_id])))
-                if r.mode != "none":
-                    lane = self._lane(r, layers)
-                    lane.ensure(r.width)
-                    for (k, v), (ck, cv) in zip(layers, lane.cache.layers):
-                        ck[len(lane.rows), :, : r.width] = k[i, :, : r.width]
-                        cv[len(lane.rows), :, : r.width] = v[i, :, : r.width]
-                    lane.rows.append(r)
-        return out
-
-    def _step(self, lane: Lane) -> list[_Stepped]:
-        """One step of every row of a lane, each its own window over its own slot: the block (dual) or the
-        block and what it sees past it (prefix), recomputed against the block's cache."""
-        rows, n = lane.rows, len(lane.rows)
-        mode, T = rows[0].lane
+    # -- the forward -------------------------------------------------------------------------------
+    def _tick(self, fresh: list[_Row]) -> list[_Stepped]:
+        """One forward for every row in flight, laid end to end (`arch.packed`): each lane row's window at
+        its own block over its own slot of the lane's cache (the block, `dual`, or the block and what it sees
+        past it, `prefix`), recomputed against the block's cache; and each row starting a block (its first
+        step: no cache), its canvas from column 0, whose keys and values fill a slot of its lane."""
         shift = self.net.shift
-        starts = torch.tensor([r.span[0] - shift for r in rows], device=self.device)
-        window = T + shift if mode == "dual" else max(r.width - r.span[0] for r in rows) + shift
-        length = max(int(starts.max()) + window, max(r.width for r in rows))  # dual: the suffix's keys too
-        lane.ensure(length)
-        ids = torch.full((n, window), self.pad_id, dtype=torch.long, device=self.device)
-        for b, r in enumerate(rows):
-            part = r.x[int(starts[b]) : int(starts[b]) + window]
-            ids[b, : len(part)] = part
-        positions = starts[:, None] + torch.arange(window, device=self.device)[None, :]
-        widths = torch.tensor([r.width for r in rows], device=self.device)
-        key_mask = (torch.arange(length, device=self.device)[None, :] < widths[:, None])[:, None, None, :]
-        with invariant.exact(True):  # each row over its own keys, as alone
-            h, _ = self.net.hidden(ids, positions, key_mask, lane.cache.view(slice(0, n), length), starts, False)
-        self._count(rows, window)
-        blocks = [r.x[r.span[0] : r.span[1]].clone() for r in rows]
-        masked = torch.stack(blocks) == self.mask_id
-        logits = self.net.head(h[:, :T][masked])
-        counts = masked.sum(1).tolist()
-        parts = logits.split(counts)
-        return [_Stepped(r, blk, part) for r, blk, part in zip(rows, blocks, parts)]
-
-    def _count(self, rows: list[_Row], width: int) -> None:
+        segments: list[Segment] = []
+        ids: list[torch.Tensor] = []
+        at: list[int] = []  # each segment's canvas position of its first token
+        rows: list[_Row] = []
+        for lane in self.lanes.values():
+            if lane.rows:
+                lane.ensure(max(r.width for r in lane.rows))
+            for slot, r in enumerate(lane.rows):
+                start = r.span[0] - shift
+                end = r.span[1] if r.mode == "dual" else r.width  # dual: the suffix's keys stay the cache's
+                rows.append(r)
+                at.append(start)
+                segments.append(self._segment(segments, end - start, lane.cache, slot, start, r.width))
+                ids.append(r.x[start:end])
+        for r in fresh:
+            if r.step == 0:
+                T = r.span[1] - r.span[0]
+                r.schedule = num_transfer_tokens(torch.tensor([T], device=self.device), r.steps)[0]
+            if r.mode == "none":
+                segments.append(self._segment(segments, r.width))
+            else:
+                lane = self._lane(r)
+                lane.ensure(r.width)
+                segments.append(self._segment(segments, r.width, lane.cache, len(lane.rows), 0, r.width))
+                lane.rows.append(r)
+            rows.append(r)
+            at.append(0)
+            ids.append(r.x[: r.width])
+        N = segments[-1].end
+        positions = torch.cat([torch.arange(a, a + len(t), device=self.device) for a, t in zip(at, ids)])
+        cache = packed_layers(segments, self.n_layers)
+        h, _ = self.net.hidden(torch.cat(ids)[None], positions[None], None, cache, 0, False)
         self.occupancy.forwards += 1
         self.occupancy.rows += len(rows)
-        self.occupancy.positions += len(rows) * width
-        for r in rows:
+        self.occupancy.positions += N
+        blocks, picks = [], []
+        for r, seg, a in zip(rows, segments, at):
             r.forwards += 1
+            s, e = r.span
+            block = r.x[s:e].clone()
+            lo = seg.begin + s - shift - a  # the hidden state predicting the block's first column
+            picks.append(torch.arange(lo, lo + e - s, device=self.device)[block == self.mask_id])
+            blocks.append(block)
+        logits = self.net.head(h[0, torch.cat(picks)])
+        parts = logits.split([len(p) for p in picks])
+        return [_Stepped(r, blk, part) for r, blk, part in zip(rows, blocks, parts)]
 
-    def _lane(self, r: _Row, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Lane:
+    @staticmethod
+    def _segment(
+        segments: list[Segment], length: int, cache: KVCache | None = None, slot: int = 0, at: int = 0, keys: int = 0
+    ) -> Segment:
+        begin = segments[-1].end if segments else 0
+        return Segment(begin, begin + length, cache, slot, at, keys)
+
+    def _lane(self, r: _Row) -> Lane:
         key = r.lane
         if key not in self.lanes:
-            k = layers[0][0]
-            length = max(r.width, 64)
-            cache = KVCache.empty(len(layers), self.max_batch, k.shape[1], length, k.shape[3], k.dtype, self.device)
-            self.lanes[key] = Lane(cache)
+            self.lanes[key] = Lane(allocate(self.net, self.max_batch, max(r.width, 64), self.device))
         return self.lanes[key]
 
     # -- commits -------------------------------------------------------------------------------------
@@ -353,16 +342,3 @@ class WaveScheduler:
         _, first_stop = finished_rows(gen[None], self.mask_id, self.stop)
         fill = gen[int(first_stop.clamp_max(e - r.P - 1))]
         r.x[s:] = torch.where(r.x[s:] == self.mask_id, fill, r.x[s:])
-
-
-def _buckets(widths: list[int], slack: float = 1.25) -> list[list[int]]:
-    """Rows (by index) grouped for the refresh forwards by canvas width, so that no row is padded past
-    `slack` times its own width (the forwards' cost is in their positions)."""
-    order = sorted(range(len(widths)), key=lambda b: widths[b])
-    buckets: list[list[int]] = []
-    for b in order:
-        if buckets and widths[b] <= slack * widths[buckets[-1][0]]:
-            buckets[-1].append(b)
-        else:
-            buckets.append([b])
-    return buckets

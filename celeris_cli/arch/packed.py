@@ -1,0 +1,73 @@
+"""Packed forwards: the rows of a running set laid end to end in one sequence, so that one forward serves
+rows of any width, each at its own place, with no padding.
+
+A batched forward pads every row to the widest and every row to the furthest key; a running set whose rows
+sit at different places and widths would split each round into several such forwards (one per shape) or pay
+for the padding. Packed, the linear layers, norms and MLPs see one (1, N, d) input (they act on each
+position alone), and attention runs per row (`Segment`): its queries over exactly its own keys, either its
+own fresh ones or its slot of a lane's cache after its fresh keys and values are written there. So a row's
+attention has the shapes it has alone, beside any others (SDPA's float32 result changes with the number of
+keys even where the extra ones are masked).
+
+A family gets this through `layers.attend`, which hands the attention to the `PackedLayer` a packed forward
+gives each layer in place of its cache. RoPE and any per-position scaling read the positions the caller
+gives, one per packed token (each row's own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kv import KVCache
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One row's tokens in a packed forward: positions [begin, end) of the packed sequence. With a `cache`,
+    its fresh keys and values are written into slot `slot` at canvas positions [at, at + end - begin), and it
+    attends over that slot's first `keys` positions; without one, over its own fresh keys only."""
+
+    begin: int
+    end: int
+    cache: KVCache | None = None
+    slot: int = 0
+    at: int = 0
+    keys: int = 0
+
+
+class PackedLayer:
+    """What one layer of a packed forward is given in place of its cache (`layers.attend` asks it)."""
+
+    def __init__(self, segments: list[Segment], layer: int) -> None:
+        self.segments = segments
+        self.layer = layer
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, upcast: bool) -> torch.Tensor:
+        """q (1, H, N, D), k and v (1, Hkv, N, D) -> (1, N, H * D), each segment's queries over its keys."""
+        _, H, N, _ = q.shape
+        gqa = H != k.shape[1]
+        dtype = q.dtype
+        up = dtype != torch.float32 and upcast  # low-precision rounding would depend on the shapes
+        y = q.new_zeros(1, H, N, v.shape[-1], dtype=torch.float32 if up else dtype)
+        for s in self.segments:
+            ks, vs = k[:, :, s.begin : s.end], v[:, :, s.begin : s.end]
+            if s.cache is not None:
+                ck, cv = s.cache.layers[self.layer]
+                ck[s.slot, :, s.at : s.at + s.end - s.begin] = ks[0].to(ck.dtype)
+                cv[s.slot, :, s.at : s.at + s.end - s.begin] = vs[0].to(cv.dtype)
+                ks, vs = ck[s.slot : s.slot + 1, :, : s.keys], cv[s.slot : s.slot + 1, :, : s.keys]
+            qs = q[:, :, s.begin : s.end]
+            if up:
+                qs, ks, vs = qs.float(), ks.float(), vs.float()
+            y[:, :, s.begin : s.end] = F.scaled_dot_product_attention(
+                qs.contiguous(), ks.contiguous(), vs.contiguous(), enable_gqa=gqa
+            )
+        return y.to(dtype).transpose(1, 2).reshape(1, N, -1)
+
+
+def packed_layers(segments: list[Segment], n_layers: int) -> list[PackedLayer]:
+    """The per-layer objects a packed forward passes as its cache."""
+    return [PackedLayer(segments, i) for i in range(n_layers)]

@@ -1,0 +1,35 @@
+"""Packed forwards (`arch.packed`): rows laid end to end in one sequence give each row what its own forward
+gives it, a fresh canvas or a window over its slot of a cache, and write its keys and values there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from celeris_cli import load_engine
+from celeris_cli.arch.kv import KVCache
+from celeris_cli.arch.packed import Segment, packed_layers
+
+
+def test_rows_packed_end_to_end_get_what_their_own_forwards_give(tiny_model: Path) -> None:
+    model = load_engine(tiny_model, device="cpu", dtype="float32").model
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(10, 200, (1, 11), generator=g), torch.randint(10, 200, (1, 23), generator=g)
+    with torch.no_grad():
+        ha, kva = model.hidden(a, torch.arange(11)[None], None, None, 0, True)
+        hb, kvb = model.hidden(b, torch.arange(23)[None], None, None, 0, True)
+        k = kva[0][0]
+        cache = KVCache.empty(len(kva), 3, k.shape[1], 32, k.shape[3], k.dtype, torch.device("cpu"))
+        # b's canvas fills slot 2 as it runs; a runs on its own fresh keys only
+        segments = [Segment(0, 11), Segment(11, 34, cache, 2, 0, 23)]
+        ids, pos = torch.cat([a, b], 1), torch.cat([torch.arange(11), torch.arange(23)])[None]
+        h, _ = model.hidden(ids, pos, None, packed_layers(segments, len(kva)), 0, False)
+        assert torch.allclose(h[0, :11], ha[0], atol=1e-5) and torch.allclose(h[0, 11:], hb[0], atol=1e-5)
+        assert all(torch.allclose(c[2, :, :23], f[0], atol=1e-6) for (c, _), (f, _) in zip(cache.layers, kvb))
+
+        # then b's last 5 positions again as a window over its slot (their keys rewritten at 18)
+        window = b[:, 18:]
+        step = [Segment(0, 5, cache, 2, 18, 23)]
+        h2, _ = model.hidden(window, torch.arange(18, 23)[None], None, packed_layers(step, len(kva)), 0, False)
+        assert torch.allclose(h2[0], hb[0, 18:], atol=1e-5)
