@@ -41,9 +41,10 @@ class Segment:
 class PackedLayer:
     """What one layer of a packed forward is given in place of its cache (`layers.attend` asks it)."""
 
-    def __init__(self, segments: list[Segment], layer: int) -> None:
+    def __init__(self, segments: list[Segment], layer: int, writes: list[_Writes]) -> None:
         self.segments = segments
         self.layer = layer
+        self.writes = writes
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, upcast: bool) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, Hkv, N, D) -> (1, N, H * D), each segment's queries over its keys."""
@@ -51,23 +52,46 @@ class PackedLayer:
         gqa = H != k.shape[1]
         dtype = q.dtype
         up = dtype != torch.float32 and upcast  # low-precision rounding would depend on the shapes
-        y = q.new_zeros(1, H, N, v.shape[-1], dtype=torch.float32 if up else dtype)
+        for w in self.writes:  # every segment's fresh keys and values into its slot, one write per cache
+            ck, cv = w.cache.layers[self.layer]
+            ck[w.slots, :, w.at] = k[0, :, w.tokens].transpose(0, 1).to(ck.dtype)
+            cv[w.slots, :, w.at] = v[0, :, w.tokens].transpose(0, 1).to(cv.dtype)
+        y = q.new_empty(1, H, N, v.shape[-1], dtype=torch.float32 if up else dtype)
         for s in self.segments:
-            ks, vs = k[:, :, s.begin : s.end], v[:, :, s.begin : s.end]
             if s.cache is not None:
                 ck, cv = s.cache.layers[self.layer]
-                ck[s.slot, :, s.at : s.at + s.end - s.begin] = ks[0].to(ck.dtype)
-                cv[s.slot, :, s.at : s.at + s.end - s.begin] = vs[0].to(cv.dtype)
                 ks, vs = ck[s.slot : s.slot + 1, :, : s.keys], cv[s.slot : s.slot + 1, :, : s.keys]
+            else:
+                ks, vs = k[:, :, s.begin : s.end], v[:, :, s.begin : s.end]
             qs = q[:, :, s.begin : s.end]
             if up:
                 qs, ks, vs = qs.float(), ks.float(), vs.float()
-            y[:, :, s.begin : s.end] = F.scaled_dot_product_attention(
-                qs.contiguous(), ks.contiguous(), vs.contiguous(), enable_gqa=gqa
-            )
+            y[:, :, s.begin : s.end] = F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=gqa)
         return y.to(dtype).transpose(1, 2).reshape(1, N, -1)
 
 
-def packed_layers(segments: list[Segment], n_layers: int) -> list[PackedLayer]:
+@dataclass(frozen=True)
+class _Writes:
+    """Where the segments over one cache write their keys and values: packed token i goes to slot
+    `slots[i]`, position `at[i]`."""
+
+    cache: KVCache
+    slots: torch.Tensor
+    at: torch.Tensor
+    tokens: torch.Tensor
+
+
+def packed_layers(segments: list[Segment], n_layers: int, device: torch.device | None = None) -> list[PackedLayer]:
     """The per-layer objects a packed forward passes as its cache."""
-    return [PackedLayer(segments, i) for i in range(n_layers)]
+    by_cache: dict[int, tuple[KVCache, list[Segment]]] = {}
+    for s in segments:
+        if s.cache is not None:
+            by_cache.setdefault(id(s.cache), (s.cache, []))[1].append(s)
+    writes = []
+    for cache, segs in by_cache.values():
+        dev = cache.layers[0][0].device if device is None else device
+        slots = torch.cat([torch.full((s.end - s.begin,), s.slot, dtype=torch.long) for s in segs])
+        at = torch.cat([torch.arange(s.at, s.at + s.end - s.begin) for s in segs])
+        tokens = torch.cat([torch.arange(s.begin, s.end) for s in segs])
+        writes.append(_Writes(cache, slots.to(dev), at.to(dev), tokens.to(dev)))
+    return [PackedLayer(segments, i, writes) for i in range(n_layers)]

@@ -64,16 +64,16 @@ class _Row:
     step: int = 0  # within the block
     forwards: int = 0
     schedule: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # this block's
+    spans: list[tuple[int, int]] = field(default_factory=list)  # each block's columns in the canvas
 
-    @property
-    def P(self) -> int:
-        return len(self.req.prompt)
+    def __post_init__(self) -> None:
+        self.P = len(self.req.prompt)
+        self.spans = [(self.P + bs, self.P + be) for bs, be in self.req.plan.schedule.block_spans]
 
     @property
     def span(self) -> tuple[int, int]:
         """The active block's columns in the row's canvas."""
-        bs, be = self.req.plan.schedule.block_spans[self.block]
-        return self.P + bs, self.P + be
+        return self.spans[self.block]
 
     @property
     def steps(self) -> int:
@@ -107,7 +107,7 @@ class _Row:
 
     @property
     def last_block(self) -> bool:
-        return self.block == len(self.req.plan.schedule.block_spans) - 1
+        return self.block == len(self.spans) - 1
 
 
 @dataclass
