@@ -30,8 +30,8 @@ from .decode.running import BlockRequest, BlockScheduler, Occupancy, supports
 from .decode.sampling import RowNoise, request_seed
 from .decode.strategies import BY_BLOCK, Net, OnBlock, SpecialTokens, fast_plan_of, get_strategy, plan_of
 from .device import resolve_device, resolve_dtype
-from .errors import ModelError, PromptTooLong, TooLarge, UsageError
-from .params import GenerationParams, model_layer, script_layers, script_of
+from .errors import ModelError, TooLarge, UsageError
+from .params import GenerationParams, check_fits, model_layer, script_layers, script_of
 
 log = logging.getLogger(__name__)
 
@@ -146,18 +146,11 @@ class Engine:
 
     # -- token level -------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
-        text = self.tokenizer.render_chat(prompt) if chat else prompt
-        ids = self.tokenizer.encode(text)
-        if not ids:
-            raise UsageError("empty prompt")
+        ids: list[int] = self.tokenizer.encode_prompt(self.tokenizer.render_chat(prompt) if chat else prompt)
         return ids
 
     def check_fits(self, n_prompt: int, params: GenerationParams) -> None:
-        if n_prompt + params.gen_length > self.max_length:
-            raise PromptTooLong(
-                f"prompt of {n_prompt} tokens plus gen-length {params.gen_length} exceeds the "
-                f"model's context of {self.max_length} tokens"
-            )
+        check_fits(n_prompt, params.gen_length, self.max_length)
 
     def decode_ids(
         self,

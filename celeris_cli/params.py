@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from .errors import UsageError
+from .errors import PromptTooLong, UsageError
 
 Remasking = Literal["low_confidence", "random", "sequential"]
 CacheMode = Literal["none", "prefix", "dual"]
@@ -858,3 +858,13 @@ def model_layer(raw: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[int],
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos_list):
         raise UsageError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
     return settings, frozenset(eos_list), ignored
+
+
+def check_fits(n_prompt: int, gen_length: int, max_length: int) -> None:
+    """A prompt of n_prompt tokens and its answer must fit the model's context (the engine's and the
+    queue's `Preparer`'s check)."""
+    if n_prompt + gen_length > max_length:
+        raise PromptTooLong(
+            f"prompt of {n_prompt} tokens plus gen-length {gen_length} exceeds the "
+            f"model's context of {max_length} tokens"
+        )

@@ -198,6 +198,13 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids (the engine's and the queue's `Preparer`'s); an empty one is the user's error."""
+        ids = self.encode(text)
+        if not ids:
+            raise UsageError("empty prompt")
+        return ids
+
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode([i for i in ids if i != self.mask_id])
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import CelerisError, ConfigError, PromptTooLong, UsageError
-from ..params import script_of
+from ..errors import CelerisError, ConfigError
+from ..params import check_fits, script_of
 from .formats import Request
 
 
@@ -78,26 +78,16 @@ class Preparer:
             if self.tokenizer.chat_template:
                 ids = self.tokenizer.encode(self.tokenizer.render_chat(request.messages))
             else:  # a completion model: the conversation's text is the prompt
-                ids = self._encode("\n".join(m["content"] for m in request.messages))
+                ids = self.tokenizer.encode_prompt("\n".join(m["content"] for m in request.messages))
             text = request.messages[-1]["content"]
         else:
             assert request.prompt is not None
-            ids, text = self._encode(request.prompt), request.prompt
+            ids, text = self.tokenizer.encode_prompt(request.prompt), request.prompt
         preset = self.by_script.get(script_of(text) or "")
         params = params.under(preset) if preset else params  # packed with the rows that run the same settings
-        if len(ids) + params.gen_length > self.max_length:
-            raise PromptTooLong(
-                f"prompt of {len(ids)} tokens plus gen-length {params.gen_length} exceeds the "
-                f"model's context of {self.max_length} tokens"
-            )
+        check_fits(len(ids), params.gen_length, self.max_length)
         # requests that differ only in their seed share a batch: each row draws from its own seed
         return Prepared(request, params.batch_key(), len(ids) + params.gen_length, (text, ids, params.seed))
-
-    def _encode(self, text: str) -> list[int]:
-        ids: list[int] = self.tokenizer.encode(text)
-        if not ids:
-            raise UsageError("empty prompt")
-        return ids
 
 
 def _settings(build: Callable[[], Any]) -> Any:
