@@ -213,3 +213,8 @@ def test_the_step_sweep_gives_each_model_a_row_per_total_of_steps(tiny_model: Pa
     assert r.exit_code == 0, r.output
     assert [row["denoise_steps"] for row in json.loads(out.read_text())["rows"]] == [2, 4]  # no model beside a folder
     assert "denoising steps vs quality" in r.output
+
+
+def test_two_only_measure_options_are_refused_by_name_not_one_silently_dropped() -> None:
+    r = CliRunner().invoke(app, ["bench", "--workload", "mixed", "--invariance", "4"])
+    assert r.exit_code == 2 and "--workload and --invariance" in r.output and "Traceback" not in r.output

@@ -174,6 +174,19 @@ def bench_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
 ) -> None:
     """Reference decoding and every fast mode side by side: speed and quality on the same outputs."""
+    only = {
+        "--memory": memory,
+        "--loading": loading,
+        "--ray-compare": ray_compare,
+        "--scaling": scaling,
+        "--workload": workload,
+        "--invariance": invariance,
+        "--invariance-cost": invariance_cost,
+        "--sweep": sweep,
+    }
+    asked = [name for name, value in only.items() if value]
+    if len(asked) > 1:
+        fail(UsageError(f"{' and '.join(asked)} each measure only their own thing: give one of them"))
     if memory:
         from ..measure.memory import check_default, render_check
 
@@ -186,11 +199,11 @@ def bench_cmd(
         from ..measure.bench import hardware
         from ..measure.loading import measure_loading
 
-        rows = measure_loading(loading)
-        result = {"hardware": hardware(), "loading": rows}
-        if out is not None:
-            out.write_text(json.dumps(result, indent=1), encoding="utf-8")
-        typer.echo(json.dumps(result))
+        try:
+            result = {"hardware": hardware(), "loading": measure_loading(loading)}
+        except CelerisError as e:
+            fail(e)
+        _emit(result, out, True, _no_table)
         return
     import tempfile
 
@@ -209,9 +222,7 @@ def bench_cmd(
                 result = bench_batch(ray_compare, batch_size, Path(tmp), engine_options)
         except CelerisError as e:
             fail(e)
-        if out is not None:
-            out.write_text(json.dumps(result, indent=1), encoding="utf-8")
-        typer.echo(json.dumps(result))
+        _emit(result, out, True, _no_table)
         return
     if scaling:
         from ..measure.scaling import render_scaling
@@ -243,9 +254,7 @@ def bench_cmd(
             result = batch_invariance(engine, invariance, batch_size, _json_setting(set_name))
         except CelerisError as e:
             fail(e)
-        if out is not None:
-            out.write_text(json.dumps(result, indent=1, ensure_ascii=False), encoding="utf-8")
-        typer.echo(json.dumps(result, ensure_ascii=False))
+        _emit(result, out, True, _no_table)
         return
     if invariance_cost:
         try:
@@ -254,7 +263,7 @@ def bench_cmd(
             result = deterministic_cost(engine, sizes, prompts, _json_setting(set_name))
         except CelerisError as e:
             fail(e)
-        _emit(result, out, True, lambda r: None)
+        _emit(result, out, True, _no_table)
         return
     if sweep:
         _sweep(sweep, model, versus, prompts, batch_size, gen_length, set_name, device, dtype, threads, out, as_json)
@@ -288,14 +297,17 @@ def bench_cmd(
                 report["queue"] = bench_queue(engine, queue, batch_size, params, Path(tmp))
     except CelerisError as e:
         fail(e)
-    if out is not None:
-        out.write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
-    if as_json:
-        typer.echo(json.dumps(report, ensure_ascii=False))
-        return
-    render(report)
-    if "queue" in report:
-        typer.echo("queue: " + json.dumps(report["queue"]))
+
+    def render_bench(report: dict[str, Any]) -> None:
+        render(report)
+        if "queue" in report:
+            typer.echo("queue: " + json.dumps(report["queue"]))
+
+    _emit(report, out, as_json, render_bench)
+
+
+def _no_table(report: dict[str, Any]) -> None:
+    raise AssertionError("a measurement without a table prints JSON")
 
 
 def _sweep(
@@ -328,7 +340,8 @@ def _sweep(
 
 
 def _emit(report: dict[str, Any], out: Path | None, as_json: bool, render: Callable[[dict[str, Any]], None]) -> None:
-    """A measurement's report: also to --out as JSON, then as JSON (--json) or rendered as a table."""
+    """Every measurement's report: also to --out as JSON, then as JSON (--json) or rendered as a table (the
+    measurements without a table always print JSON)."""
     if out is not None:
         out.write_text(json.dumps(report, indent=1, ensure_ascii=False), encoding="utf-8")
     if as_json:
