@@ -202,10 +202,11 @@ class Engine:
         assert len(kinds) == 1 and None not in kinds, "one running set decodes rows of one kind"
         special = self._special(max(params, key=lambda p: p.subword_min_p))  # word pieces if any row needs them
         net = Net(self.model)
-        args = (net, special.mask_id, special.stop_ids, special.pad_id, max_batch, self.device, special.word_pieces)
         if kinds == {"waves"}:
             assert on_block is None, "the fast strategy commits no blocks to report"
-            return waves.WaveScheduler(*args, refill=refill), net
+            wave = (net, special.mask_id, special.stop_ids, max_batch, self.device, special.word_pieces)
+            return waves.WaveScheduler(*wave, refill=refill), net
+        args = (net, special.mask_id, special.stop_ids, special.pad_id, max_batch, self.device, special.word_pieces)
         return BlockScheduler(*args, refill=refill, on_block=on_block), net
 
     @staticmethod
@@ -444,9 +445,8 @@ class Engine:
     def continuous(self, params: GenerationParams, bidirectional: bool = False) -> bool:
         """Whether rows with these settings decode through a running set: block diffusion's cached decoder
         without guidance (`decode.running`); with `bidirectional`, the fast decoder's rows too
-        (`decode.waves`). That one is not the default path: on the 2-core CPU it was measured at 0.95x
-        static batches on the mixed workload and 0.8x on a uniform one (its forwards are positions-bound
-        there; docs/benchmarks.md). Other strategies decode in static batches."""
+        (`decode.waves`, measured by `bench --workload mixed`; docs/scheduling.md). Other strategies decode
+        in static batches."""
         return _running_kind(params, bidirectional) is not None
 
     # -- text level --------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def test_a_later_batch_starts_while_an_earlier_one_is_still_running_and_answers_
     assert got == {r.custom_id: alone(r) for r in requests}
 
 
-def test_a_backend_that_is_not_the_engine_runs_one_batch_at_a_time() -> None:
+def test_a_backend_that_is_not_the_engine_gets_the_one_batch_at_a_time_pool() -> None:
     class Fake:
         def prepare(self, request: Request) -> Any:
             raise AssertionError
@@ -74,3 +74,11 @@ def test_a_backend_that_is_not_the_engine_runs_one_batch_at_a_time() -> None:
             raise AssertionError
 
     assert isinstance(LocalExecutor(Fake(), 4).pool, InlinePool)  # type: ignore[arg-type]
+
+
+def test_a_ray_actors_running_set_is_as_wide_as_the_batch_size_it_is_given() -> None:
+    from celeris_cli.batch.ray_pool import RayWorker
+
+    worker = RayWorker({"model": None, "device": "cpu", "dtype": "float32"}, 1, batch_size=3)
+    pool = worker.executor.pool
+    assert isinstance(pool, RunningPool) and pool.live.max_batch == 3

@@ -33,3 +33,22 @@ def test_rows_packed_end_to_end_get_what_their_own_forwards_give(tiny_model: Pat
         step = [Segment(0, 5, cache, 2, 18, 23)]
         h2, _ = model.hidden(window, torch.arange(18, 23)[None], None, packed_layers(step, len(kva)), 0, False)
         assert torch.allclose(h2[0], hb[0, 18:], atol=1e-5)
+
+
+def test_two_rows_over_one_cache_write_their_own_slots_and_nothing_else(tiny_model: Path) -> None:
+    model = load_engine(tiny_model, device="cpu", dtype="float32").model
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randint(10, 200, (1, 9), generator=g), torch.randint(10, 200, (1, 14), generator=g)
+    with torch.no_grad():
+        ha, kva = model.hidden(a, torch.arange(9)[None], None, None, 0, True)
+        hb, kvb = model.hidden(b, torch.arange(14)[None], None, None, 0, True)
+        k = kva[0][0]
+        cache = KVCache.empty(len(kva), 4, k.shape[1], 16, k.shape[3], k.dtype, torch.device("cpu"))
+        segments = [Segment(0, 9, cache, 3, 0, 9), Segment(9, 23, cache, 1, 0, 14)]  # slots out of order
+        ids, pos = torch.cat([a, b], 1), torch.cat([torch.arange(9), torch.arange(14)])[None]
+        h, _ = model.hidden(ids, pos, None, packed_layers(segments, len(kva)), 0, False)
+    assert torch.allclose(h[0, :9], ha[0], atol=1e-5) and torch.allclose(h[0, 9:], hb[0], atol=1e-5)
+    for (ck, cv), (fa, _), (fb, _) in zip(cache.layers, kva, kvb):
+        assert torch.allclose(ck[3, :, :9], fa[0], atol=1e-6) and torch.allclose(ck[1, :, :14], fb[0], atol=1e-6)
+        assert not ck[0].any() and not ck[2].any() and not ck[3, :, 9:].any() and not ck[1, :, 14:].any()
+        assert not cv[0].any() and not cv[2].any()

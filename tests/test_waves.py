@@ -46,7 +46,7 @@ def _alone(engine: Engine, prompt: str, params: Any, seed: int) -> list[int]:
 
 def _running(engine: Engine, rows: list[tuple[str, Any, int]], max_batch: int, refill: bool = True) -> list[list[int]]:
     scheduler = waves.WaveScheduler(
-        Net(engine.model), engine.special.mask_id, engine.special.stop_ids, engine.special.pad_id, max_batch,
+        Net(engine.model), engine.special.mask_id, engine.special.stop_ids, max_batch,
         torch.device("cpu"), refill=refill,
     )  # fmt: skip
     admitted_beside: list[int] = []  # rows in flight when each row was admitted
@@ -142,7 +142,7 @@ def test_the_running_sets_build_no_autograd_graph(llada: Engine) -> None:
     assert any(p.requires_grad for p in llada.model.parameters())
     rows = [(p, llada.params(_settings(i, 1.0) | {"cache": "prefix"}), i) for i, p in enumerate(PROMPTS[:3])]
     scheduler = waves.WaveScheduler(
-        Net(llada.model), llada.special.mask_id, llada.special.stop_ids, llada.special.pad_id, 3, torch.device("cpu")
+        Net(llada.model), llada.special.mask_id, llada.special.stop_ids, 3, torch.device("cpu")
     )
     requests = [
         waves.FastRequest(i, llada.encode_prompt(p), fast_plan_of(s), seed) for i, (p, s, seed) in enumerate(rows)
@@ -188,3 +188,14 @@ def test_a_rows_logits_are_bit_for_bit_those_it_has_alone_beside_wider_rows(llad
     assert beside.keys() == alone.keys() and len(alone) > 4
     bad = [(k, float((beside[k] - a).abs().max())) for k, a in sorted(alone.items()) if not torch.equal(beside[k], a)]
     assert not bad, bad
+
+
+def test_a_shifted_familys_rows_answer_as_the_static_decoder_alone(llada: Engine) -> None:
+    """Families whose position j-1 predicts position j (Dream, CoDA, RND1 run `fast` too): the block's
+    logits come from the hidden states one column to the left, in the refresh and in each step's window."""
+    model = llada.model
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model, "logit_shift", 1)
+        rows = [(p, llada.params(_settings(i, 0.0)), i) for i, p in enumerate(PROMPTS)]
+        running = _running(llada, rows, max_batch=2)
+        assert running == [_alone(llada, p, s, seed) for p, s, seed in rows]

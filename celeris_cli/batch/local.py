@@ -32,8 +32,8 @@ def prepare_and_pack(
     prepare: Callable[[Request], Prepared], requests: list[Request], batch_size: int, token_budget: int
 ) -> tuple[list[list[Prepared]], list[Outcome]]:
     """The batches the requests are decoded in, and the failures of those that cannot be prepared. The one
-    packing every executor uses (on Ray, the driver packs and each actor decodes whole batches), so an
-    answer's batch mates, and with them its low-precision rounding, are the same local or on Ray."""
+    packing every executor uses (on Ray, the driver packs and each actor decodes whole batches): a batch
+    of settings the running set cannot take decodes as it is, with the same batch mates local or on Ray."""
     prepared: list[Prepared] = []
     failed: list[Outcome] = []
     for req in requests:

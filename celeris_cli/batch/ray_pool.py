@@ -111,8 +111,8 @@ class RayExecutor:
         # starves it and the job hangs); the threads use what the actors share
         cpus = o.cpus_per_actor if o.cpus_per_actor is not None else min(1.0, total_cpus / (o.actors + 1))
         threads = o.threads_per_actor or max(1, int(total_cpus // o.actors))
-        # the driver packs, as the local executor does, and each Ray row is one whole batch: an answer's
-        # batch mates (and so its low-precision rounding) are the same as in a local run
+        # the driver packs, as the local executor does, and each Ray row is one whole batch, which the actor
+        # decodes as one running set of batch_size rows (locally, the next batches' rows join as rows leave)
         from ..spool.backend import Preparer
         from .local import prepare_and_pack, skip_done
 
@@ -128,7 +128,7 @@ class RayExecutor:
         rows = [{"batch": json.dumps([asdict(p.request) for p in b], ensure_ascii=False)} for b in batches]
         out = ray.data.from_items(rows).map_batches(
             RayWorker,
-            fn_constructor_kwargs={"engine": o.engine, "threads": threads},
+            fn_constructor_kwargs={"engine": o.engine, "threads": threads, "batch_size": o.batch_size},
             batch_size=1,
             compute=ray.data.ActorPoolStrategy(size=o.actors),
             num_cpus=cpus,
@@ -175,7 +175,7 @@ def stdout_to_stderr() -> Iterator[None]:
 class RayWorker:
     """One actor: loads the engine once, then turns batches of request rows into outcome rows."""
 
-    def __init__(self, engine: dict[str, Any], threads: int) -> None:
+    def __init__(self, engine: dict[str, Any], threads: int, batch_size: int = 16) -> None:
         from ..spool.backend import EngineBackend
         from .local import LocalExecutor
 
@@ -183,7 +183,7 @@ class RayWorker:
             engine.get("model"), engine.get("device", "auto"), engine.get("dtype", "auto"), threads,
             engine.get("generation", {}),
         )  # fmt: skip
-        self.executor = LocalExecutor(backend)
+        self.executor = LocalExecutor(backend, batch_size)  # the running set as wide as --batch-size
         self.batches_done = 0
 
     def __call__(self, rows: dict[str, Any]) -> dict[str, list[str]]:

@@ -350,7 +350,8 @@ def allocate(net: Any, rows: int, length: int, device: torch.device) -> KVCache:
     float32 under low-precision weights (`Net.cache_of`)."""
     one = torch.zeros(1, 1, dtype=torch.long, device=device)
     model: Any = getattr(net, "model", net)
-    _, kv = model.hidden(one, one, None, None, 0, True)
+    with torch.no_grad():
+        _, kv = model.hidden(one, one, None, None, 0, True)
     up = getattr(model, "upcast", False)
     k = kv[0][0]
     dtype = torch.float32 if up else k.dtype

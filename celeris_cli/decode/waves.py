@@ -128,7 +128,6 @@ class WaveScheduler:
         net: Net,
         mask_id: int,
         stop_ids: frozenset[int],
-        pad_id: int,
         max_batch: int,
         device: torch.device,
         word_pieces: frozenset[int] = frozenset(),
@@ -136,7 +135,6 @@ class WaveScheduler:
     ) -> None:
         self.net = net
         self.mask_id = mask_id
-        self.pad_id = pad_id
         self.max_batch = max_batch
         self.device = device
         self.refill = refill
@@ -144,7 +142,7 @@ class WaveScheduler:
         self.pieces = torch.tensor(sorted(word_pieces), device=device, dtype=torch.long)
         self.lanes: dict[tuple[str, int], Lane] = {}
         self.occupancy = Occupancy()
-        self.n_layers = len(allocate(net, 1, 1, device).layers)
+        self.n_layers = len(allocate(net, 1, 1, device).layers)  # what a packed forward passes per layer
 
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
     def run(self, requests: Iterable[FastRequest]) -> Iterator[tuple[int, list[int], int]]:
@@ -179,8 +177,9 @@ class WaveScheduler:
     def _tick(self, fresh: list[_Row]) -> list[_Stepped]:
         """One forward for every row in flight, laid end to end (`arch.packed`): each lane row's window at
         its own block over its own slot of the lane's cache (the block, `dual`, or the block and what it sees
-        past it, `prefix`), recomputed against the block's cache; and each row starting a block (its first
-        step: no cache), its canvas from column 0, whose keys and values fill a slot of its lane."""
+        past it, `prefix`), recomputed against the block's cache; and each row starting a block, its whole
+        canvas from column 0, whose keys and values fill a slot of its lane as the forward runs (cache mode
+        `none`: over its own fresh keys only, every step)."""
         shift = self.net.shift
         segments: list[Segment] = []
         ids: list[torch.Tensor] = []
