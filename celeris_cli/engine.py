@@ -479,9 +479,9 @@ class Engine:
             self.check_fits(len(ids), params)
         if scheduling == "continuous":
             final = [self.params_for(p, params) for p in prompts]
-            if all(self.continuous(p) for p in final):
+            if all(self.continuous(p, bidirectional=True) for p in final):
                 done = (lambda i, r: on_batch(1)) if on_batch is not None else None
-                return self.decode_running(prompts, encoded, final, seeds, batch_size, done)
+                return self.decode_running(prompts, encoded, final, seeds, batch_size, done, bidirectional=True)
         order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
         results: list[Result | None] = [None] * len(prompts)
         for start in range(0, len(order), batch_size):

@@ -3,6 +3,7 @@ at its own block and step, answer exactly as the static fast decoder gives them 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +200,35 @@ def test_a_shifted_familys_rows_answer_as_the_static_decoder_alone(llada: Engine
         rows = [(p, llada.params(_settings(i, 0.0)), i) for i, p in enumerate(PROMPTS)]
         running = _running(llada, rows, max_batch=2)
         assert running == [_alone(llada, p, s, seed) for p, s, seed in rows]
+
+
+def test_generate_decodes_a_bidirectional_models_prompts_through_the_running_set(llada: Engine, tmp_path: Path) -> None:
+    """`celeris generate --file` (and `Engine.generate`) on a fast-strategy model: one running set, rows
+    admitted as others finish, each answer its request's alone; `static` keeps batches."""
+    from typer.testing import CliRunner
+
+    from celeris_cli.cli import app
+
+    runs: list[bool] = []
+    run = waves.WaveScheduler.run
+
+    def spy(self: waves.WaveScheduler, requests: Any) -> Any:
+        runs.append(self.refill)
+        return run(self, requests)
+
+    settings = {"strategy": "fast", "temperature": 1.0, "gen_length": 24, "block_length": 8, "denoise_steps": 8}
+    (tmp_path / "in.txt").write_text("\n".join(PROMPTS) + "\n", encoding="utf-8")
+    args = ["generate", "--model", str(llada.model_dir), "--file", str(tmp_path / "in.txt"), "--jsonl",
+            "--batch-size", "2", "--device", "cpu", "--dtype", "float32", "--strategy", "fast", "--temperature", "1.0",
+            "--gen-length", "24", "--block-length", "8", "--denoise-steps", "8"]  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(waves.WaveScheduler, "run", spy)
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 0, r.output
+        assert runs == [True]
+        params = llada.params(settings)
+        got = [json.loads(line)["text"] for line in r.stdout.splitlines()]
+        assert got == [llada.generate([p], params)[0].text for p in PROMPTS]
+        runs.clear()
+        llada.generate(PROMPTS, params, batch_size=2, scheduling="static")
+        assert runs == []
