@@ -385,7 +385,7 @@ class Engine:
                         wall = time.perf_counter() - t0
                         peak = round(read_peak(self.device) / 2**20, 1)  # the process's so far
                         r = self._result(
-                            prompts[i], list(encoded[i]), out, params[i], seeds[i], forwards, wall, max_batch, peak
+                            prompts[i], list(encoded[i]), out, params[i], seeds[i], forwards, wall, width, peak
                         )
                         results[i] = r
                         if on_result is not None:

@@ -135,3 +135,39 @@ class KVCache:
             nv[:keep_rows, :, : v.shape[2]] = v[:keep_rows]
             grown.append((nk, nv))
         self.layers = grown
+
+
+class DeferredKVCache(KVCache):
+    """A `KVCache` of `rows` slots and `length` positions whose layout (layers, heads, head size, dtype) is
+    learnt from the first keys and values written into it (`materialize`, by a packed forward), so that no
+    forward runs only to find it out. Until then it grows in name only."""
+
+    def __init__(self, rows: int, length: int) -> None:
+        super().__init__([])
+        self._rows, self._length = rows, length
+
+    @property
+    def rows(self) -> int:
+        return super().rows if self.layers else self._rows
+
+    @property
+    def length(self) -> int:
+        return super().length if self.layers else self._length
+
+    def grow(self, length: int, keep_rows: int, rows: int | None = None) -> None:
+        if self.layers:
+            super().grow(length, keep_rows, rows)
+        else:
+            self._length, self._rows = max(self._length, length), max(self._rows, rows or 0)
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        if self.layers:
+            super().move(src, dst, length)
+
+    def materialize(
+        self, n_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        def one() -> torch.Tensor:
+            return torch.zeros(self._rows, kv_heads, self._length, head_dim, dtype=dtype, device=device)
+
+        self.layers = [(one(), one()) for _ in range(n_layers)]

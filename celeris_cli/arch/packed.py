@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kv import KVCache
+from .kv import DeferredKVCache, KVCache
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,11 @@ class Segment:
 class PackedLayer:
     """What one layer of a packed forward is given in place of its cache (`layers.attend` asks it)."""
 
-    def __init__(self, segments: list[Segment], layer: int, writes: list[_Writes]) -> None:
+    def __init__(self, segments: list[Segment], layer: int, writes: list[_Writes], n_layers: int) -> None:
         self.segments = segments
         self.layer = layer
         self.writes = writes
+        self.n_layers = n_layers
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, upcast: bool) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, Hkv, N, D) -> (1, N, H * D), each segment's queries over its keys."""
@@ -53,6 +54,10 @@ class PackedLayer:
         dtype = q.dtype
         up = dtype != torch.float32 and upcast  # low-precision rounding would depend on the shapes
         for w in self.writes:  # every segment's fresh keys and values into its slot, one write per cache
+            if isinstance(w.cache, DeferredKVCache) and not w.cache.layers:  # float32 under upcast, as attention
+                w.cache.materialize(
+                    self.n_layers, k.shape[1], k.shape[3], torch.float32 if upcast else k.dtype, k.device
+                )
             ck, cv = w.cache.layers[self.layer]
             ck[w.slots, :, w.at] = k[0, :, w.tokens].transpose(0, 1).to(ck.dtype)
             cv[w.slots, :, w.at] = v[0, :, w.tokens].transpose(0, 1).to(cv.dtype)
@@ -82,16 +87,17 @@ class _Writes:
 
 
 def packed_layers(segments: list[Segment], n_layers: int, device: torch.device | None = None) -> list[PackedLayer]:
-    """The per-layer objects a packed forward passes as its cache."""
+    """The per-layer objects a packed forward passes as its cache (`device`: where its caches are, needed
+    when one is a `DeferredKVCache` not yet written)."""
     by_cache: dict[int, tuple[KVCache, list[Segment]]] = {}
     for s in segments:
         if s.cache is not None:
             by_cache.setdefault(id(s.cache), (s.cache, []))[1].append(s)
     writes = []
     for cache, segs in by_cache.values():
-        dev = cache.layers[0][0].device if device is None else device
+        dev = device if device is not None else cache.layers[0][0].device
         slots = torch.cat([torch.full((s.end - s.begin,), s.slot, dtype=torch.long) for s in segs])
         at = torch.cat([torch.arange(s.at, s.at + s.end - s.begin) for s in segs])
         tokens = torch.cat([torch.arange(s.begin, s.end) for s in segs])
         writes.append(_Writes(cache, slots.to(dev), at.to(dev), tokens.to(dev)))
-    return [PackedLayer(segments, i, writes) for i in range(n_layers)]
+    return [PackedLayer(segments, i, writes, n_layers) for i in range(n_layers)]

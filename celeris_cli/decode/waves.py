@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 
-from ..arch.kv import KVCache
+from ..arch.kv import DeferredKVCache, KVCache
 from ..arch.packed import Segment, packed_layers
 from .fast import FastPlan
 from .predict import confidence_masked, sample_masked
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
-from .running import Lane, Occupancy, allocate, supports
+from .running import Lane, Occupancy, supports
 from .sampling import shape_masked, stream_seed
 from .strategies import Net
 
@@ -142,7 +142,8 @@ class WaveScheduler:
         self.pieces = torch.tensor(sorted(word_pieces), device=device, dtype=torch.long)
         self.lanes: dict[tuple[str, int], Lane] = {}
         self.occupancy = Occupancy()
-        self.n_layers = len(allocate(net, 1, 1, device).layers)  # what a packed forward passes per layer
+        model: Any = getattr(net, "model", net)
+        self.n_layers = len(model.parts()[1])  # what a packed forward passes, one per layer
 
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
     def run(self, requests: Iterable[FastRequest]) -> Iterator[tuple[int, list[int], int]]:
@@ -211,7 +212,7 @@ class WaveScheduler:
             ids.append(r.x[: r.width])
         N = segments[-1].end
         positions = torch.cat([torch.arange(a, a + len(t), device=self.device) for a, t in zip(at, ids)])
-        cache = packed_layers(segments, self.n_layers)
+        cache = packed_layers(segments, self.n_layers, self.device)
         h, _ = self.net.hidden(torch.cat(ids)[None], positions[None], None, cache, 0, False)
         self.occupancy.forwards += 1
         self.occupancy.rows += len(rows)
@@ -238,7 +239,8 @@ class WaveScheduler:
     def _lane(self, r: _Row) -> Lane:
         key = r.lane
         if key not in self.lanes:
-            self.lanes[key] = Lane(allocate(self.net, self.max_batch, max(r.width, 64), self.device))
+            # its layout comes with the first keys written into it: no forward runs only to find it out
+            self.lanes[key] = Lane(DeferredKVCache(self.max_batch, max(r.width, 64)))
         return self.lanes[key]
 
     # -- commits -------------------------------------------------------------------------------------
