@@ -149,7 +149,14 @@ def test_ctrl_c_keeps_finished_batches_and_exits_130(tmp_path: Path, tiny_model:
     settings = '{"denoise_steps": 4, "gen_length": 8}'
     cmd = [sys.executable, "-m", "celeris_cli", "batch", "-i", str(tmp_path / "in.txt"), "-o", str(out), "--model",
            str(tiny_model), "--device", "cpu", "--batch-size", "2", "--set", settings]  # fmt: skip
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stderr=subprocess.PIPE,
+        text=True,
+        # as from a terminal, whatever the runner left (a SIGINT ignored here is ignored by the child too)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 60
         while not (journal.exists() and len(journal.read_bytes().splitlines()) >= 3):  # key and two batches
