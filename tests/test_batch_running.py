@@ -82,3 +82,43 @@ def test_a_ray_actors_running_set_is_as_wide_as_the_batch_size_it_is_given() -> 
     worker = RayWorker({"model": None, "device": "cpu", "dtype": "float32"}, 1, batch_size=3)
     pool = worker.executor.pool
     assert isinstance(pool, RunningPool) and pool.live.max_batch == 3
+
+
+def test_run_batches_halves_a_failing_batch_and_yields_each_batch_once_and_whole() -> None:
+    """Three batches in flight, handed back out of order; a poison item's batch is halved until it fails
+    alone, and every batch comes back once, with all of its items, the rest answered."""
+    from celeris_cli.spool.backend import Prepared
+    from celeris_cli.spool.pool import Done, run_batches
+
+    class Pool:
+        slots = 3
+
+        def __init__(self) -> None:
+            self.flight: dict[int, list[Prepared]] = {}
+            self.most = self.tickets = 0
+
+        def submit(self, batch: list[Prepared]) -> int:
+            self.tickets += 1
+            ticket = self.tickets
+            self.flight[ticket] = batch
+            self.most = max(self.most, len(self.flight))
+            return ticket
+
+        def wait(self) -> list[Done]:
+            ticket = max(self.flight)  # the newest first: out of submission order
+            batch = self.flight.pop(ticket)
+            if any(p.request.prompt == "poison" for p in batch):
+                return [Done(ticket, error=RuntimeError("boom"))]
+            return [Done(ticket, bodies=[{"text": p.request.prompt} for p in batch])]
+
+    prompts = [f"p{i}" for i in range(12)]
+    prompts[7] = "poison"
+    items = [Prepared(Request(f"r{i}", i + 1, p), None, 1) for i, p in enumerate(prompts)]
+    batches = [items[i : i + 4] for i in range(0, 12, 4)]
+    pool, bisects = Pool(), []
+    got = list(run_batches(pool, batches, lambda event, **kw: bisects.append(kw["size"])))  # type: ignore[arg-type]
+    assert pool.most == 3 and len(got) == 3  # three in flight; each batch once
+    assert sorted(sorted(d.item.request.line for d in g) for g in got) == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    failed = [d for g in got for d in g if d.body is None]
+    assert [d.item.request.prompt for d in failed] == ["poison"] and failed[0].code == "engine_error"
+    assert bisects == [4, 2]  # halved, then halved again, until it fails alone

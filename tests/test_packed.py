@@ -4,6 +4,7 @@ gives it, a fresh canvas or a window over its slot of a cache, and write its key
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -12,15 +13,23 @@ from celeris_cli.arch.kv import KVCache
 from celeris_cli.arch.packed import Segment, packed_layers
 
 
-def test_rows_packed_end_to_end_get_what_their_own_forwards_give(tiny_model: Path) -> None:
+def _two_rows(tiny_model: Path, lengths: tuple[int, int], seed: int, slots: int, length: int) -> tuple[Any, ...]:
+    """The model, two random rows of these lengths with their own forwards' hidden states and keys/values,
+    and an empty cache of `slots` slots of `length` positions laid out for it."""
     model = load_engine(tiny_model, device="cpu", dtype="float32").model
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randint(10, 200, (1, 11), generator=g), torch.randint(10, 200, (1, 23), generator=g)
+    g = torch.Generator().manual_seed(seed)
+    a, b = (torch.randint(10, 200, (1, n), generator=g) for n in lengths)
     with torch.no_grad():
-        ha, kva = model.hidden(a, torch.arange(11)[None], None, None, 0, True)
-        hb, kvb = model.hidden(b, torch.arange(23)[None], None, None, 0, True)
-        k = kva[0][0]
-        cache = KVCache.empty(len(kva), 3, k.shape[1], 32, k.shape[3], k.dtype, torch.device("cpu"))
+        ha, kva = model.hidden(a, torch.arange(lengths[0])[None], None, None, 0, True)
+        hb, kvb = model.hidden(b, torch.arange(lengths[1])[None], None, None, 0, True)
+    k = kva[0][0]
+    cache = KVCache.empty(len(kva), slots, k.shape[1], length, k.shape[3], k.dtype, torch.device("cpu"))
+    return model, a, b, ha, hb, kva, kvb, cache
+
+
+def test_rows_packed_end_to_end_get_what_their_own_forwards_give(tiny_model: Path) -> None:
+    model, a, b, ha, hb, kva, kvb, cache = _two_rows(tiny_model, (11, 23), seed=0, slots=3, length=32)
+    with torch.no_grad():
         # b's canvas fills slot 2 as it runs; a runs on its own fresh keys only
         segments = [Segment(0, 11), Segment(11, 34, cache, 2, 0, 23)]
         ids, pos = torch.cat([a, b], 1), torch.cat([torch.arange(11), torch.arange(23)])[None]
@@ -36,14 +45,8 @@ def test_rows_packed_end_to_end_get_what_their_own_forwards_give(tiny_model: Pat
 
 
 def test_two_rows_over_one_cache_write_their_own_slots_and_nothing_else(tiny_model: Path) -> None:
-    model = load_engine(tiny_model, device="cpu", dtype="float32").model
-    g = torch.Generator().manual_seed(1)
-    a, b = torch.randint(10, 200, (1, 9), generator=g), torch.randint(10, 200, (1, 14), generator=g)
+    model, a, b, ha, hb, kva, kvb, cache = _two_rows(tiny_model, (9, 14), seed=1, slots=4, length=16)
     with torch.no_grad():
-        ha, kva = model.hidden(a, torch.arange(9)[None], None, None, 0, True)
-        hb, kvb = model.hidden(b, torch.arange(14)[None], None, None, 0, True)
-        k = kva[0][0]
-        cache = KVCache.empty(len(kva), 4, k.shape[1], 16, k.shape[3], k.dtype, torch.device("cpu"))
         segments = [Segment(0, 9, cache, 3, 0, 9), Segment(9, 23, cache, 1, 0, 14)]  # slots out of order
         ids, pos = torch.cat([a, b], 1), torch.cat([torch.arange(9), torch.arange(14)])[None]
         h, _ = model.hidden(ids, pos, None, packed_layers(segments, len(kva)), 0, False)

@@ -341,21 +341,15 @@ class BlockScheduler:
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     def _allocate(self, rows: int, length: int) -> KVCache:
-        return allocate(self.net, rows, length, self.device)
-
-
-def allocate(net: Any, rows: int, length: int, device: torch.device) -> KVCache:
-    """A zeroed cache of `rows` slots of `length` positions for `net`'s model: its layers, heads, head size
-    and dtype from a one-token forward of the model itself (not counted); float32 where attention runs in
-    float32 under low-precision weights (`Net.cache_of`)."""
-    one = torch.zeros(1, 1, dtype=torch.long, device=device)
-    model: Any = getattr(net, "model", net)
-    with torch.no_grad():
+        """The cache's layers, heads, head size and dtype, from a one-token forward of the model itself (not
+        counted); float32 where attention runs in float32 under low-precision weights (`Net.cache_of`)."""
+        one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        model: Any = getattr(self.net, "model", self.net)
         _, kv = model.hidden(one, one, None, None, 0, True)
-    up = getattr(model, "upcast", False)
-    k = kv[0][0]
-    dtype = torch.float32 if up else k.dtype
-    return KVCache.empty(len(kv), rows, k.shape[1], length, k.shape[3], dtype, device)
+        up = getattr(model, "upcast", False)
+        k = kv[0][0]
+        dtype = torch.float32 if up else k.dtype
+        return KVCache.empty(len(kv), rows, k.shape[1], length, k.shape[3], dtype, self.device)
 
 
 def _end(req: BlockRequest) -> int:
