@@ -3,13 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from celeris_cli.decode.fast import confidence_of
 from celeris_cli.decode.reference import generate_reference, num_transfer_tokens
-from celeris_cli.decode.sampling import order_scores, sample_tokens
+from celeris_cli.decode.sampling import Draws, RowNoise, order_scores, stream_seed
 from celeris_cli.errors import UsageError
 from celeris_cli.params import GenerationParams, Sampling, split_steps
 
 from .conftest import noise, plan
+from .oracles import confidence_of, sample_tokens
 
 MASK = 4
 
@@ -118,6 +118,11 @@ def test_invalid_parameters_are_user_errors(bad: dict) -> None:
         GenerationParams.from_mapping(bad)
 
 
+def draws_for(rows: int) -> Draws:
+    """One step's draws for `rows` rows of seeds 0, 1, ..."""
+    return Draws([stream_seed(r, 0, 0) for r in range(rows)], torch.device("cpu"))
+
+
 def sampling(**kw: float) -> Sampling:
     return Sampling(**{"temperature": 1.0, "min_p": 0.0, "top_p": 1.0, "top_k": 0, **kw})  # type: ignore[arg-type]
 
@@ -128,7 +133,7 @@ TAIL_LOGITS = torch.tensor([5.0, 4.0, 0.0, -1.0, 3.0 - 1e9])
 
 def test_min_p_drops_the_tail_and_keeps_the_spread_among_the_rest() -> None:
     logits = TAIL_LOGITS.expand(1, 4000, -1)
-    g = [torch.Generator().manual_seed(0)]
+    g = draws_for(1)
     free = torch.bincount(sample_tokens(logits, sampling(), g)[0], minlength=5)
     cut = torch.bincount(sample_tokens(logits, sampling(min_p=0.2), g)[0], minlength=5)
     assert free[2] + free[3] > 0  # the tail is sampled without min-p (expected about 26 of 4000)
@@ -147,14 +152,15 @@ def test_reference_decoder_samples_only_inside_min_p() -> None:
     settings = dict(gen_length=32, block_length=8, denoise_steps=32, temperature=1.0, remasking="random")
     out = generate_reference(fixed, prompt, pmask, plan(**settings, min_p=0.2), MASK, noise(32, seed=1))
     assert set(out[:, 2:].unique().tolist()) == {0, 1}
-    loose = generate_reference(fixed, prompt, pmask, plan(**settings, min_p=0.001), MASK, noise(32, seed=1))
+    rows = RowNoise(list(range(32)), torch.device("cpu"))  # 32 seeds: 1,024 draws (32 rows alike draw 32)
+    loose = generate_reference(fixed, prompt, pmask, plan(**settings, min_p=0.001), MASK, rows)
     assert set(loose[:, 2:].unique().tolist()) - {0, 1}  # 1,024 draws reach the tail when it is allowed
 
 
 def test_lead_is_the_margin_of_the_sampled_token_over_its_best_rival() -> None:
     logits = TAIL_LOGITS.expand(1, 4000, -1)
     p = torch.softmax(TAIL_LOGITS, -1)
-    x0 = sample_tokens(logits, sampling(), [torch.Generator().manual_seed(0)])
+    x0 = sample_tokens(logits, sampling(), draws_for(1))
     lead = confidence_of(logits, x0, "lead")
     assert (x0 == 0).any() and (x0 == 1).any()
     assert torch.allclose(lead[x0 == 0], p[0] - p[1])  # the favourite leads by top1 - top2
@@ -168,10 +174,10 @@ def test_lead_is_the_margin_of_the_sampled_token_over_its_best_rival() -> None:
 
 def test_order_noise_fades_over_the_block_and_is_off_at_zero() -> None:
     conf = torch.tensor([[0.9, 0.5, 0.2, 0.05]]).expand(2000, -1)
-    assert order_scores(conf, 0.0, 1.0, []) is conf  # off: the confidence itself, no draw
-    gens = [torch.Generator().manual_seed(i) for i in range(2000)]
-    early = order_scores(conf, 2.0, 1.0, gens).argmax(1)
-    late = order_scores(conf, 2.0, 0.25, gens).argmax(1)
+    assert order_scores(conf, 0.0, 1.0, draws_for(0)) is conf  # off: the confidence itself, no draw
+    rows = draws_for(2000)
+    early = order_scores(conf, 2.0, 1.0, rows).argmax(1)
+    late = order_scores(conf, 2.0, 0.25, rows).argmax(1)
 
     # Gumbel-max on log(conf) / tau picks position j first with probability conf_j^(1/tau) / sum: at the
     # block's first step (tau 2) the least confident position still goes first sometimes (MaskGIT) ...
@@ -223,7 +229,7 @@ def test_reference_rows_that_leave_when_finished_keep_their_answers(eos_prone, c
     stop = eos_prone.special.stop_ids
     mask = eos_prone.tokenizer.mask_id
     nets = [Rows(eos_prone.model), Rows(eos_prone.model)]
-    streams = RowNoise([request_seed(3, ids) for ids in encoded], torch.device("cpu"))  # each row its own
+    streams = RowNoise([request_seed(7, ids) for ids in encoded], torch.device("cpu"))  # each row its own
     whole = generate_reference(nets[0], prompt, pmask, p, mask, streams)
     left = generate_reference(nets[1], prompt, pmask, p, mask, streams, stop)
     assert not (left == mask).any()
@@ -268,6 +274,6 @@ def test_reference_stops_mid_block_when_the_last_row_leaves() -> None:
     pmask = torch.tensor([[False, False, True, True], [True, True, True, True]])
     p = plan(gen_length=16, block_length=16, denoise_steps=16, temperature=0.7, remasking="random")
     model = RecordingModel(eos=7, eos_from=6)
-    left = generate_reference(model, prompt, pmask, p, MASK, RowNoise([11, 12], torch.device("cpu")), frozenset({7}))
+    left = generate_reference(model, prompt, pmask, p, MASK, RowNoise([5, 6], torch.device("cpu")), frozenset({7}))
     assert not (left == MASK).any()
     assert 0 < len(model.calls) < 16 and all(len(c) for c in model.calls)  # one block, left before its end

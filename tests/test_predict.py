@@ -6,10 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from celeris_cli.decode.fast import confidence_of
 from celeris_cli.decode.predict import candidates, confidence_masked, sample_masked
-from celeris_cli.decode.sampling import filtered_scores
+from celeris_cli.decode.sampling import ORDER, SAMPLE, Draws, _unit, stream_seed
 from celeris_cli.params import Sampling
+
+from .oracles import confidence_of, filtered_scores
+
+CPU = torch.device("cpu")
+
+
+def draws_for(*seeds: int) -> Draws:
+    """One step's draws for rows of these seeds (block 0, step 0)."""
+    return Draws([stream_seed(seed, 0, 0) for seed in seeds], CPU)
 
 
 def sampling(**kw: float) -> Sampling:
@@ -57,8 +65,7 @@ def test_candidates_keep_exactly_the_tokens_the_whole_vocabulary_filter_keeps(kw
 def test_sampling_among_survivors_follows_the_tempered_distribution() -> None:
     base = torch.tensor([5.0, 4.0, 0.0, -1.0, 4.5] + [-20.0] * 200)
     logits = base.expand(4000, -1).clone()
-    gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    x0 = sample_masked(logits, sampling(min_p=0.2, temperature=1.0), [1000] * 4, gens)
+    x0 = sample_masked(logits, sampling(min_p=0.2, temperature=1.0), [1000] * 4, draws_for(0, 1, 2, 3))
     seen = torch.bincount(x0, minlength=5)[:5] / 4000
     kept = torch.tensor([5.0, 4.0, 4.5])  # e^-1 and e^-0.5 of the top: inside min-p 0.2; the rest is not
     p = kept.softmax(0)
@@ -72,10 +79,8 @@ def test_a_rows_draws_do_not_depend_on_its_batch_mates(kw: dict) -> None:
     s = sampling(**kw)
     sharp = logits_with_ties(6, 300, seed=1) * 3
     flat = torch.randn(9, 300, generator=torch.Generator().manual_seed(2)) * 0.01
-    alone = sample_masked(sharp, s, [6], [torch.Generator().manual_seed(7)])
-    together = sample_masked(
-        torch.cat([sharp, flat]), s, [6, 9], [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
-    )
+    alone = sample_masked(sharp, s, [6], draws_for(7))
+    together = sample_masked(torch.cat([sharp, flat]), s, [6, 9], draws_for(7, 8))
     assert torch.equal(alone, together[:6])
     assert len(set(together[6:].tolist())) > 1  # the flat row really samples
 
@@ -83,14 +88,14 @@ def test_a_rows_draws_do_not_depend_on_its_batch_mates(kw: dict) -> None:
 @pytest.mark.parametrize("kind", ["prob", "margin", "lead", "entropy"])
 def test_confidence_matches_the_full_softmax_definition(kind: str) -> None:
     logits = logits_with_ties(30, 300, seed=3)
-    x0 = sample_masked(logits, sampling(min_p=0.01), [30], [torch.Generator().manual_seed(0)])
+    x0 = sample_masked(logits, sampling(min_p=0.01), [30], draws_for(0))
     expected = confidence_of(logits[None], x0[None], kind)[0]  # type: ignore[arg-type]
     assert torch.allclose(confidence_masked(logits, x0, kind), expected, atol=1e-6)  # type: ignore[arg-type]
 
 
 def test_temperature_zero_is_the_argmax() -> None:
     logits = logits_with_ties()
-    assert torch.equal(sample_masked(logits, sampling(temperature=0.0), [40], []), logits.argmax(-1))
+    assert torch.equal(sample_masked(logits, sampling(temperature=0.0), [40], draws_for()), logits.argmax(-1))
 
 
 @pytest.mark.parametrize("kw", [*SETTINGS, {}], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "none")
@@ -104,10 +109,8 @@ def test_sampled_token_s_probability_is_that_of_the_filtered_distribution(kw: di
     logits = torch.randn(40, 300, generator=torch.Generator().manual_seed(0)) * 3
     s = sampling(**{**kw, "temperature": temperature})
     counts = [10, 0, 30]
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    x0, prob = sample_with_probability(logits, s, counts, gens)
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    assert torch.equal(x0, sample_masked(logits, s, counts, gens))
+    x0, prob = sample_with_probability(logits, s, counts, draws_for(0, 1, 2))
+    assert torch.equal(x0, sample_masked(logits, s, counts, draws_for(0, 1, 2)))
     full = filtered_scores(logits, sampling(**{**kw, "temperature": temperature or 1.0})).softmax(-1)
     assert torch.allclose(prob, full.gather(-1, x0[:, None]).squeeze(-1).float(), atol=1e-6)
 
@@ -123,3 +126,60 @@ def test_entropy_confidence_is_finite_where_tokens_are_banned() -> None:
     assert torch.isfinite(got).all()
     kept = torch.cat([logits[:, :7], logits[:, 8:]], 1)
     assert torch.allclose(got, confidence_masked(kept, x0, "entropy"))  # as if the token were not there
+
+
+def _splitmix64_number(key: int, i: int, lane: int) -> int:
+    """Number i of lane `lane` of a stream key, in plain Python integers: the counter-based noise's spec."""
+    mask = 2**64 - 1
+    z = (key + (lane * 2**56 + i + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def test_counter_noise_is_splitmix64_of_row_key_and_counter() -> None:
+    """Every number is a pure function of (row key, lane, counter), computed in int64 tensors exactly as
+    unsigned 64-bit arithmetic would: the top 52 bits (float64) or 23 (float32), plus half a step."""
+    keys = [stream_seed(seed, 3, 5) for seed in (0, 1, 2**40 + 7)] + [2**63 - 1]
+    draws = Draws(keys, CPU)
+    u64 = draws.uniform((2, 3), torch.float64, ORDER)
+    u32 = draws.uniform((6,), torch.float32, SAMPLE)
+    at = draws.uniform_at(torch.tensor([3, 0]), torch.tensor([[0, 5], [2**32 + 1, 7]]), SAMPLE)
+    for b, key in enumerate(keys):
+        for i in range(6):
+            assert u64[b].flatten()[i].item() == ((_splitmix64_number(key, i, ORDER) >> 12) + 0.5) * 2.0**-52
+            assert u32[b, i].item() == ((_splitmix64_number(key, i, SAMPLE) >> 41) + 0.5) * 2.0**-23
+    assert at[0, 1].item() == ((_splitmix64_number(keys[3], 5, SAMPLE) >> 12) + 0.5) * 2.0**-52
+    for dtype in (torch.float64, torch.float32):  # the extreme bits stay inside (0, 1): no log of 0 or 1
+        ends = _unit(torch.tensor([0, -1]), dtype)
+        assert 0 < float(ends[0]) and float(ends[1]) < 1
+    assert at[1, 0].item() == ((_splitmix64_number(keys[0], 2**32 + 1, SAMPLE) >> 12) + 0.5) * 2.0**-52
+
+
+@pytest.mark.parametrize("beside", [0, 1, 15, 63])
+def test_a_rows_noise_does_not_change_with_the_rows_drawn_beside_it(beside: int) -> None:
+    """Row 7's numbers, drawn alone or in one call with 1, 15 or 63 other rows before and after it, in
+    every lane and both dtypes, and by (position, candidate) counters."""
+    seeds = list(range(100, 100 + beside // 2)) + [7] + list(range(200, 200 + beside - beside // 2))
+    alone, together = draws_for(7), draws_for(*seeds)
+    at = seeds.index(7)
+    for lane in (SAMPLE, ORDER):
+        for dtype in (torch.float64, torch.float32):
+            assert torch.equal(together.uniform((5, 11), dtype, lane)[at], alone.uniform((5, 11), dtype, lane)[0])
+    index = torch.arange(4)[:, None] * 2**32 + torch.arange(9)[None, :]
+    rows = torch.full((4,), at)
+    assert torch.equal(
+        together.uniform_at(rows, index, SAMPLE), alone.uniform_at(torch.zeros(4, dtype=torch.long), index, SAMPLE)
+    )
+
+
+def test_counter_noise_is_uniform_and_lanes_and_rows_are_unrelated() -> None:
+    u = draws_for(*range(64)).uniform((4096,), torch.float64, SAMPLE)
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
+    counts = torch.histc(u, bins=16, min=0, max=1)
+    expected = u.numel() / 16
+    assert float(((counts - expected) ** 2 / expected).sum()) < 45  # chi-square, 15 degrees of freedom: p ~ 1e-4
+    other_lane = draws_for(*range(64)).uniform((4096,), torch.float64, ORDER)
+    assert abs(float(torch.corrcoef(torch.stack([u.flatten(), other_lane.flatten()]))[0, 1])) < 0.01
+    assert abs(float(torch.corrcoef(u[:2])[0, 1])) < 0.05  # two rows of neighbouring seeds

@@ -162,7 +162,7 @@ def test_a_rows_noise_and_commit_do_not_change_with_the_rows_beside_it(block_eng
     from types import SimpleNamespace
 
     from celeris_cli.decode.block import commit_step
-    from celeris_cli.decode.sampling import stream_seed
+    from celeris_cli.decode.sampling import Draws, stream_seed
     from celeris_cli.decode.strategies import plan_of
 
     plan = plan_of(block_engine.params(settings))
@@ -177,8 +177,8 @@ def test_a_rows_noise_and_commit_do_not_change_with_the_rows_beside_it(block_eng
     stop = torch.tensor([2])
 
     def step(rows: list[int]) -> torch.Tensor:
-        gens = [torch.Generator().manual_seed(stream_seed(100 + b, 0, 1)) for b in rows]
-        return commit_step(block[rows], [hidden[rows]], net, plan, k[rows], mask, gens, None, stop)  # type: ignore[arg-type]
+        draws = Draws([stream_seed(100 + b, 0, 1) for b in rows], torch.device("cpu"))
+        return commit_step(block[rows], [hidden[rows]], net, plan, k[rows], mask, draws, None, stop)  # type: ignore[arg-type]
 
     alone = torch.stack([step([b])[0] for b in range(16)])
     assert torch.equal(step(list(range(16))), alone)

@@ -37,7 +37,7 @@ from ..arch.kv import KV, KVCache, LayerKV
 from ..params import Blocks, Commit, Editing, Guidance, Ordering, Sampling, Shaping
 from .predict import sample_with_probability
 from .reference import commit_order, guide, select_top_k
-from .sampling import RowNoise, shape_masked
+from .sampling import Draws, RowNoise, shape_masked
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def commit_step(
     plan: BlockPlan,
     k: torch.Tensor,
     mask_id: int,
-    gens: list[torch.Generator],
+    draws: Draws,
     answer: tuple[torch.Tensor | None, torch.Tensor] | None,
     stop: torch.Tensor,
     pieces: torch.Tensor | None = None,
@@ -150,10 +150,10 @@ def commit_step(
     if answer is not None:
         logits = shape_masked(logits, masked, *answer, plan.shaping, mask_id, stop, plan.sampling.temperature, pieces)
     left = masked.sum(1)
-    x0, conf = sample_with_probability(logits, plan.sampling, left.tolist(), gens)
+    x0, conf = sample_with_probability(logits, plan.sampling, left.tolist(), draws)
     confidence = torch.zeros(block.shape, device=block.device).masked_scatter(masked, conf.float())
     fade = left[:, None] / block.shape[1]  # the share of the block still masked
-    rank = torch.where(masked, commit_order(confidence, plan.ordering, fade, gens), float("-inf"))
+    rank = torch.where(masked, commit_order(confidence, plan.ordering, fade, draws), float("-inf"))
     chosen = select_top_k(rank, k) | (masked & (confidence > plan.commit.threshold))
     out = block.clone()
     out[masked] = torch.where(chosen[masked], x0, mask_id)
@@ -206,10 +206,9 @@ def finished(cv: Canvas, rows: torch.Tensor, upto: int, mask_id: int, stop: torc
     return (first_stop < upto) & (first_mask > first_stop)
 
 
-def _noise(noise: RowNoise, cv: Canvas, rows: torch.Tensor, j: int, step: int) -> list[torch.Generator]:
+def _noise(noise: RowNoise, cv: Canvas, rows: torch.Tensor, j: int, step: int) -> Draws:
     """Each row draws from its own block number, whatever its place in the batch's canvas."""
-    own = (cv.first[rows] + j - cv.start_block).tolist()
-    return [noise.at([r], blk, step)[0] for r, blk in zip(rows.tolist(), own)]
+    return noise.at(rows, (cv.first[rows] + j - cv.start_block).tolist(), step)
 
 
 def _answer(
@@ -276,11 +275,11 @@ def generate_block(
                 break
             mask = block_mask(cv.real[rows], 0, e, e, W)
             hs = [net.hidden(v.ids(cv, rows, 0, e, mask_id), cv.pos[rows, :e], mask, keep_kv=False)[0] for v in views]
-            gens, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id, plan.shaping)
+            draws, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id, plan.shaping)
             block = cv.x[rows, s:e]
             k = ks[rows, g, i]
             cv.x[rows, s:e] = commit_step(
-                block, [h[:, s:e] for h in hs], net, plan, k, mask_id, gens, answer, stop, pieces
+                block, [h[:, s:e] for h in hs], net, plan, k, mask_id, draws, answer, stop, pieces
             )
         _committed(cv, rows, e, plan.blocks.gen_length, on_block)
         rows = rows[~finished(cv, rows, e, mask_id, stop)]
@@ -327,10 +326,10 @@ def _edit_block(
         r = rows[at]
         mask = block_mask(cv.real[r], 0, e, e, W)
         hs = [net.hidden(v.ids(cv, r, 0, e, mask_id), cv.pos[r, :e], mask, keep_kv=False)[0] for v in views]
-        gens, answer = _noise(noise, cv, r, j, i), _answer(cv, r, s, e, mask_id, plan.shaping)
+        draws, answer = _noise(noise, cv, r, j, i), _answer(cv, r, s, e, mask_id, plan.shaping)
         block = cv.x[r, s:e]
         k = torch.where(i < steps[r], ks[r, min(i, ks.shape[1] - 1)], 1)  # past its steps, one at a time
-        out = commit_step(block, [h[:, s:e] for h in hs], net, plan, k, mask_id, gens, answer, stop, pieces)
+        out = commit_step(block, [h[:, s:e] for h in hs], net, plan, k, mask_id, draws, answer, stop, pieces)
         probs = net.head(hs[0][:, s:e]).float().softmax(-1)
         p, x0 = probs.max(-1)
         edit = (block != mask_id) & answer_pos[at] & (x0 != block) & (p > ed.edit_threshold)
@@ -389,8 +388,8 @@ def generate_block_cached(
                     v.cache = KVCache.of(kv, cv.num_blocks * W)
                 hs.append(h[:, s - lo :])
             pending = s
-            gens, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id, plan.shaping)
-            block = commit_step(cv.x[rows, s:e], hs, net, plan, ks[rows, g, i], mask_id, gens, answer, stop, pieces)
+            draws, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id, plan.shaping)
+            block = commit_step(cv.x[rows, s:e], hs, net, plan, ks[rows, g, i], mask_id, draws, answer, stop, pieces)
             cv.x[rows, s:e] = block
             done = finished(cv, rows, e, mask_id, stop)
             if done.any():  # finished rows leave at once; the batch and its caches shrink

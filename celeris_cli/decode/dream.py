@@ -25,7 +25,7 @@ import torch
 
 from ..params import Sampling, Timeline, Unmasking
 from .reference import ModelFn, select_top_k
-from .sampling import RowNoise, gumbel, uniform
+from .sampling import ORDER, SAMPLE, TRANSFER, Draws, RowNoise
 
 
 @dataclass(frozen=True)
@@ -58,14 +58,12 @@ def dream_filter(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return logits
 
 
-def predict(
-    logits: torch.Tensor, s: Sampling, alg: str, gens: list[torch.Generator]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def predict(logits: torch.Tensor, s: Sampling, alg: str, draws: Draws) -> tuple[torch.Tensor, torch.Tensor]:
     """(x0, confidence), each (B, L), from logits (B, L, V) under Dream's rule `alg`."""
     filtered = dream_filter(logits, s)
     probs = filtered.softmax(-1)
     if s.temperature > 0:  # Gumbel-max in float64 samples the same categorical as Dream's draw
-        noise = gumbel(tuple(filtered.shape[1:]), gens, torch.float64, filtered.device)
+        noise = draws.gumbel(tuple(filtered.shape[1:]), torch.float64, SAMPLE)
         x0 = (filtered.double().log_softmax(-1) + noise).argmax(-1)
         confidence = probs.gather(-1, x0[..., None]).squeeze(-1)
     else:
@@ -78,13 +76,13 @@ def predict(
     return x0, confidence
 
 
-def pick(confidence: torch.Tensor, k: torch.Tensor, alg_temp: float, gens: list[torch.Generator]) -> torch.Tensor:
+def pick(confidence: torch.Tensor, k: torch.Tensor, alg_temp: float, draws: Draws) -> torch.Tensor:
     """Positions to commit per row: the k[b] most confident, or with alg_temp > 0 k[b] positions drawn
     without replacement from softmax(confidence / alg_temp) (Gumbel top-k). confidence: -inf where not
     allowed."""
     if alg_temp > 0:
         scores = (confidence.double() / alg_temp).log_softmax(-1)
-        noise = gumbel(tuple(scores.shape[1:]), gens, torch.float64, scores.device)
+        noise = draws.gumbel(tuple(scores.shape[1:]), torch.float64, ORDER)
         confidence = torch.where(torch.isfinite(scores), scores + noise, float("-inf"))
     return select_top_k(confidence, k)
 
@@ -111,18 +109,18 @@ def generate_dream(
         gen = x[:, P:]
         masked = gen == mask_id
         logits = model_fn(x, key_mask)[:, P:]
-        gens = noise.at(rows, 0, i)
+        draws = noise.at(rows, 0, i)
         t, s = timesteps[i], timesteps[i + 1]
         last = i == tl.denoise_steps - 1
         if alg == "origin":
             p_transfer = 1.0 if last else float(1 - s / t)
-            draw = uniform(tuple(gen.shape[1:]), gens, torch.float32, x.device)
-            x0, _ = predict(logits, plan.sampling, "maskgit_plus", gens)
+            draw = draws.uniform(tuple(gen.shape[1:]), torch.float32, TRANSFER)
+            x0, _ = predict(logits, plan.sampling, "maskgit_plus", draws)
             x[:, P:] = torch.where(masked & (draw < p_transfer), x0, gen)
             continue
-        x0, confidence = predict(logits, plan.sampling, alg, gens)
+        x0, confidence = predict(logits, plan.sampling, alg, draws)
         n = masked.sum(1)
         k = n if last else (n.float() * (1 - s / t)).long()  # Dream's int(n * (1 - s/t)), in float32
-        chosen = pick(torch.where(masked, confidence, float("-inf")), k, plan.unmasking.alg_temp, gens)
+        chosen = pick(torch.where(masked, confidence, float("-inf")), k, plan.unmasking.alg_temp, draws)
         x[:, P:] = torch.where(chosen, x0, gen)
     return x

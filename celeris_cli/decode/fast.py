@@ -27,10 +27,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from ..arch.kv import KV, KVCache, LayerKV
-from ..params import Confidence, Guidance, Ordering, Parallel, Sampling, Schedule, Shaping
+from ..params import Guidance, Ordering, Parallel, Sampling, Schedule, Shaping
 from .predict import confidence_masked, sample_masked
 from .reference import commit_order, guide, leave_when_finished, num_transfer_tokens, select_top_k, unconditional
 from .sampling import RowNoise, shape_masked
@@ -63,24 +62,6 @@ class CachedNet(Protocol):
     ) -> tuple[torch.Tensor, list[KV]]: ...
 
     def cache_of(self, kv: list[KV]) -> KVCache: ...
-
-
-def confidence_of(logits: torch.Tensor, x0: torch.Tensor, kind: Confidence) -> torch.Tensor:
-    """How sure the model is of x0, per position; higher is surer. prob = p(x0); margin = p(top1) -
-    p(top2) (Dream's, blind to which token was sampled); lead = p(x0) minus the largest probability of any
-    other token, so a sampled token that is not the favourite has a negative lead and waits for more
-    context (at temperature 0, lead = margin); entropy = exp(-H(p))."""
-    probs = F.softmax(logits.float(), dim=-1)
-    if kind == "prob":
-        return probs.gather(-1, x0[..., None]).squeeze(-1)
-    if kind in ("margin", "lead"):
-        top2 = probs.topk(2, dim=-1)
-        first, second = top2.values.unbind(-1)
-        if kind == "margin":
-            return first - second
-        chosen = probs.gather(-1, x0[..., None]).squeeze(-1)  # its best rival: the runner-up or the favourite
-        return chosen - torch.where(x0 == top2.indices[..., 0], second, first)
-    return torch.exp((probs * torch.log(probs.clamp_min(1e-12))).sum(-1))
 
 
 class _View:
@@ -166,9 +147,9 @@ def generate_fast(
             if shaping is not None and offset is not None:
                 t = plan.sampling.temperature
                 flat = shape_masked(flat, masked, xa[:, P:], offset.expand(len(xa)), shaping, mask_id, stop, t, pieces)
-            gens = noise.at(active, j, i)
+            draws = noise.at(active, j, i)
             left = masked.sum(1)  # masked positions per row
-            x0 = sample_masked(flat, plan.sampling, left.tolist(), gens)  # (N,) in row order
+            x0 = sample_masked(flat, plan.sampling, left.tolist(), draws)  # (N,) in row order
             conf = block.new_zeros(block.shape, dtype=torch.float32).masked_scatter(
                 masked, confidence_masked(flat, x0, par.confidence)
             )
@@ -176,7 +157,7 @@ def generate_fast(
             # the order noise fades with the share of the block still masked, as the reference's does over its
             # steps (one commit each): by steps it would stay near full strength while thresholds fill the block
             fade = left[:, None] / (e - s)
-            rank = torch.where(masked, commit_order(conf, plan.ordering, fade, gens), float("-inf"))
+            rank = torch.where(masked, commit_order(conf, plan.ordering, fade, draws), float("-inf"))
             k = schedule[:, i].clamp_min(1)  # at least one commit per row that still has masks
             commit = select_top_k(rank, k)
             if plan.ordering.remasking != "sequential":  # sequential commits in order: no threshold (even 1.0 >= 1)

@@ -35,7 +35,7 @@ from ..arch.kv import KVCache
 from ..params import Blocks, Commit, Length, Ordering, Sampling
 from .predict import sample_with_probability
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
-from .sampling import RowNoise
+from .sampling import Draws, RowNoise
 
 
 @dataclass(frozen=True)
@@ -93,9 +93,9 @@ class CausalCanvas:
         h, _ = self.net.hidden(ids, pos, self._mask(s, e, causal), cache, s, False)
         return h
 
-    def pick(self, h: torch.Tensor, sampling: Sampling, gens: list[torch.Generator]) -> torch.Tensor:
+    def pick(self, h: torch.Tensor, sampling: Sampling, draws: Draws) -> torch.Tensor:
         """One token per row from the hidden state of its last position (the next position's prediction)."""
-        x0, _ = sample_with_probability(self.net.head(h), sampling, [1] * h.shape[0], gens)
+        x0, _ = sample_with_probability(self.net.head(h), sampling, [1] * h.shape[0], draws)
         return x0
 
 
@@ -167,11 +167,11 @@ def generate_seeded(
             if not masked.any():
                 break
             hs = cv.forward(s, e, causal=False)
-            gens = noise.at(rows, j, i + 1)  # the sampling's draws, then the order's, from each row's stream
-            x0, conf = sample_with_probability(net.head(hs[masked]), sampling, masked.sum(1).tolist(), gens)
+            draws = noise.at(rows, j, i + 1)  # the sampling's lane and the order's, from each row's stream
+            x0, conf = sample_with_probability(net.head(hs[masked]), sampling, masked.sum(1).tolist(), draws)
             confidence = torch.full(block.shape, float("-inf"), device=block.device).masked_scatter(masked, conf)
             fade = masked.sum(1, keepdim=True) / max(e - s - 1, 1)  # the share of the block still masked
-            rank = torch.where(masked, commit_order(confidence, plan.ordering, fade, gens), float("-inf"))
+            rank = torch.where(masked, commit_order(confidence, plan.ordering, fade, draws), float("-inf"))
             if threshold < 1:  # every position at least that sure, and always the first-ranked
                 chosen = masked & (confidence >= threshold)
                 best = rank.argmax(1, keepdim=True)

@@ -1,11 +1,22 @@
-"""The fast decoder's prediction, computed only where it is used: the masked positions of the active rows,
-and for sampling only the tokens that top-k, top-p and min-p leave.
+"""Token choice for every decoder that samples as LLaDA does (reference, fast, the block decoders,
+Nemotron's): which tokens sampling may pick, the draw among them, and the confidence of the pick. Computed
+only where it is used: the masked positions, and for sampling only the tokens the filters leave.
 
-Gumbel-max over the survivors alone samples the same distribution as Gumbel-max over the whole vocabulary
-with the others at -inf, so the float64 noise LLaDA's note asks for (Zheng et al. 2024: low-precision
-Gumbel noise lowers the effective temperature) is drawn for the survivors only: a few per position instead
-of the vocabulary. Each row draws from its own stream, and how many numbers it draws depends only on its
-own positions and logits (README, "Reproducible answers").
+The filters, on scores = logits / temperature in float64 (low-precision Gumbel sampling lowers the
+effective temperature: Zheng et al. 2024, "Masked Diffusion Models are Secretly Time-Agnostic Masked Models
+and Exploit Inaccurate Categorical Sampling"), in this order: top-k keeps the k likeliest; top-p the
+smallest set holding p of the (top-k filtered) mass; min-p (Nguyen et al. 2024) drops tokens less likely
+than min_p times the top one. Gumbel-max over the survivors alone samples softmax(scores) restricted to
+them, the same distribution as Gumbel-max over the whole vocabulary with the others at -inf, so the noise
+is drawn for the survivors only: a few numbers per position instead of the vocabulary. Each row's numbers
+come from its own stream by counter (`sampling.Draws`), and which numbers a row uses depends only on its
+own positions and candidates (README, "Reproducible answers").
+
+The confidence of x0 (higher is surer): prob = p(x0); margin = p(top1) - p(top2) (Dream's, blind to
+which token was sampled); lead = p(x0) minus the largest probability of any other token, so a sampled
+token that is not the favourite has a negative lead and waits for more context (at temperature 0, lead =
+margin); entropy = exp(-H(p)). The whole-vocabulary definitions of the filters and the confidence are kept
+as the tests' oracles (tests/oracles.py).
 """
 
 from __future__ import annotations
@@ -16,12 +27,13 @@ from dataclasses import replace
 import torch
 
 from ..params import Confidence, Sampling
+from .sampling import SAMPLE, Draws, gumbel_of
 
 
 def candidates(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
     """For logits (N, V): token ids (N, K) by falling logit (min-p alone: by token id) and their float64
     scores (logit / temperature) with the tokens that top-k, top-p and min-p exclude at -inf, as
-    `sampling.filtered_scores` decides over the whole vocabulary. Positions whose last candidate survives
+    the filters (above) decide over the whole vocabulary. Positions whose last candidate survives
     are redone with four times as many, until it does not: every filter keeps a prefix of the tokens
     sorted by score, so then no survivor is left out."""
     if s.min_p > 0 and s.top_k == 0 and s.top_p == 1.0:
@@ -55,7 +67,7 @@ def _min_p_candidates(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor, 
     ids[rows, slot] = cols
     scores = torch.full((N, width), float("-inf"), dtype=torch.float64, device=logits.device)
     scores[rows, slot] = logits[rows, cols].double() / s.temperature
-    floor = top.double() / s.temperature + math.log(s.min_p)  # as filtered_scores: max score + log(min_p)
+    floor = top.double() / s.temperature + math.log(s.min_p)  # max score + log(min_p), in float64
     return ids, scores.masked_fill(scores < floor, float("-inf"))
 
 
@@ -69,7 +81,7 @@ def _sorted_candidates(logits: torch.Tensor, s: Sampling, K: int) -> tuple[torch
 
 
 def _filter_sorted(scores: torch.Tensor, logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """`filtered_scores` on the top-K scores (N, K) sorted falling; `logits` (N, V) give top-p its mass."""
+    """The filters on the top-K scores (N, K) sorted falling; `logits` (N, V) give top-p its mass."""
     kth = None
     if 0 < s.top_k < logits.shape[-1]:
         kth = scores[:, s.top_k - 1 : s.top_k]
@@ -94,47 +106,44 @@ def survivors(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor | None, t
     return candidates(logits, s)
 
 
-def gumbel_pick(scores: torch.Tensor, counts: list[int], gens: list[torch.Generator]) -> torch.Tensor:
+def gumbel_pick(scores: torch.Tensor, counts: list[int], draws: Draws) -> torch.Tensor:
     """The column (N,) Gumbel-max picks among scores (N, K), rows' positions contiguous in order (row b has
-    counts[b] of them). Row b draws (counts[b], its own most survivors at any of its positions) float64
-    uniforms from gens[b]."""
-    alive = (scores > float("-inf")).sum(-1).tolist()
-    u = torch.full_like(scores, 0.5)  # where a row draws nothing, the candidate is excluded anyway
-    start = 0
-    for n, gen in zip(counts, gens):
-        if n:
-            width = max(alive[start : start + n])
-            u[start : start + n, :width] = torch.rand((n, width), dtype=u.dtype, device=u.device, generator=gen)
-        start += n
-    noise = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
-    return (scores + noise).argmax(-1)
+    counts[b] of them). Candidate c at a row's j-th position gets the row's number j * 2**32 + c: what a
+    row draws does not depend on K, which its batch mates' candidates can widen."""
+    N, K = scores.shape
+    device = scores.device
+    counts_t = torch.tensor(counts, device=device)
+    row = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t, output_size=N)
+    nth = torch.arange(N, device=device) - (counts_t.cumsum(0) - counts_t)[row]  # j: the position's place in its row
+    index = nth[:, None] * 2**32 + torch.arange(K, device=device)[None, :]
+    return (scores + gumbel_of(draws.uniform_at(row, index, SAMPLE))).argmax(-1)
 
 
-def sample_masked(logits: torch.Tensor, s: Sampling, counts: list[int], gens: list[torch.Generator]) -> torch.Tensor:
+def sample_masked(logits: torch.Tensor, s: Sampling, counts: list[int], draws: Draws) -> torch.Tensor:
     """x0 (N,) for the logits (N, V) of the masked positions, rows' positions contiguous in order (row b
     has counts[b] of them): argmax at temperature 0, else Gumbel-max over the survivors (`gumbel_pick`)."""
     assert sum(counts) == logits.shape[0] or s.temperature == 0
     if s.temperature == 0:
         return logits.argmax(-1)
     ids, scores = survivors(logits, s)
-    choice = gumbel_pick(scores, counts, gens)
+    choice = gumbel_pick(scores, counts, draws)
     return choice if ids is None else ids.gather(-1, choice[:, None]).squeeze(-1)
 
 
 def sample_with_probability(
-    logits: torch.Tensor, s: Sampling, counts: list[int], gens: list[torch.Generator]
+    logits: torch.Tensor, s: Sampling, counts: list[int], draws: Draws
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x0 (N,) as `sample_masked`, and its probability under the filtered distribution (the survivors
     renormalised; at temperature 0 the filters apply at temperature 1), from the same candidates."""
     t = s.temperature if s.temperature > 0 else 1.0
     ids, scores = survivors(logits, s if s.temperature > 0 else replace(s, temperature=t))
-    col = scores.argmax(-1) if s.temperature == 0 else gumbel_pick(scores, counts, gens)
+    col = scores.argmax(-1) if s.temperature == 0 else gumbel_pick(scores, counts, draws)
     prob = (scores.gather(-1, col[:, None]).squeeze(-1) - scores.logsumexp(-1)).exp().float()
     return (col if ids is None else ids.gather(-1, col[:, None]).squeeze(-1)), prob
 
 
 def confidence_masked(logits: torch.Tensor, x0: torch.Tensor, kind: Confidence) -> torch.Tensor:
-    """`fast.confidence_of` for logits (N, V) and x0 (N,), from a log-normaliser and a top-2 instead of a
+    """The confidence `kind` of x0 (N,) under logits (N, V) (see above), from a log-normaliser and a top-2 instead of a
     softmax over the vocabulary (entropy alone needs the full distribution)."""
     logp = logits.float().log_softmax(-1)  # of the whole vocabulary, as the confidence is defined
     if kind == "entropy":  # p log p is 0 where p is 0 (a token banned by min_tokens has logit -inf)

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from ..params import Guidance, Ordering, Sampling, Schedule
-from .sampling import RowNoise, order_scores, sample_tokens, uniform
+from .predict import sample_masked
+from .sampling import ORDER, Draws, RowNoise, order_scores
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids (B,L), key_mask (B,L)) -> (B,L,V)
 
@@ -88,17 +89,15 @@ def leave_when_finished(
     return ~done
 
 
-def commit_order(
-    conf: torch.Tensor, ordering: Ordering, fade: float | torch.Tensor, gens: list[torch.Generator]
-) -> torch.Tensor:
+def commit_order(conf: torch.Tensor, ordering: Ordering, fade: float | torch.Tensor, draws: Draws) -> torch.Tensor:
     """(B, T) scores ranking positions for the scheduled commits: the confidence (with order noise scaled
     by `fade`, the share of the block still to commit), for `random` remasking a uniform draw from each
     row's own stream, for `sequential` the position itself (the leftmost first)."""
     if ordering.remasking == "random":
-        return uniform(tuple(conf.shape[1:]), gens, torch.float32, conf.device)
+        return draws.uniform(tuple(conf.shape[1:]), torch.float32, ORDER)
     if ordering.remasking == "sequential":
         return -torch.arange(conf.shape[1], device=conf.device, dtype=torch.float32).expand(conf.shape)
-    return order_scores(conf, ordering.order_temperature, fade, gens).float()
+    return order_scores(conf, ordering.order_temperature, fade, draws).float()
 
 
 @torch.no_grad()
@@ -135,11 +134,15 @@ def generate_reference(
             if plan.guidance.cfg_scale > 0:  # a second forward pass, counted as one by the model boundary
                 un = model_fn(unconditional(xa, km, P, mask_id), km)[:, s:e]
                 logits = guide(logits, un, plan.guidance.cfg_scale)
-            gens = noise.at(rows, j, i)
-            x0 = sample_tokens(logits, plan.sampling, gens)  # (B, T)
-            conf = F.softmax(logits.float(), dim=-1).gather(-1, x0[..., None]).squeeze(-1)
-            rank = commit_order(conf, plan.ordering, 1 - i / steps, gens)
-            masked = xa[:, s:e] == mask_id
+            draws = noise.at(rows, j, i)
+            masked = xa[:, s:e] == mask_id  # only masked positions can commit: only they are sampled
+            flat = logits[masked]
+            picked = sample_masked(flat, plan.sampling, masked.sum(1).tolist(), draws)  # (N,) in row order
+            x0 = xa[:, s:e].masked_scatter(masked, picked)
+            conf = torch.zeros(masked.shape, device=x.device).masked_scatter(
+                masked, F.softmax(flat.float(), dim=-1).gather(-1, picked[:, None]).squeeze(-1)
+            )
+            rank = commit_order(conf, plan.ordering, 1 - i / steps, draws)
             commit = select_top_k(torch.where(masked, rank, float("-inf")), schedule[:, i])
             xa[:, s:e] = torch.where(commit, x0, xa[:, s:e])
             if stop.numel():

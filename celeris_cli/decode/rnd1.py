@@ -33,7 +33,7 @@ import torch
 
 from ..params import Canvas, EntropyRanking, Filters
 from .reference import ModelFn
-from .sampling import RowNoise, gumbel
+from .sampling import SAMPLE, Draws, RowNoise
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def rnd1_log_probs(logits: torch.Tensor, f: Filters) -> torch.Tensor:
 
 
 def predict(
-    logits: torch.Tensor, f: Filters, greedy: bool, gens: list[torch.Generator]
+    logits: torch.Tensor, f: Filters, greedy: bool, draws: Draws
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens, confidence, entropy), each (B, T), from logits (B, T, V): the likeliest token or one drawn
     (Gumbel-max in float64, from each row's stream), its log-probability, and the distribution's entropy."""
@@ -71,7 +71,7 @@ def predict(
     if greedy:
         tokens = logp.argmax(-1)
     else:
-        noise = gumbel(tuple(logp.shape[1:]), gens, torch.float64, logp.device)
+        noise = draws.gumbel(tuple(logp.shape[1:]), torch.float64, SAMPLE)
         tokens = (logp.double() + noise).argmax(-1)
     confidence = logp.gather(-1, tokens[..., None]).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1)

@@ -35,7 +35,7 @@ from ..arch.kv import KVCache
 from ..params import Blocks
 from .block import BlockNet, BlockPlan, OnBlock, block_mask, commit_step
 from .reference import finished_rows
-from .sampling import stream_seed
+from .sampling import Draws, stream_seed
 
 
 @dataclass(frozen=True)
@@ -292,9 +292,9 @@ class BlockScheduler:
         W = rows[0].width
         block = torch.stack([r.x[r.start : r.start + W] for r in rows])
         k = torch.tensor([_transfer(r) for r in rows], dtype=torch.long, device=self.device)
-        gens = [torch.Generator(device=self.device).manual_seed(stream_seed(r.req.seed, r.block, r.step)) for r in rows]
+        draws = Draws([stream_seed(r.req.seed, r.block, r.step) for r in rows], self.device)
         answer = self._answer(rows, plan)
-        out = commit_step(block, [h], self.net, plan, k, self.mask_id, gens, answer, self.stop, self.pieces)
+        out = commit_step(block, [h], self.net, plan, k, self.mask_id, draws, answer, self.stop, self.pieces)
         if plan.editing.active:  # LLaDA2.1: from the same forward, rewrite decided answer tokens the model doubts
             p, x0 = self.net.head(h).float().softmax(-1).max(-1)
             cols = torch.stack([torch.arange(r.start, r.start + W, device=self.device) for r in rows])

@@ -1,11 +1,14 @@
-"""Randomness and token choice shared by every decoder: per-row random streams, Gumbel sampling with
-min-p / top-k / top-p, and the order noise that picks which positions commit first.
+"""Randomness shared by every decoder: per-row random streams, counted rather than drawn, the order
+noise that picks which positions commit first, and the logit shaping (presence penalty, min_tokens,
+subword min-p). Token choice itself is `predict`'s.
 
-An answer must depend only on its own request. So every row draws from its own stream, and the stream for
-(row, block, step) is seeded from the row's seed, its prompt and that (block, step) alone: what other rows
-do, how many rows share the batch and how many draws came before cannot change a row's draws (vLLM seeds
-per request the same way). The prompt is part of the seed so that a thousand prompts run with one seed
-do not all share one noise sequence, which would make their answers alike.
+An answer must depend only on its own request. So every row has its own stream, keyed by (row, block,
+step) from the row's seed, its prompt and that (block, step) alone (vLLM seeds per request the same way).
+The prompt is part of the seed so that a thousand prompts run with one seed do not all share one noise
+sequence, which would make their answers alike. Within a stream each number is a pure function of the
+key, a lane (one per use in a step) and a counter (`Draws`): every row's numbers for a step come from a
+few elementwise integer operations on the device, whatever the number of rows, and what other rows do,
+how many share the batch and how many numbers came before cannot change a row's numbers.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..params import Sampling, Shaping
+from ..params import Shaping
 
 _MASK64 = 2**64 - 1
 
@@ -48,60 +51,89 @@ class RowNoise:
         self.seeds = list(seeds)
         self.device = device
 
-    def at(self, rows: torch.Tensor | Sequence[int], block: int, step: int) -> list[torch.Generator]:
-        return [
-            torch.Generator(device=self.device).manual_seed(stream_seed(self.seeds[r], block, step))
-            for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows)
-        ]
+    def at(self, rows: torch.Tensor | Sequence[int], block: int | Sequence[int], step: int | Sequence[int]) -> Draws:
+        """The draws of `rows` at (block, step): one (block, step) for all of them, or one per row."""
+        rs = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+        blocks = [block] * len(rs) if isinstance(block, int) else list(block)
+        steps = [step] * len(rs) if isinstance(step, int) else list(step)
+        return Draws([stream_seed(self.seeds[r], b, i) for r, b, i in zip(rs, blocks, steps)], self.device)
 
 
-def uniform(
-    shape: tuple[int, ...], gens: list[torch.Generator], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """(len(gens), *shape) uniform draws, row b from gens[b]."""
-    return torch.stack([torch.rand(shape, dtype=dtype, device=device, generator=g) for g in gens])
+# A stream's lanes: one independent sequence per use within a step, so that the numbers that sample the
+# tokens are not reused to order the positions.
+SAMPLE, ORDER, TRANSFER = 0, 1, 2
+_LANE = 1 << 56  # lane l's counters start at l * 2**56: no use draws that many numbers for one row
+
+_GAMMA, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
-def gumbel(
-    shape: tuple[int, ...], gens: list[torch.Generator], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """Standard Gumbel noise, (len(gens), *shape), row b from gens[b]."""
-    u = uniform(shape, gens, dtype, device)
-    return -torch.log(-torch.log(u.clamp_min(torch.finfo(dtype).tiny)))
+def _int64(c: int) -> int:
+    """The int64 with the bits of the unsigned 64-bit c."""
+    return c - (1 << 64) if c >= 1 << 63 else c
 
 
-def filtered_scores(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """log-probabilities up to a constant at temperature s.temperature, with the tokens that top-k, top-p
-    and min-p exclude set to -inf. In float64: low-precision Gumbel sampling lowers the effective
-    temperature (Zheng et al. 2024, "Masked Diffusion Models are Secretly Time-Agnostic Masked Models and
-    Exploit Inaccurate Categorical Sampling"). min-p (Nguyen et al. 2024) drops tokens less likely than
-    min_p times the top one; top-k keeps the k likeliest; top-p the smallest set holding p of the mass."""
-    scores = logits.double() / s.temperature
-    if s.top_k > 0 and s.top_k < scores.shape[-1]:
-        kth = scores.topk(s.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if s.top_p < 1.0:
-        sorted_scores, order = scores.sort(dim=-1, descending=True)
-        probs = sorted_scores.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= s.top_p  # mass before this token already reaches top_p
-        scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
-    if s.min_p > 0:
-        floor = scores.amax(-1, keepdim=True) + math.log(s.min_p)
-        scores = scores.masked_fill(scores < floor, float("-inf"))
-    return scores
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """z's int64 bits shifted right by k, zeros shifted in (torch's >> copies the sign bit)."""
+    return torch.bitwise_right_shift(z, k).bitwise_and_((1 << (64 - k)) - 1)
 
 
-def sample_tokens(logits: torch.Tensor, s: Sampling, gens: list[torch.Generator]) -> torch.Tensor:
-    """x0 (B, T) for logits (B, T, V): argmax at temperature 0, else Gumbel-max over the filtered scores,
-    which samples softmax(logits / temperature) restricted to the surviving tokens."""
-    if s.temperature == 0:
-        return logits.argmax(-1)
-    scores = filtered_scores(logits, s)
-    return (scores + gumbel(tuple(scores.shape[1:]), gens, scores.dtype, scores.device)).argmax(-1)
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's output function, in place on int64 z (multiplication wraps as unsigned arithmetic)."""
+    z ^= _shr(z, 30)
+    z *= _int64(_MIX1)
+    z ^= _shr(z, 27)
+    z *= _int64(_MIX2)
+    z ^= _shr(z, 31)
+    return z
+
+
+class Draws:
+    """One step's random numbers for a set of rows, computed at once on the device: number i of a row
+    in lane l is SplitMix64's output `mix(key + (l * 2**56 + i + 1) * gamma)` for the row's key
+    (`stream_seed` of its seed, block and step). Each number is a pure function of (row seed, block, step,
+    lane, i), a counter, never a draw in sequence: a row's numbers cannot depend on which rows, or how many,
+    are drawn beside it, nor on how many numbers anyone drew before, and they are the same integers on
+    every device. `keys` come one per row, in the order the rows are given."""
+
+    def __init__(self, keys: Sequence[int], device: torch.device) -> None:
+        self.keys = torch.tensor(list(keys), dtype=torch.long, device=device)
+
+    def __len__(self) -> int:
+        return self.keys.numel()
+
+    def uniform(self, shape: tuple[int, ...], dtype: torch.dtype, lane: int) -> torch.Tensor:
+        """(rows, *shape) uniforms in (0, 1): a row's numbers 0, 1, ... in row-major order over shape."""
+        index = torch.arange(math.prod(shape), device=self.keys.device).view(shape)
+        return _unit(_bits(self.keys.view(-1, *[1] * len(shape)), index, lane), dtype)
+
+    def uniform_at(self, rows: torch.Tensor, index: torch.Tensor, lane: int) -> torch.Tensor:
+        """float64 uniforms (N, K) in (0, 1): entry (n, c) is number index[n, c] of row rows[n]."""
+        return _unit(_bits(self.keys[rows][:, None], index, lane), torch.float64)
+
+    def gumbel(self, shape: tuple[int, ...], dtype: torch.dtype, lane: int) -> torch.Tensor:
+        """Standard Gumbel noise (rows, *shape), from `uniform`."""
+        return gumbel_of(self.uniform(shape, dtype, lane))
+
+
+def _bits(keys: torch.Tensor, index: torch.Tensor, lane: int) -> torch.Tensor:
+    """64 random bits (as int64) for each counter in `index`, keys broadcast against it."""
+    return _mix(keys + (index + (lane * _LANE + 1)).mul_(_int64(_GAMMA)))
+
+
+def _unit(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Uniforms in (0, 1), exact in dtype: the top 52 bits (float64) or 23 (float32) plus half a step (one
+    bit more and n + 1/2 would round, up to 1 itself at the top)."""
+    width = 52 if dtype == torch.float64 else 23
+    return _shr(bits, 64 - width).to(dtype).add_(0.5).mul_(2.0**-width)
+
+
+def gumbel_of(u: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise from uniforms in (0, 1) (the one place the transform is written)."""
+    return -torch.log(-torch.log(u))
 
 
 def order_scores(
-    confidence: torch.Tensor, order_temperature: float, fade: float | torch.Tensor, gens: list[torch.Generator]
+    confidence: torch.Tensor, order_temperature: float, fade: float | torch.Tensor, draws: Draws
 ) -> torch.Tensor:
     """Scores that choose which positions a step commits: the confidence itself, or with
     order_temperature > 0 the log-confidence plus Gumbel noise of scale order_temperature * fade, where
@@ -111,8 +143,7 @@ def order_scores(
     if order_temperature == 0:
         return confidence
     log_conf = torch.log(confidence.float().clamp_min(1e-12))
-    noise = gumbel(tuple(log_conf.shape[1:]), gens, log_conf.dtype, log_conf.device)
-    return log_conf + order_temperature * fade * noise
+    return log_conf + order_temperature * fade * draws.gumbel(tuple(log_conf.shape[1:]), log_conf.dtype, ORDER)
 
 
 def shape_masked(

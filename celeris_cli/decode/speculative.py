@@ -81,12 +81,12 @@ def _draft(
     rows: _Rows, block: torch.Tensor, plan: SpecPlan, mask_id: int, noise: RowNoise, answer_at: list[int]
 ) -> torch.Tensor:
     """Fill the masks of each row's block (b, W) by diffusion over its cache (see the module's text)."""
-    threshold, step, sampled = plan.draft.draft_threshold, 0, plan.sampling.temperature > 0
+    threshold, step = plan.draft.draft_threshold, 0
     while bool((masked := block == mask_id).any()):
         h = rows.forward(block, causal=False)
         # streams of the draft's own: block 1 + the seed's answer position, never 0 (the accepted tokens')
-        gens = [noise.at([r], 1 + t, step)[0] for r, t in zip(rows.idx.tolist(), answer_at)] if sampled else []
-        x0, conf = sample_with_probability(rows.cv.net.head(h[masked]), plan.sampling, masked.sum(1).tolist(), gens)
+        draws = noise.at(rows.idx, [1 + t for t in answer_at], step)
+        x0, conf = sample_with_probability(rows.cv.net.head(h[masked]), plan.sampling, masked.sum(1).tolist(), draws)
         confidence = torch.full(block.shape, float("-inf"), device=block.device).masked_scatter(masked, conf)
         chosen = masked & (confidence >= threshold)
         best = confidence.argmax(1, keepdim=True)
@@ -127,8 +127,8 @@ def generate_speculative(
         block = _draft(rows, block, plan, mask_id, noise, answer_at)
         h = rows.forward(block, causal=True)  # the verify pass: every position's next token, as the AR mode's
         own = [(r, t + 1 + i) for r, t in zip(rows.idx.tolist(), answer_at) for i in range(W)]
-        gens = [noise.at([r], 0, t)[0] for r, t in own] if plan.sampling.temperature > 0 else []
-        x0, _ = sample_with_probability(net.head(h.flatten(0, 1)), plan.sampling, [1] * len(own), gens)
+        draws = noise.at([r for r, _ in own], 0, [t for _, t in own])
+        x0, _ = sample_with_probability(net.head(h.flatten(0, 1)), plan.sampling, [1] * len(own), draws)
         ar = x0.view(-1, W)  # ar[:, i]: the token after block[:, i]
         agree = (ar[:, :-1] == block[:, 1:]).long().cumprod(1).sum(1)  # the draft's tokens confirmed
         accepted = agree + 1  # and the verifier's next one

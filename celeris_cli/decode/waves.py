@@ -42,7 +42,7 @@ from .fast import FastPlan
 from .predict import confidence_masked, sample_masked
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
 from .running import Lane, Occupancy, supports
-from .sampling import shape_masked, stream_seed
+from .sampling import Draws, shape_masked, stream_seed
 from .strategies import Net
 
 
@@ -260,17 +260,15 @@ class WaveScheduler:
                 answer, offset = self._answer(rows)
                 t = plan.sampling.temperature
                 flat = shape_masked(flat, masked, answer, offset, plan.shaping, self.mask_id, self.stop, t, self.pieces)
-            gens = [
-                torch.Generator(device=self.device).manual_seed(stream_seed(r.req.seed, r.block, r.step)) for r in rows
-            ]
+            draws = Draws([stream_seed(r.req.seed, r.block, r.step) for r in rows], self.device)
             left = masked.sum(1)
-            x0 = sample_masked(flat, plan.sampling, left.tolist(), gens)
+            x0 = sample_masked(flat, plan.sampling, left.tolist(), draws)
             conf = block.new_zeros(block.shape, dtype=torch.float32).masked_scatter(
                 masked, confidence_masked(flat, x0, plan.parallel.confidence)
             )
             proposal = block.masked_scatter(masked, x0)
             fade = left[:, None] / T
-            rank = torch.where(masked, commit_order(conf, plan.ordering, fade, gens), float("-inf"))
+            rank = torch.where(masked, commit_order(conf, plan.ordering, fade, draws), float("-inf"))
             k = torch.stack([r.schedule[r.step] for r in rows]).clamp_min(1)
             commit = select_top_k(rank, k)
             if plan.ordering.remasking != "sequential":  # sequential commits in order: no threshold (even 1.0 >= 1)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..decode.block import commit_step
-from ..decode.sampling import stream_seed
+from ..decode.sampling import Draws, stream_seed
 from ..decode.strategies import Net, plan_of
 from ..engine import Engine
 from ..errors import UsageError
@@ -125,9 +125,9 @@ def sampling_cost(
             for name, head_net in (("step_ms", net), ("sampling_ms", given)):
                 times = []
                 for _ in range(repeats + 1):  # the first call warms up
-                    gens = [torch.Generator(device=engine.device).manual_seed(stream_seed(b, 0, 0)) for b in range(B)]
                     t0 = time.perf_counter()
-                    commit_step(block, [h], head_net, plan, k, mask, gens, None, stop)
+                    draws = Draws([stream_seed(b, 0, 0) for b in range(B)], engine.device)  # the rows' noise
+                    commit_step(block, [h], head_net, plan, k, mask, draws, None, stop)
                     times.append(time.perf_counter() - t0)
                 ms = statistics.median(times[1:]) * 1000
                 cell[name] = round(ms, 3)
