@@ -497,30 +497,35 @@ class Engine:
 
 
 class LiveRun:
-    """A block-diffusion running set fed while it runs: `add` rows between the answers `answers` yields (the
-    queue daemon hands it each batch as it is packed, so a file claimed while others decode joins their
-    running set as rows leave). Each answer is the one its row gets alone, as in `decode_running`; its
-    `wall_s` runs from its `add`. Under a memory budget (`--max-memory`, CUDA's default) at most as many rows
-    run as the planner expects to fit, as in `decode_running`. Out of memory, it goes on with the rows not
-    yet answered in a running set half as wide, down to one row; a row out of memory alone is answered with
-    `TooLarge` (as `decode_running`), and the width comes back. Another exception ends the run: the rows
-    left are the caller's to decode again."""
+    """A running set fed while it runs, block diffusion's (`decode.running`) or the fast decoder's
+    (`decode.waves`): `add` rows between the answers `answers` yields (the queue daemon hands it each batch
+    as it is packed, so a file claimed while others decode joins their running set as rows leave). Each
+    answer is the one its row gets alone, as in `decode_running`; its `wall_s` runs from its `add`. Under a
+    memory budget (`--max-memory`, CUDA's default) at most as many rows run as the planner expects to fit,
+    as in `decode_running`. Out of memory, it goes on with the rows not yet answered in a running set half
+    as wide, down to one row; a row out of memory alone is answered with `TooLarge` (as `decode_running`),
+    and the width comes back. Another exception ends the run: the rows left are the caller's to decode
+    again."""
 
     def __init__(self, engine: Engine, max_batch: int) -> None:
         self.engine, self.max_batch = engine, max_batch
         self.cap = max_batch  # out of memory, halved (down to 1) until the set runs empty or a row fails alone
         self.width = max_batch  # rows in flight at most: the cap, and under a memory budget what fits
-        self.scheduler: BlockScheduler | None = None
+        self.scheduler: BlockScheduler | waves.WaveScheduler | None = None
+        self.kind: str | None = None  # the running set's: "block" or "waves" (`_running_kind`)
         self.net: Net | None = None
         self.deterministic: bool | None = None
         self.rows: dict[int, tuple[str, list[int], GenerationParams, int, float]] = {}  # by key, as added
         self.on_block: OnBlock | None = None  # (key, generated ids so far) as each row's block is committed
 
     def accepts(self, params: GenerationParams) -> bool:
-        """Whether a row with these final settings can join: block diffusion without guidance
-        (`Engine.continuous`), computed the same way as the rows already here (`deterministic`)."""
-        same = self.deterministic is None or not self.rows or params.deterministic == self.deterministic
-        return self.engine.continuous(params) and same
+        """Whether a row with these final settings can join: block diffusion or the fast strategy, without
+        guidance (`Engine.continuous`), of the kind of the rows already here and computed the same way
+        (`deterministic`)."""
+        kind = _running_kind(params, bidirectional=True)
+        if not self.rows:
+            return kind is not None
+        return kind == self.kind and params.deterministic == self.deterministic
 
     def add(self, key: int, prompt: str, ids: list[int], params: GenerationParams, seed: int) -> None:
         """A row (its final settings, `accepts`) under the caller's `key`, behind those waiting."""
@@ -545,9 +550,9 @@ class LiveRun:
             self.scheduler.max_batch = self.width
 
     def _fresh(self, params: GenerationParams) -> None:
-        scheduler, self.net = self.engine._scheduler([params], self.width, on_block=self.on_block)
-        assert isinstance(scheduler, BlockScheduler)
-        self.scheduler = scheduler
+        self.kind = _running_kind(params, bidirectional=True)
+        on_block = self.on_block if self.kind == "block" else None  # the fast strategy streams no blocks
+        self.scheduler, self.net = self.engine._scheduler([params], self.width, on_block=on_block, bidirectional=True)
 
     def _enqueue(self, key: int) -> None:
         _, ids, params, seed, _ = self.rows[key]
@@ -583,10 +588,7 @@ class LiveRun:
                     raise
                 self.engine.memory.release()
                 waiting = {r.key for r in scheduler.waiting}
-                # in flight: the rows in its lanes, or the one it was admitting (its prompt's prefill)
-                alone = [r.req.key for lane in scheduler.lanes.values() for r in lane.rows] or [
-                    k for k in self.rows if k not in waiting
-                ]
+                alone = [k for k in self.rows if k not in waiting]  # in flight: added, not answered, not waiting
                 if self.width > 1:
                     log.info("out of memory with %d rows in flight; going on with %d", self.width, self.width // 2)
                     self.cap = self.width // 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from celeris_cli.batch.local import LocalExecutor
@@ -31,11 +32,17 @@ class Recorder:
 
 
 def _prefilled(forward: list[list[int]], prompt: list[int]) -> bool:
-    return any(row[: len(prompt)] == prompt for row in forward)
+    """Whether a forward computed the prompt: a row holds it (a packed forward lays rows end to end)."""
+    n = len(prompt)
+    return any(row[i : i + n] == prompt for row in forward for i in range(len(row) - n + 1))
 
 
-def test_a_later_batch_starts_while_an_earlier_one_is_still_running_and_answers_as_alone() -> None:
-    backend = EngineBackend(None, "cpu", "float32", 1, {"gen_length": 32})  # the default model
+@pytest.mark.parametrize("name, kind", [(None, "block"), ("celeris-tiny", "waves")], ids=["block", "bidirectional"])
+def test_a_later_batch_starts_while_an_earlier_one_is_still_running_and_answers_as_alone(
+    name: str | None, kind: str
+) -> None:
+    """Block diffusion (the default model) and a bidirectional model's fast strategy (celeris-tiny) alike."""
+    backend = EngineBackend(name, "cpu", "float32", 1, {"gen_length": 32})
     executor = LocalExecutor(backend, batch_size=2)
     assert isinstance(executor.pool, RunningPool)
     model = backend.engine.model
@@ -51,6 +58,7 @@ def test_a_later_batch_starts_while_an_earlier_one_is_still_running_and_answers_
             got[oc.request.custom_id] = oc.body["text"]
     backend.engine.model = model
     assert len(yielded_at) == 3 and all(len(ids) == 2 for _, ids in yielded_at)  # three batches of two
+    assert isinstance(executor.pool, RunningPool) and executor.pool.live.kind == kind
 
     first_done, first_ids = yielded_at[0]
     later = [r for r in requests if r.custom_id not in first_ids]

@@ -232,3 +232,58 @@ def test_generate_decodes_a_bidirectional_models_prompts_through_the_running_set
         runs.clear()
         llada.generate(PROMPTS, params, batch_size=2, scheduling="static")
         assert runs == []
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_added_to_a_live_run_while_it_runs_answer_as_the_static_decoder_alone(
+    llada: Engine, temperature: float
+) -> None:
+    """`Engine.live` (the queue, `celeris batch`, serve) feeds fast rows to the waves between answers."""
+    rows = [(p, llada.params(_settings(i, temperature)), i) for i, p in enumerate(PROMPTS * 2)]
+    live = llada.live(max_batch=3)
+    added = 0
+
+    def add() -> None:
+        nonlocal added
+        prompt, params, seed = rows[added]
+        live.add(added, prompt, llada.encode_prompt(prompt), params, seed)
+        added += 1
+
+    add()
+    got: dict[int, str] = {}
+    joined_while_running = []
+    for key, result in live.answers():
+        got[key] = result.text  # type: ignore[union-attr]
+        for _ in range(2):  # two rows join each time one leaves, while others are in flight
+            if added < len(rows):
+                joined_while_running.append(live.scheduler is not None and live.scheduler.in_flight > 1)
+                add()
+    assert live.kind == "waves"
+    alone = [llada.finish(_alone(llada, p, s, seed), s.stop, llada.encode_prompt(p))[0] for p, s, seed in rows]
+    assert [got[k] for k in range(len(rows))] == alone
+    assert any(joined_while_running)
+    assert not live.accepts(llada.params({"strategy": "fast", "cfg_scale": 1.0}))  # guidance: static batches
+
+
+def test_a_live_run_of_fast_rows_out_of_memory_narrows_and_a_row_too_large_alone_fails_alone(llada: Engine) -> None:
+    from celeris_cli.errors import TooLarge
+
+    from .test_memory_backoff import LONG, OutOfMemoryAbove
+
+    params = llada.params({"strategy": "fast", "gen_length": 16, "block_length": 8, "denoise_steps": 8})
+    alone = {p: llada.generate([p], params)[0].text for p in PROMPTS}
+    real = llada.model
+    llada.model = OutOfMemoryAbove(real, rows=99, width=60)  # type: ignore[assignment]  (a packed forward: 1 row)
+    try:
+        live = llada.live(max_batch=6)
+        prompts = PROMPTS[:3] + [LONG * 2] + PROMPTS[3:]
+        for k, p in enumerate(prompts):
+            live.add(k, p, llada.encode_prompt(p), params, params.seed)
+        got = dict(live.answers())
+        widths = [n for _, n in llada.model.shapes]  # type: ignore[attr-defined]
+    finally:
+        llada.model = real
+    assert max(widths) > 60 and widths[-1] <= 60  # it ran out of memory, and went on narrower
+    assert isinstance(got[3], TooLarge) and "out of memory alone" in str(got[3])
+    assert {prompts[k]: r.text for k, r in got.items() if k != 3} == alone  # type: ignore[union-attr]
+    assert not live.pending

@@ -121,7 +121,8 @@ class _Stepped:
 
 class WaveScheduler:
     """Decodes `FastRequest`s with at most `max_batch` rows in flight; `run` yields (key, generated ids,
-    forwards taken part in) as each row finishes."""
+    forwards taken part in) as each row finishes. `add` feeds it while it runs (`Engine.live`: the queue,
+    `celeris batch` and serve)."""
 
     def __init__(
         self,
@@ -141,29 +142,39 @@ class WaveScheduler:
         self.stop = torch.tensor(sorted(stop_ids), device=device, dtype=torch.long)
         self.pieces = torch.tensor(sorted(word_pieces), device=device, dtype=torch.long)
         self.lanes: dict[tuple[str, int], Lane] = {}
+        self.waiting: deque[FastRequest] = deque()
+        self.fresh: list[_Row] = []  # rows whose block starts next tick (a refresh forward), or with no cache
         self.occupancy = Occupancy()
         model: Any = getattr(net, "model", net)
         self.n_layers = len(model.parts()[1])  # what a packed forward passes, one per layer
 
+    @property
+    def in_flight(self) -> int:
+        """Rows admitted and not yet handed back."""
+        return len(self.fresh) + sum(len(lane.rows) for lane in self.lanes.values())
+
+    def add(self, requests: Iterable[FastRequest]) -> None:
+        """Requests to decode, behind those waiting; among them the longest answers first (stable), as the
+        block running set admits them. Rows may be added while `run` goes on (between two of its answers)."""
+        self.waiting.extend(sorted(requests, key=lambda r: -r.plan.schedule.gen_length))
+
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
-    def run(self, requests: Iterable[FastRequest]) -> Iterator[tuple[int, list[int], int]]:
-        # the longest answers first (stable), as the block running set admits them
-        waiting = deque(sorted(requests, key=lambda r: -r.plan.schedule.gen_length))
-        fresh: list[_Row] = []  # rows whose block starts this tick (refresh forward)
-        while waiting or fresh or any(lane.rows for lane in self.lanes.values()):
-            in_flight = len(fresh) + sum(len(lane.rows) for lane in self.lanes.values())
+    def run(self, requests: Iterable[FastRequest] = ()) -> Iterator[tuple[int, list[int], int]]:
+        self.add(requests)
+        while self.waiting or self.in_flight:
+            in_flight = self.in_flight
             if self.refill or in_flight == 0:
-                while waiting and in_flight < self.max_batch:
-                    fresh.append(self._admit(waiting.popleft()))
+                while self.waiting and in_flight < self.max_batch:
+                    self.fresh.append(self._admit(self.waiting.popleft()))
                     in_flight += 1
             self.occupancy.rounds += 1
             self.occupancy.in_flight += in_flight
-            stepped = self._tick(fresh)
+            stepped = self._tick(self.fresh)
             self._commit(stepped)
-            fresh = []
+            self.fresh = []  # those starting a block this tick are in their lanes now, or stepped without one
             for r, outcome in self._advance([part.row for part in stepped]):
                 if outcome in ("next", "again"):
-                    fresh.append(r)
+                    self.fresh.append(r)
                 else:
                     yield r.req.key, r.x[r.P :].tolist(), r.forwards
 

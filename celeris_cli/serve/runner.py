@@ -2,7 +2,7 @@
 
 HTTP handlers `prepare` a request (validation, in the caller's thread: no decoding), then `submit` it and
 await its future. The worker decodes through the engine's running set (`Engine.live`): every waiting row
-that can join (block diffusion without guidance, the default model's path) is added to it, and rows that
+that can join (block diffusion or the fast strategy, without guidance) is added to it, and rows that
 arrive while it runs join between two answers, as rows leave; each answer is handed back as its row
 finishes. Rows whose client has gone before they join (their futures were cancelled) are dropped. Rows of
 other settings (guidance, other strategies) are grouped by their final settings (each row's script preset

@@ -88,7 +88,7 @@ class RunningPool:
     """The in-process engine's running set as a pool: `submit` adds a batch's rows to it (they wait behind
     the rows already there), `wait` decodes until every row of some batch is answered and hands back each
     batch that is, the others staying in flight. A batch whose settings cannot join a running set
-    (guidance, strategies other than block-fast, another `deterministic`) decodes on its own, taking turns
+    (guidance, strategies other than block-fast and fast, another `deterministic`) decodes on its own, taking turns
     with the running set. If the running set raises (not out of memory: it narrows itself), each batch in it
     decodes again on its own, so only the batch at fault fails (and the daemon halves it)."""
 
