@@ -359,7 +359,7 @@ class Engine:
         row's answer is the one it gets alone; its `nfe` counts the forwards it took part in, its `wall_s`
         runs from the start to its finish. on_result(i, result) is called as row i finishes. refill False:
         static batches of max_batch rows through the same decoder (for `bench`'s comparison).
-        bidirectional: the fast strategy's rows too, through `decode.waves` (measured by `bench --workload
+        bidirectional: the fast strategy's rows too, through `decode.waves` (measured by `bench workload
         mixed`; not the default path, see `continuous`)."""
         kinds: dict[str | None, list[int]] = {}
         for i, p in enumerate(params):
@@ -445,7 +445,7 @@ class Engine:
     def continuous(self, params: GenerationParams, bidirectional: bool = False) -> bool:
         """Whether rows with these settings decode through a running set: block diffusion's cached decoder
         without guidance (`decode.running`); with `bidirectional`, the fast decoder's rows too
-        (`decode.waves`, measured by `bench --workload mixed`; docs/scheduling.md). Other strategies decode
+        (`decode.waves`, measured by `bench workload mixed`; docs/scheduling.md). Other strategies decode
         in static batches."""
         return _running_kind(params, bidirectional) is not None
 

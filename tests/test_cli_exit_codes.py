@@ -35,7 +35,8 @@ USAGE_ERRORS = [
     ("eval: --set not an object", ["eval", "--set", "[1]"], None),
     ("eval: missing model", ["eval", "--model", "{tmp}/nope"], None),
     ("bench: unknown mode", ["bench", "--modes", "warp"], None),
-    ("bench: bad --sweep", ["bench", "--sweep", "a,b"], None),
+    ("bench: bad sweep", ["bench", "sweep", "a,b"], None),
+    ("bench: an old flag", ["bench", "--workload", "mixed"], None),
     ("bench: bad --set", ["bench", "--set", "{{"], None),
 ]
 

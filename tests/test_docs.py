@@ -201,6 +201,8 @@ def check_celeris(args: list[str], where: str) -> None:
     name, rest = args[0], args[1:]
     assert name in group.commands, f"{where}: `celeris {name}` is not a command (known: {sorted(group.commands)})"
     sub = group.commands[name]
+    while rest and rest[0] in getattr(sub, "commands", {}):  # a command group's subcommand: `celeris bench sweep`
+        name, sub, rest = f"{name} {rest[0]}", sub.commands[rest[0]], rest[1:]
     options = option_names(sub)
     for token in rest:
         if token == "--":

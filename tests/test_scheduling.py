@@ -1,13 +1,11 @@
-"""`celeris bench --workload mixed`: static batches and the running set side by side, same answers."""
+"""`celeris bench workload mixed`: static batches and the running set side by side, same answers."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from celeris_cli.cli import app
 from celeris_cli.errors import UsageError
 from celeris_cli.measure.scheduling import compare_scheduling
 
@@ -46,9 +44,3 @@ def test_the_mixed_workload_runs_a_bidirectional_model_through_the_waves(engine)
     assert report["answers"] == 6 and report["identical_answers"] == 6
     assert report["scheduling"]["continuous"]["occupancy"] > report["scheduling"]["static"]["occupancy"]
     assert report["commit_step"] == []  # the block decoders' commit step only
-
-
-def test_an_unknown_workload_is_a_usage_error(block_model: Path) -> None:
-    result = CliRunner().invoke(app, ["bench", "--model", str(block_model), "--workload", "steady"])
-    assert result.exit_code == 2
-    assert "--workload must be mixed" in result.output

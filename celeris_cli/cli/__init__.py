@@ -11,8 +11,10 @@ from importlib import import_module
 
 from .app import app
 
-# Importing a command module registers its commands; --help lists them in this order.
-for _module in ("generate", "batch", "queue", "serve", "recipe", "measure", "inspect", "version"):
+# Importing a command module registers its commands; --help lists them in this order, command groups
+# (`bench` and its subcommands) after the plain commands.
+_MODULES = ("generate", "batch", "queue", "serve", "recipe", "measure", "bench", "bench_only", "inspect", "version")
+for _module in _MODULES:
     import_module(f"{__name__}.{_module}")
 
 __all__ = ["app", "main"]

@@ -24,7 +24,7 @@ A row's forwards are those it would take alone, its attention over exactly its o
 result for a row changes with the number of keys even where the extra ones are masked), so its answer does
 not depend on its batch mates in float32, and bit for bit with `deterministic` on. Its noise comes from its
 own stream at its own (block, step), as in `generate_fast`. `refill=False` gives static batches through
-the same loop, for `bench --workload mixed`.
+the same loop, for `bench workload mixed`.
 """
 
 from __future__ import annotations

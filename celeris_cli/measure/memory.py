@@ -216,7 +216,7 @@ def check(specs: list[dict[str, Any]], random_shapes: tuple[str, ...] = ()) -> l
 
 
 def default_specs(threads: int = 2) -> list[dict[str, Any]]:
-    """The shapes `celeris bench --memory` measures. Every row decodes to the end of its canvas (no early
+    """The shapes `celeris bench memory` measures. Every row decodes to the end of its canvas (no early
     exit; on celeris-block, min_tokens holds the answer open), the case the planner sizes batches for.
     The random checkpoints run in bfloat16 at a small batch: this CPU emulates bfloat16 slowly."""
     from ..engine import embedded_models

@@ -1,4 +1,4 @@
-"""`celeris bench --scaling`: how output tokens/s and peak memory grow with the work, for the reference
+"""`celeris bench scaling`: how output tokens/s and peak memory grow with the work, for the reference
 decoder and the default mode, over generation lengths x batch sizes.
 
 Each cell decodes one batch of held-out poem openings (as many as the batch holds) with the model's
@@ -85,7 +85,7 @@ def render_scaling(report: dict[str, Any]) -> None:
     console = Console(width=None if sys.stdout.isatty() else 10_000)
     hw = report["hardware"]
     console.print(
-        f"[bold]celeris bench --scaling[/] {hw['cpu']} ({hw['cores']} cores, {hw['threads']} threads), torch "
+        f"[bold]celeris bench scaling[/] {hw['cpu']} ({hw['cores']} cores, {hw['threads']} threads), torch "
         f"{hw['torch']}, {report['device']} {report['dtype']}, steps {report['steps']}"
     )
     ref, default = report["baseline"], report["default_mode"]

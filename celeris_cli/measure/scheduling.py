@@ -1,4 +1,4 @@
-"""Static batches versus the running set on one workload (`celeris bench --workload mixed`).
+"""Static batches versus the running set on one workload (`celeris bench workload mixed`).
 
 The workload spreads answer lengths wide, as real bulk jobs do: held-out poem and English openings
 interleaved (the default model gives them different presets, so different block widths), each asking for

@@ -1,5 +1,5 @@
 """The step sweep: the same prompts at several totals of denoising steps, on each model with its own
-defaults otherwise, with quality, time, forwards and peak memory per step count (`celeris bench --sweep`).
+defaults otherwise, with quality, time, forwards and peak memory per step count (`celeris bench sweep`).
 
 `denoise_steps` is the total over the answer on every model (block diffusion spreads it over its blocks),
 so the rows of two models with different strategies compare the same budget of steps.
