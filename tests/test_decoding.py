@@ -229,7 +229,7 @@ def test_reference_rows_that_leave_when_finished_keep_their_answers(eos_prone, c
     stop = eos_prone.special.stop_ids
     mask = eos_prone.tokenizer.mask_id
     nets = [Rows(eos_prone.model), Rows(eos_prone.model)]
-    streams = RowNoise([request_seed(7, ids) for ids in encoded], torch.device("cpu"))  # each row its own
+    streams = RowNoise([request_seed(8, ids) for ids in encoded], torch.device("cpu"))  # each row its own
     whole = generate_reference(nets[0], prompt, pmask, p, mask, streams)
     left = generate_reference(nets[1], prompt, pmask, p, mask, streams, stop)
     assert not (left == mask).any()
@@ -238,7 +238,7 @@ def test_reference_rows_that_leave_when_finished_keep_their_answers(eos_prone, c
         cut = next((i for i, t in enumerate(b) if t in stop), len(b))
         stopped += cut < len(b)
         assert a[: cut + 1] == b[: cut + 1]
-    assert 0 < stopped < len(prompts)  # some rows end early, some do not
+    assert 0 < stopped < len(prompts)  # some rows end early, some do not (the seed is one that gives both)
     assert set(nets[0].rows) == {len(prompts)}
     calls_per_step = 2 if cfg_scale else 1
     assert nets[1].rows[0] == len(prompts) and min(nets[1].rows) < len(prompts)

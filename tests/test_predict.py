@@ -183,3 +183,19 @@ def test_counter_noise_is_uniform_and_lanes_and_rows_are_unrelated() -> None:
     other_lane = draws_for(*range(64)).uniform((4096,), torch.float64, ORDER)
     assert abs(float(torch.corrcoef(torch.stack([u.flatten(), other_lane.flatten()]))[0, 1])) < 0.01
     assert abs(float(torch.corrcoef(u[:2])[0, 1])) < 0.05  # two rows of neighbouring seeds
+
+
+def test_a_draw_follows_softmax_never_picks_an_excluded_candidate_and_ignores_padding_columns() -> None:
+    """`draw` (inverse CDF, one number per position): the tempered distribution over 20,000 positions,
+    never a column at -inf, and the same picks when batch mates widen the candidates with -inf columns."""
+    from celeris_cli.decode.predict import draw
+
+    scores = torch.tensor([2.0, float("-inf"), 1.0, 0.0, float("-inf"), -1.0], dtype=torch.float64)
+    N = 20_000
+    rows = draws_for(*range(8))
+    picks = draw(scores.expand(N, -1).clone(), [N // 8] * 8, rows)
+    seen = torch.bincount(picks, minlength=6).double() / N
+    assert seen[1] == seen[4] == 0
+    assert torch.allclose(seen, scores.softmax(0), atol=0.012)
+    wider = torch.cat([scores.expand(N, -1), torch.full((N, 9), float("-inf"), dtype=torch.float64)], 1)
+    assert torch.equal(draw(wider, [N // 8] * 8, rows), picks)

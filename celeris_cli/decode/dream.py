@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from ..params import Sampling, Timeline, Unmasking
+from .predict import draw
 from .reference import ModelFn, select_top_k
-from .sampling import ORDER, SAMPLE, TRANSFER, Draws, RowNoise
+from .sampling import ORDER, TRANSFER, Draws, RowNoise
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,9 @@ def predict(logits: torch.Tensor, s: Sampling, alg: str, draws: Draws) -> tuple[
     """(x0, confidence), each (B, L), from logits (B, L, V) under Dream's rule `alg`."""
     filtered = dream_filter(logits, s)
     probs = filtered.softmax(-1)
-    if s.temperature > 0:  # Gumbel-max in float64 samples the same categorical as Dream's draw
-        noise = draws.gumbel(tuple(filtered.shape[1:]), torch.float64, SAMPLE)
-        x0 = (filtered.double().log_softmax(-1) + noise).argmax(-1)
+    if s.temperature > 0:  # a float64 draw from the same categorical as Dream's torch.multinomial
+        B, L, V = filtered.shape
+        x0 = draw(filtered.double().reshape(B * L, V), [L] * B, draws).view(B, L)
         confidence = probs.gather(-1, x0[..., None]).squeeze(-1)
     else:
         confidence, x0 = probs.max(-1)

@@ -6,11 +6,10 @@ The filters, on scores = logits / temperature in float64 (low-precision Gumbel s
 effective temperature: Zheng et al. 2024, "Masked Diffusion Models are Secretly Time-Agnostic Masked Models
 and Exploit Inaccurate Categorical Sampling"), in this order: top-k keeps the k likeliest; top-p the
 smallest set holding p of the (top-k filtered) mass; min-p (Nguyen et al. 2024) drops tokens less likely
-than min_p times the top one. Gumbel-max over the survivors alone samples softmax(scores) restricted to
-them, the same distribution as Gumbel-max over the whole vocabulary with the others at -inf, so the noise
-is drawn for the survivors only: a few numbers per position instead of the vocabulary. Each row's numbers
-come from its own stream by counter (`sampling.Draws`), and which numbers a row uses depends only on its
-own positions and candidates (README, "Reproducible answers").
+than min_p times the top one. A draw among the survivors alone samples softmax(scores) restricted to them,
+the distribution of the whole vocabulary with the others at -inf; it takes one random number per position
+(`draw`, by inverse CDF), number j of the row's own stream for its j-th masked position (`sampling.Draws`),
+so what a row draws depends only on its own positions and candidates (README, "Reproducible answers").
 
 The confidence of x0 (higher is surer): prob = p(x0); margin = p(top1) - p(top2) (Dream's, blind to
 which token was sampled); lead = p(x0) minus the largest probability of any other token, so a sampled
@@ -27,7 +26,7 @@ from dataclasses import replace
 import torch
 
 from ..params import Confidence, Sampling
-from .sampling import SAMPLE, Draws, gumbel_of
+from .sampling import SAMPLE, Draws
 
 
 def candidates(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,27 +105,37 @@ def survivors(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor | None, t
     return candidates(logits, s)
 
 
-def gumbel_pick(scores: torch.Tensor, counts: list[int], draws: Draws) -> torch.Tensor:
-    """The column (N,) Gumbel-max picks among scores (N, K), rows' positions contiguous in order (row b has
-    counts[b] of them). Candidate c at a row's j-th position gets the row's number j * 2**32 + c: what a
-    row draws does not depend on K, which its batch mates' candidates can widen."""
-    N, K = scores.shape
-    device = scores.device
-    counts_t = torch.tensor(counts, device=device)
+def positions(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For N positions laid out rows after rows (row b has counts[b] of them): each one's row and its
+    place within its row, (N,) each."""
+    counts_t = torch.tensor(counts, device=device, dtype=torch.long)
+    N = sum(counts)
     row = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t, output_size=N)
-    nth = torch.arange(N, device=device) - (counts_t.cumsum(0) - counts_t)[row]  # j: the position's place in its row
-    index = nth[:, None] * 2**32 + torch.arange(K, device=device)[None, :]
-    return (scores + gumbel_of(draws.uniform_at(row, index, SAMPLE))).argmax(-1)
+    return row, torch.arange(N, device=device) - (counts_t.cumsum(0) - counts_t)[row]
+
+
+def draw(scores: torch.Tensor, counts: list[int], draws: Draws) -> torch.Tensor:
+    """The column (N,) drawn from softmax(scores) at each position, scores (N, K) float64 with excluded
+    candidates at -inf, rows' positions contiguous in order (row b has counts[b] of them): by inverse
+    CDF, the first column whose running mass reaches u times the position's whole mass, u being number j
+    of its row's stream for the row's j-th position. One number per position, however many candidates:
+    what a row draws does not depend on K, which its batch mates' candidates can widen. Exact in float64
+    as Gumbel-max is (Zheng et al.'s warning is against low precision, not the method), at a cost of one
+    pass over the candidates instead of a random number and two logarithms for each."""
+    row, nth = positions(counts, scores.device)
+    u = draws.uniform_at(row, nth[:, None], SAMPLE)  # (N, 1), in (0, 1)
+    mass = (scores - scores.amax(-1, keepdim=True)).exp().cumsum(-1)  # an excluded candidate adds nothing
+    return torch.searchsorted(mass, u * mass[:, -1:]).squeeze(-1).clamp_max(scores.shape[1] - 1)
 
 
 def sample_masked(logits: torch.Tensor, s: Sampling, counts: list[int], draws: Draws) -> torch.Tensor:
     """x0 (N,) for the logits (N, V) of the masked positions, rows' positions contiguous in order (row b
-    has counts[b] of them): argmax at temperature 0, else Gumbel-max over the survivors (`gumbel_pick`)."""
+    has counts[b] of them): argmax at temperature 0, else a draw among the survivors (`draw`)."""
     assert sum(counts) == logits.shape[0] or s.temperature == 0
     if s.temperature == 0:
         return logits.argmax(-1)
     ids, scores = survivors(logits, s)
-    choice = gumbel_pick(scores, counts, draws)
+    choice = draw(scores, counts, draws)
     return choice if ids is None else ids.gather(-1, choice[:, None]).squeeze(-1)
 
 
@@ -137,7 +146,7 @@ def sample_with_probability(
     renormalised; at temperature 0 the filters apply at temperature 1), from the same candidates."""
     t = s.temperature if s.temperature > 0 else 1.0
     ids, scores = survivors(logits, s if s.temperature > 0 else replace(s, temperature=t))
-    col = scores.argmax(-1) if s.temperature == 0 else gumbel_pick(scores, counts, draws)
+    col = scores.argmax(-1) if s.temperature == 0 else draw(scores, counts, draws)
     prob = (scores.gather(-1, col[:, None]).squeeze(-1) - scores.logsumexp(-1)).exp().float()
     return (col if ids is None else ids.gather(-1, col[:, None]).squeeze(-1)), prob
 

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from ..params import Canvas, EntropyRanking, Filters
+from .predict import draw
 from .reference import ModelFn
-from .sampling import SAMPLE, Draws, RowNoise
+from .sampling import Draws, RowNoise
 
 
 @dataclass(frozen=True)
@@ -66,13 +67,13 @@ def predict(
     logits: torch.Tensor, f: Filters, greedy: bool, draws: Draws
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens, confidence, entropy), each (B, T), from logits (B, T, V): the likeliest token or one drawn
-    (Gumbel-max in float64, from each row's stream), its log-probability, and the distribution's entropy."""
+    (`predict.draw`, in float64, from each row's stream), its log-probability, and the distribution's entropy."""
     logp = rnd1_log_probs(logits, f)
     if greedy:
         tokens = logp.argmax(-1)
     else:
-        noise = draws.gumbel(tuple(logp.shape[1:]), torch.float64, SAMPLE)
-        tokens = (logp.double() + noise).argmax(-1)
+        B, T, V = logp.shape
+        tokens = draw(logp.double().reshape(B * T, V), [T] * B, draws).view(B, T)
     confidence = logp.gather(-1, tokens[..., None]).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return tokens, confidence, entropy
