@@ -14,10 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..params import Guidance, Ordering, Sampling, Schedule
-from .predict import sample_masked
+from .predict import confidence_masked, sample_masked
 from .sampling import ORDER, Draws, RowNoise, order_scores
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids (B,L), key_mask (B,L)) -> (B,L,V)
@@ -140,7 +139,7 @@ def generate_reference(
             picked = sample_masked(flat, plan.sampling, masked.sum(1).tolist(), draws)  # (N,) in row order
             x0 = xa[:, s:e].masked_scatter(masked, picked)
             conf = torch.zeros(masked.shape, device=x.device).masked_scatter(
-                masked, F.softmax(flat.float(), dim=-1).gather(-1, picked[:, None]).squeeze(-1)
+                masked, confidence_masked(flat, picked, "prob")
             )
             rank = commit_order(conf, plan.ordering, 1 - i / steps, draws)
             commit = select_top_k(torch.where(masked, rank, float("-inf")), schedule[:, i])
