@@ -195,10 +195,9 @@ class Engine:
         max_batch: int,
         refill: bool = True,
         on_block: OnBlock | None = None,
-        bidirectional: bool = False,
     ) -> tuple[BlockScheduler | waves.WaveScheduler, Net]:
         """The running set for rows with these settings (one kind: `_running_kind`)."""
-        kinds = {_running_kind(p, bidirectional) for p in params}
+        kinds = {_running_kind(p) for p in params}
         assert len(kinds) == 1 and None not in kinds, "one running set decodes rows of one kind"
         special = self._special(max(params, key=lambda p: p.subword_min_p))  # word pieces if any row needs them
         net = Net(self.model)
@@ -212,7 +211,7 @@ class Engine:
     @staticmethod
     def _request(key: int, ids: list[int], params: GenerationParams, seed: int) -> Any:
         """A row for the running set of its kind, with its row seed (`request_seed`)."""
-        if _running_kind(params, bidirectional=True) == "waves":
+        if _running_kind(params) == "waves":
             return waves.FastRequest(key, list(ids), fast_plan_of(params), request_seed(seed, ids))
         return BlockRequest(key, list(ids), plan_of(params), request_seed(seed, ids))
 
@@ -352,19 +351,17 @@ class Engine:
         max_batch: int,
         on_result: Callable[[int, Result], None] | None = None,
         refill: bool = True,
-        bidirectional: bool = False,
     ) -> list[Result]:
         """Decode rows (each with its final settings: `continuous` must hold for each) through one running set
-        of at most `max_batch` rows that admits the next row whenever one finishes (`decode.running`). A
+        of at most `max_batch` rows that admits the next row whenever one finishes (`decode.running`, or
+        `decode.waves` for the fast strategy's rows; one running set per kind). A
         row's answer is the one it gets alone; its `nfe` counts the forwards it took part in, its `wall_s`
         runs from the start to its finish. on_result(i, result) is called as row i finishes. refill False:
-        static batches of max_batch rows through the same decoder (for `bench`'s comparison).
-        bidirectional: the fast strategy's rows too, through `decode.waves` (measured by `bench workload
-        mixed`; not the default path, see `continuous`)."""
+        static batches of max_batch rows through the same decoder (for `bench`'s comparison)."""
         kinds: dict[str | None, list[int]] = {}
         for i, p in enumerate(params):
-            assert self.continuous(p, bidirectional), "a row the running set cannot decode"
-            kinds.setdefault(_running_kind(p, bidirectional), []).append(i)
+            assert self.continuous(p), "a row the running set cannot decode"
+            kinds.setdefault(_running_kind(p), []).append(i)
         deterministic = {p.deterministic for p in params}
         assert len(deterministic) == 1, "rows of one running set compute one way"  # a run-wide setting
         reset_peak(self.device)
@@ -377,9 +374,7 @@ class Engine:
             pending = list(idx)
             while pending:
                 requests = [self._request(i, list(encoded[i]), params[i], seeds[i]) for i in pending]
-                scheduler, net = self._scheduler(
-                    [params[i] for i in pending], width, refill, bidirectional=bidirectional
-                )
+                scheduler, net = self._scheduler([params[i] for i in pending], width, refill)
                 try:
                     for i, out, forwards in _running(scheduler.run(requests), next(iter(deterministic))):
                         wall = time.perf_counter() - t0
@@ -442,12 +437,11 @@ class Engine:
             width -= 1
         return width
 
-    def continuous(self, params: GenerationParams, bidirectional: bool = False) -> bool:
+    def continuous(self, params: GenerationParams) -> bool:
         """Whether rows with these settings decode through a running set: block diffusion's cached decoder
-        without guidance (`decode.running`); with `bidirectional`, the fast decoder's rows too
-        (`decode.waves`, measured by `bench workload mixed`; docs/scheduling.md). Other strategies decode
-        in static batches."""
-        return _running_kind(params, bidirectional) is not None
+        (`decode.running`) or the fast decoder (`decode.waves`), without guidance (docs/scheduling.md).
+        Other strategies decode in static batches."""
+        return _running_kind(params) is not None
 
     # -- text level --------------------------------------------------------------------------------
     def generate(
@@ -467,7 +461,8 @@ class Engine:
         `continuous` (where every row's settings allow it, `continuous()`): one running set of batch_size
         rows, each finished row's place taken by the next prompt at once. `static`, or otherwise: batches of
         batch_size prompts of similar length (so one long prompt does not pad a whole batch), each decoded to
-        its end before the next starts. The answers are the same either way."""
+        its end before the next starts (`decode_batch`: through a running set of its own where the rows
+        allow it). The answers are the same either way."""
         params = params or self.params()
         seeds = list(seeds) if seeds is not None else [params.seed] * len(prompts)
         if len(seeds) != len(prompts):
@@ -479,9 +474,9 @@ class Engine:
             self.check_fits(len(ids), params)
         if scheduling == "continuous":
             final = [self.params_for(p, params) for p in prompts]
-            if all(self.continuous(p, bidirectional=True) for p in final):
+            if all(self.continuous(p) for p in final):
                 done = (lambda i, r: on_batch(1)) if on_batch is not None else None
-                return self.decode_running(prompts, encoded, final, seeds, batch_size, done, bidirectional=True)
+                return self.decode_running(prompts, encoded, final, seeds, batch_size, done)
         order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
         results: list[Result | None] = [None] * len(prompts)
         for start in range(0, len(order), batch_size):
@@ -522,7 +517,7 @@ class LiveRun:
         """Whether a row with these final settings can join: block diffusion or the fast strategy, without
         guidance (`Engine.continuous`), of the kind of the rows already here and computed the same way
         (`deterministic`)."""
-        kind = _running_kind(params, bidirectional=True)
+        kind = _running_kind(params)
         if not self.rows:
             return kind is not None
         return kind == self.kind and params.deterministic == self.deterministic
@@ -550,9 +545,9 @@ class LiveRun:
             self.scheduler.max_batch = self.width
 
     def _fresh(self, params: GenerationParams) -> None:
-        self.kind = _running_kind(params, bidirectional=True)
+        self.kind = _running_kind(params)
         on_block = self.on_block if self.kind == "block" else None  # the fast strategy streams no blocks
-        self.scheduler, self.net = self.engine._scheduler([params], self.width, on_block=on_block, bidirectional=True)
+        self.scheduler, self.net = self.engine._scheduler([params], self.width, on_block=on_block)
 
     def _enqueue(self, key: int) -> None:
         _, ids, params, seed, _ = self.rows[key]
@@ -612,12 +607,12 @@ class LiveRun:
                 self.engine._account(scheduler, net)
 
 
-def _running_kind(params: GenerationParams, bidirectional: bool = False) -> str | None:
+def _running_kind(params: GenerationParams) -> str | None:
     """Which running set decodes rows with these settings: "block" (`decode.running`), "waves"
-    (`decode.waves`, asked for with `bidirectional`), or None (static batches)."""
+    (`decode.waves`), or None (static batches)."""
     if params.strategy == "block-fast" and supports(plan_of(params)):
         return "block"
-    if bidirectional and params.strategy == "fast" and waves.supports(fast_plan_of(params)):
+    if params.strategy == "fast" and waves.supports(fast_plan_of(params)):
         return "waves"
     return None
 

@@ -99,16 +99,17 @@ def _wait(predicate, timeout: float = 240.0) -> None:  # type: ignore[no-untyped
 
 
 def test_the_seeds_step_sweep_runs_on_the_default_model_with_more_forwards_for_more_steps() -> None:
-    """The card's prompt at 5, 10, 20 and 40 steps: four answers, and the forwards rise with the steps."""
+    """The card's prompt at 5, 10, 20 and 40 steps: four answers, and the forwards per answer token rise with
+    the steps (per token: a sampled answer's length, and with it its blocks, moves with the steps too)."""
     from celeris_cli import load_engine
 
     engine = load_engine(device="cpu", dtype="float32")
-    nfe = []
+    per_token = []
     for steps in (5, 10, 20, 40):
         [result] = engine.generate([CARD_PROMPT], engine.params({"denoise_steps": steps}))
         assert result.text and result.denoise_steps == sum(result.steps_per_block) >= steps
-        nfe.append(result.nfe)
-    assert nfe == sorted(nfe) and nfe[0] < nfe[-1], nfe
+        per_token.append(result.nfe / result.output_tokens)
+    assert per_token == sorted(per_token) and per_token[0] < per_token[-1], per_token
 
 
 def test_guidance_and_random_remasking_change_the_default_models_greedy_answers() -> None:

@@ -122,7 +122,7 @@ def test_the_batch_command_gives_each_request_its_scripts_preset(tmp_path: Path,
     settings = [b["settings"] for b in bodies]
     assert [s["block_length"] for s in settings] == [16, 4, 16, 4] * 2 + [8]
     assert [s["presence_penalty"] for s in settings] == [0.0, 1.0, 0.0, 1.0] * 2 + [1.0]
-    assert [b["timing"]["batch_size"] for b in bodies] == [4] * 8 + [1]  # not mixed batches split in two
+    assert [b["timing"]["batch_size"] for b in bodies] == [4] * 9  # every row in the running set, 4 wide
     e = load_engine(folder, device="cpu", dtype="float32")
     assert [b["text"] for b in bodies[:8]] == [r.text for r in e.generate(prompts, batch_size=4)]
 
@@ -130,9 +130,8 @@ def test_the_batch_command_gives_each_request_its_scripts_preset(tmp_path: Path,
 def test_a_request_that_sets_the_presets_knobs_keeps_them_whatever_its_batch_mates(
     tmp_path: Path, tiny_model: Path
 ) -> None:
-    """A Latin request that sets every knob of its preset runs the verse settings, so it packs with a Han
-    request; the batch is decoded with its rows' final settings, not with the preset applied again under
-    the first row's layers."""
+    """A Latin request that sets every knob of its preset runs the verse settings; it is decoded with its own
+    final settings, not with the preset applied again under another row's layers."""
     from .test_batch import celeris
 
     folder = tmp_path / "m"
@@ -148,7 +147,7 @@ def test_a_request_that_sets_the_presets_knobs_keeps_them_whatever_its_batch_mat
                 str(folder), "--device", "cpu", "--dtype", "float32")  # fmt: skip
     assert p.returncode == 0, p.stderr
     bodies = [json.loads(x)["response"]["body"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [b["timing"]["batch_size"] for b in bodies] == [2, 2]  # one batch: the same final settings
+    assert [b["timing"]["batch_size"] for b in bodies] == [16, 16]  # one running set, as wide as the default
     assert {k: bodies[1]["settings"][k] for k in own} == own
     e = load_engine(folder, device="cpu", dtype="float32")
     assert bodies[1]["text"] == e.generate([latin], e.params(own))[0].text

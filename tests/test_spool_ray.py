@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from celeris_cli.batch.ray_actors import EngineActor, RayActorPool
 from celeris_cli.errors import ConfigError, UsageError
@@ -75,7 +76,31 @@ def explode_on(batch: list[Prepared]) -> None:
         raise RuntimeError("simulated out of memory")
 
 
+class ExplodesOnAPrompt:
+    """The model, except that a forward computing `prompt` (its ids in a row, in order) raises as
+    `explode_on` does: a running set's forwards never see the batch, only the model sees the rows."""
+
+    def __init__(self, model: Any, prompt: list[int]) -> None:
+        self.model, self.prompt = model, prompt
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def hidden(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        n = len(self.prompt)
+        if any(row[i : i + n] == self.prompt for row in ids.tolist() for i in range(len(row) - n + 1)):
+            raise RuntimeError("simulated out of memory")
+        return self.model.hidden(ids, *args, **kwargs)
+
+
 class ExplodingBackend(EngineBackend):
+    """In process the rows decode in the engine's running set (`RunningPool`), which raises at the model
+    for the explode prompt; each batch then decodes on its own (`run`), where the batch holding it raises."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine.model = ExplodesOnAPrompt(self.engine.model, self.engine.encode_prompt("explode here"))
+
     def run(self, batch: list[Prepared]) -> list[dict[str, Any]]:
         explode_on(batch)
         return super().run(batch)

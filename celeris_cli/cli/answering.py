@@ -67,9 +67,9 @@ def run(engine: Any, params: Any, jobs: list[Job], batch_size: int, sink: Sink, 
     try:
         with written.progress:
             final = [engine.params_for(j.text, params) for j in jobs]
-            if jobs and all(engine.continuous(p, bidirectional=True) for p in final):
+            if jobs and all(engine.continuous(p) for p in final):
                 texts, ids, seeds = [j.text for j in jobs], [j.ids for j in jobs], [j.seed for j in jobs]
-                engine.decode_running(texts, ids, final, seeds, batch_size, written.one, bidirectional=True)
+                engine.decode_running(texts, ids, final, seeds, batch_size, written.one)
             else:
                 for start in range(0, len(jobs), batch_size):
                     batch = jobs[start : start + batch_size]

@@ -50,7 +50,7 @@ def compare_scheduling(
     occupancy (rows in flight per round over batch_size), rows per forward, NFE, wall; and how many
     answers are identical between the two."""
     rows = mixed_workload(engine, n_prompts, settings)
-    refused = sorted({p.strategy for _, p in rows if not engine.continuous(p, bidirectional=True)})
+    refused = sorted({p.strategy for _, p in rows if not engine.continuous(p)})
     if refused:
         raise UsageError(
             f"the running sets decode block-fast and fast without guidance; this model's "
@@ -60,12 +60,12 @@ def compare_scheduling(
     params = [s for _, s in rows]
     encoded = [engine.encode_prompt(p) for p in prompts]
     seeds = [s.seed for s in params]
-    engine.decode_running(prompts[:2], encoded[:2], params[:2], seeds[:2], 2, bidirectional=True)  # warm up
+    engine.decode_running(prompts[:2], encoded[:2], params[:2], seeds[:2], 2)  # warm up
     runs: dict[str, dict[str, Any]] = {}
     texts: dict[str, list[str]] = {}
     for name, refill in (("static", False), ("continuous", True)):
         t0 = time.perf_counter()
-        results = engine.decode_running(prompts, encoded, params, seeds, batch_size, refill=refill, bidirectional=True)
+        results = engine.decode_running(prompts, encoded, params, seeds, batch_size, refill=refill)
         wall = time.perf_counter() - t0
         occ = engine.last_occupancy
         assert occ is not None
