@@ -4,6 +4,7 @@ cache slot, answer exactly as they do alone (float32), whatever they ran beside 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -252,6 +253,32 @@ def test_a_memory_budget_counts_a_cache_for_each_block_width(block_engine: Engin
     assert engine._running_width(encoded, [four, eight] * 6, 4) < 4
 
 
+def feed_while_running(
+    engine: Engine, live: Any, rows: list[tuple[str, Any, int]]
+) -> tuple[dict[int, str], list[bool]]:
+    """Rows (prompt, final settings, seed) added to a live running set under keys 0, 1, ...: the first
+    before it runs (its lane's cache starts with one slot), then two each time one leaves. Returns each
+    key's text and, for each later row, whether others were in flight as it joined."""
+    added = 0
+
+    def add() -> None:
+        nonlocal added
+        prompt, params, seed = rows[added]
+        live.add(added, prompt, engine.encode_prompt(prompt), params, seed)
+        added += 1
+
+    add()
+    got: dict[int, str] = {}
+    joined_while_running = []
+    for key, result in live.answers():
+        got[key] = result.text
+        for _ in range(2):
+            if added < len(rows):
+                joined_while_running.append(live.scheduler is not None and live.scheduler.in_flight > 1)
+                add()
+    return got, joined_while_running
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_rows_added_while_the_running_set_runs_answer_as_they_do_alone(
     block_engine: Engine, temperature: float
@@ -261,23 +288,7 @@ def test_rows_added_while_the_running_set_runs_answer_as_they_do_alone(
     for i, prompt in enumerate(PROMPTS * 2):
         settings = {"temperature": temperature, "gen_length": 8 + 5 * i, "block_length": 4 if i % 3 else 8, "seed": i}
         rows.append((prompt, block_engine.params(settings), i))
-    added = 0
-
-    def add() -> None:
-        nonlocal added
-        prompt, params, seed = rows[added]
-        live.add(added, prompt, block_engine.encode_prompt(prompt), params, seed)
-        added += 1
-
-    add()  # one row: its lane's cache has one slot, and grows as rows join
-    got: dict[int, str] = {}
-    joined_while_running = []
-    for key, result in live.answers():
-        got[key] = result.text  # type: ignore[union-attr]
-        for _ in range(2):  # two rows join each time one leaves, while others are in flight
-            if added < len(rows):
-                joined_while_running.append(live.scheduler is not None and live.scheduler.in_flight > 1)
-                add()
+    got, joined_while_running = feed_while_running(block_engine, live, rows)
     alone = [block_engine.finish(_alone(block_engine, p, s, seed), s.stop, block_engine.encode_prompt(p))[0]
              for p, s, seed in rows]  # fmt: skip
     assert [got[k] for k in range(len(rows))] == alone

@@ -17,7 +17,7 @@ from celeris_cli.decode.strategies import Net, fast_plan_of, get_strategy
 from celeris_cli.engine import Engine
 
 from .conftest import make_model
-from .test_running import PROMPTS
+from .test_running import PROMPTS, feed_while_running
 
 
 @pytest.fixture(scope="module")
@@ -241,23 +241,7 @@ def test_rows_added_to_a_live_run_while_it_runs_answer_as_the_static_decoder_alo
     """`Engine.live` (the queue, `celeris batch`, serve) feeds fast rows to the waves between answers."""
     rows = [(p, llada.params(_settings(i, temperature)), i) for i, p in enumerate(PROMPTS * 2)]
     live = llada.live(max_batch=3)
-    added = 0
-
-    def add() -> None:
-        nonlocal added
-        prompt, params, seed = rows[added]
-        live.add(added, prompt, llada.encode_prompt(prompt), params, seed)
-        added += 1
-
-    add()
-    got: dict[int, str] = {}
-    joined_while_running = []
-    for key, result in live.answers():
-        got[key] = result.text  # type: ignore[union-attr]
-        for _ in range(2):  # two rows join each time one leaves, while others are in flight
-            if added < len(rows):
-                joined_while_running.append(live.scheduler is not None and live.scheduler.in_flight > 1)
-                add()
+    got, joined_while_running = feed_while_running(llada, live, rows)
     assert live.kind == "waves"
     alone = [llada.finish(_alone(llada, p, s, seed), s.stop, llada.encode_prompt(p))[0] for p, s, seed in rows]
     assert [got[k] for k in range(len(rows))] == alone
