@@ -107,6 +107,21 @@ def eos_prone(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path):  
     return load_engine(folder, device="cpu", dtype="float32")
 
 
+class LogitsFake:
+    """Base of a fake at the model boundary that gives whole-canvas logits, `__call__(ids, key_mask,
+    positions) -> (B, T, V)`: `Net` asks a model for hidden states and its LM head apart, so the logits stand
+    for the hidden states and the head passes them through. Subclasses set `cfg`."""
+
+    logit_shift = 0
+
+    def hidden(self, ids, positions=None, key_mask=None, cache=None, start=0, keep_kv=True):  # type: ignore[no-untyped-def]
+        assert cache is None, "a whole-canvas fake has no cache"
+        return self(ids, key_mask, positions), []  # type: ignore[operator]
+
+    def head(self, h):  # type: ignore[no-untyped-def]
+        return h
+
+
 def write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data), encoding="utf-8")
 

@@ -38,8 +38,8 @@ def test_memory_measures_with_its_threads_and_writes_a_table_json_and_out(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     asked: list[int] = []
-    row = {"model": "celeris-block", "dtype": "float32", "batch": 16, "weights_mib": 1, "kv_cache_mib": 2,
-           "activations_mib": 3, "logits_mib": 4, "predicted_mib": 10, "measured_mib": 11,
+    row = {"model": "celeris-block", "strategy": "default", "dtype": "float32", "batch": 16, "weights_mib": 1,
+           "kv_cache_mib": 2, "activations_mib": 3, "logits_mib": 4, "predicted_mib": 10, "measured_mib": 11,
            "measured_glibc_default_mib": 12, "predicted_over_measured": 0.91}  # fmt: skip
 
     def check_default(threads: int = 2) -> dict[str, Any]:

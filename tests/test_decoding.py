@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from celeris_cli.decode.reference import generate_reference, num_transfer_tokens
+from celeris_cli.decode.reference import FullLogits, generate_reference, num_transfer_tokens
 from celeris_cli.decode.sampling import Draws, RowNoise, order_scores, stream_seed
 from celeris_cli.errors import UsageError
 from celeris_cli.params import GenerationParams, Sampling, split_steps
@@ -54,7 +54,7 @@ def test_no_mask_remains_and_prompt_never_changes(steps: int, remasking: str) ->
     prompt = torch.tensor([[3, 3, 11, 12], [13, 14, 15, 16]])
     pmask = torch.tensor([[False, False, True, True], [True, True, True, True]])
     p = plan(gen_length=12, block_length=5, denoise_steps=steps, temperature=0.7, remasking=remasking)
-    out = generate_reference(model, prompt, pmask, p, MASK, noise(2))
+    out = generate_reference(FullLogits(model), prompt, pmask, p, MASK, noise(2))
     assert out.shape == (2, 16)
     assert not (out == MASK).any()
     assert torch.equal(out[:, :4], prompt)
@@ -71,7 +71,7 @@ def test_committed_tokens_are_never_remasked() -> None:
     model = RecordingModel()
     prompt = torch.tensor([[11, 12]])
     p = plan(gen_length=8, block_length=8, denoise_steps=8)
-    generate_reference(model, prompt, torch.ones_like(prompt, dtype=torch.bool), p, MASK, noise(1))
+    generate_reference(FullLogits(model), prompt, torch.ones_like(prompt, dtype=torch.bool), p, MASK, noise(1))
     for before, after in zip(model.calls, model.calls[1:]):
         committed = before != MASK
         assert torch.equal(after[committed], before[committed])
@@ -82,7 +82,7 @@ def test_same_seed_same_output_and_different_seed_differs() -> None:
     prompt = torch.tensor([[11, 12, 13]])
     pm = torch.ones_like(prompt, dtype=torch.bool)
     p = plan(gen_length=16, block_length=8, denoise_steps=16, temperature=1.0)
-    runs = [generate_reference(RecordingModel(), prompt, pm, p, MASK, noise(1, seed=s)) for s in (1, 1, 2)]
+    runs = [generate_reference(FullLogits(RecordingModel()), prompt, pm, p, MASK, noise(1, seed=s)) for s in (1, 1, 2)]
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
 
@@ -92,7 +92,12 @@ def test_cfg_pass_sees_the_prompt_masked() -> None:
     prompt = torch.tensor([[3, 11, 12]])
     pm = torch.tensor([[False, True, True]])
     generate_reference(
-        model, prompt, pm, plan(gen_length=4, block_length=4, denoise_steps=2, cfg_scale=1.5), MASK, noise(1)
+        FullLogits(model),
+        prompt,
+        pm,
+        plan(gen_length=4, block_length=4, denoise_steps=2, cfg_scale=1.5),
+        MASK,
+        noise(1),
     )
     cond, un = model.calls[:2]  # each step: the conditional pass, then the unconditional one
     assert torch.equal(cond[0, :3], prompt[0])
@@ -150,10 +155,10 @@ def test_reference_decoder_samples_only_inside_min_p() -> None:
 
     prompt, pmask = torch.full((32, 2), 3), torch.ones(32, 2, dtype=torch.bool)
     settings = dict(gen_length=32, block_length=8, denoise_steps=32, temperature=1.0, remasking="random")
-    out = generate_reference(fixed, prompt, pmask, plan(**settings, min_p=0.2), MASK, noise(32, seed=1))
+    out = generate_reference(FullLogits(fixed), prompt, pmask, plan(**settings, min_p=0.2), MASK, noise(32, seed=1))
     assert set(out[:, 2:].unique().tolist()) == {0, 1}
     rows = RowNoise(list(range(32)), torch.device("cpu"))  # 32 seeds: 1,024 draws (32 rows alike draw 32)
-    loose = generate_reference(fixed, prompt, pmask, plan(**settings, min_p=0.001), MASK, rows)
+    loose = generate_reference(FullLogits(fixed), prompt, pmask, plan(**settings, min_p=0.001), MASK, rows)
     assert set(loose[:, 2:].unique().tolist()) - {0, 1}  # 1,024 draws reach the tail when it is allowed
 
 
@@ -191,7 +196,7 @@ def test_order_noise_fades_over_the_block_and_is_off_at_zero() -> None:
     seen, expected = share(late, 0.5)
     assert torch.allclose(seen, expected, atol=0.04) and seen[0] > 0.7
     plain = generate_reference(
-        lambda ids, km: torch.zeros(*ids.shape, 12),
+        FullLogits(lambda ids, km: torch.zeros(*ids.shape, 12)),
         torch.full((2, 2), 3),
         torch.ones(2, 2, dtype=torch.bool),
         plan(gen_length=8, block_length=8, denoise_steps=4, order_temperature=3.0),
@@ -214,9 +219,9 @@ def test_reference_rows_that_leave_when_finished_keep_their_answers(eos_prone, c
             super().__init__(model)
             self.rows: list[int] = []
 
-        def __call__(self, ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        def canvas_hidden(self, ids: torch.Tensor, key_mask: torch.Tensor, s: int, e: int) -> torch.Tensor:
             self.rows.append(ids.shape[0])
-            return super().__call__(ids, key_mask)
+            return super().canvas_hidden(ids, key_mask, s, e)
 
     prompts = ["春风", "明月", "江南好", "山中", "白日依山尽", "夜来", "床前", "故人"] * 2
     encoded = [eos_prone.encode_prompt(p) for p in prompts]
@@ -257,8 +262,8 @@ def test_reference_stops_computing_when_every_row_has_left(remasking: str) -> No
     p = plan(gen_length=16, block_length=8, denoise_steps=16, temperature=0.7, remasking=remasking)
     models = [RecordingModel(eos=7, eos_from=6), RecordingModel(eos=7, eos_from=6)]  # every row ends early
     streams = RowNoise([11, 12], torch.device("cpu"))
-    whole = generate_reference(models[0], prompt, pmask, p, MASK, streams)
-    left = generate_reference(models[1], prompt, pmask, p, MASK, streams, frozenset({7}))
+    whole = generate_reference(FullLogits(models[0]), prompt, pmask, p, MASK, streams)
+    left = generate_reference(FullLogits(models[1]), prompt, pmask, p, MASK, streams, frozenset({7}))
     assert not (left == MASK).any()
     for a, b in zip(left[:, 4:].tolist(), whole[:, 4:].tolist()):
         cut = b.index(7)
@@ -274,6 +279,8 @@ def test_reference_stops_mid_block_when_the_last_row_leaves() -> None:
     pmask = torch.tensor([[False, False, True, True], [True, True, True, True]])
     p = plan(gen_length=16, block_length=16, denoise_steps=16, temperature=0.7, remasking="random")
     model = RecordingModel(eos=7, eos_from=6)
-    left = generate_reference(model, prompt, pmask, p, MASK, RowNoise([5, 6], torch.device("cpu")), frozenset({7}))
+    left = generate_reference(
+        FullLogits(model), prompt, pmask, p, MASK, RowNoise([5, 6], torch.device("cpu")), frozenset({7})
+    )
     assert not (left == MASK).any()
     assert 0 < len(model.calls) < 16 and all(len(c) for c in model.calls)  # one block, left before its end

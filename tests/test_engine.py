@@ -9,6 +9,8 @@ from celeris_cli import GenerationParams, load_engine
 from celeris_cli.engine import Engine
 from celeris_cli.errors import UsageError
 
+from .conftest import LogitsFake
+
 PROMPTS = [
     "床前明月光，",
     "To be, or not to be: that is the question. Shall I compare thee",
@@ -74,10 +76,8 @@ def test_same_seed_reproduces_sampled_output(engine: Engine) -> None:
     assert [r.text for r in a] != [r.text for r in c]
 
 
-class EosAfter:
+class EosAfter(LogitsFake):
     """Fake at the model boundary: predicts token 9 everywhere, EOS from position `at` on."""
-
-    logit_shift = 0
 
     def __init__(self, cfg, at: int) -> None:  # type: ignore[no-untyped-def]
         self.cfg, self.at = cfg, at

@@ -15,6 +15,8 @@ from celeris_cli.arch import invariant
 from celeris_cli.engine import Engine, embedded_models
 from celeris_cli.measure.invariance import deterministic_cost
 
+from .conftest import LogitsFake
+
 DATA = Path(__file__).parent / "data"
 PROMPTS = [
     "床前明月光，",
@@ -109,10 +111,8 @@ def test_answers_alone_batched_and_in_threes_are_identical_in_bfloat16(bf16: Eng
     assert len(set(alone)) > 3
 
 
-class ModeProbe:
+class ModeProbe(LogitsFake):
     """A fake at the model boundary that records whether each forward ran batch-invariantly."""
-
-    logit_shift = 0
 
     def __init__(self, cfg) -> None:  # type: ignore[no-untyped-def]
         self.cfg = cfg

@@ -13,6 +13,8 @@ import torch
 from celeris_cli.engine import Engine, embedded_models
 from celeris_cli.params import PER_REQUEST, honoured
 
+from .conftest import LogitsFake
+
 PROMPTS = ["床前明月光，", "To be, or not to be", "白日依山尽，黄河入海流。", "The quick"]
 BASE = {
     "gen_length": 16,
@@ -228,10 +230,8 @@ def test_bfloat16_batched_answers_equal_alone_with_float32_attention_and_logits(
     assert with_upcast >= 0.95 and identical() < with_upcast
 
 
-class FlatModel:
+class FlatModel(LogitsFake):
     """A fake at the model boundary whose logits are all equal: what gets sampled is the noise alone."""
-
-    logit_shift = 0
 
     def __init__(self, cfg) -> None:  # type: ignore[no-untyped-def]
         self.cfg = cfg

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from celeris_cli.decode.predict import candidates, confidence_masked, sample_masked
+from celeris_cli.decode.predict import Places, candidates, confidence_masked, sample_masked
 from celeris_cli.decode.sampling import ORDER, SAMPLE, Draws, _unit, stream_seed
 from celeris_cli.params import Sampling
 
@@ -18,6 +18,11 @@ CPU = torch.device("cpu")
 def draws_for(*seeds: int) -> Draws:
     """One step's draws for rows of these seeds (block 0, step 0)."""
     return Draws([stream_seed(seed, 0, 0) for seed in seeds], CPU)
+
+
+def at(counts: list[int]) -> Places:
+    """Rows after rows, row b with counts[b] positions (numbered in it)."""
+    return Places.counted(counts, CPU)
 
 
 def sampling(**kw: float) -> Sampling:
@@ -65,7 +70,7 @@ def test_candidates_keep_exactly_the_tokens_the_whole_vocabulary_filter_keeps(kw
 def test_sampling_among_survivors_follows_the_tempered_distribution() -> None:
     base = torch.tensor([5.0, 4.0, 0.0, -1.0, 4.5] + [-20.0] * 200)
     logits = base.expand(4000, -1).clone()
-    x0 = sample_masked(logits, sampling(min_p=0.2, temperature=1.0), [1000] * 4, draws_for(0, 1, 2, 3))
+    x0 = sample_masked(logits, sampling(min_p=0.2, temperature=1.0), at([1000] * 4), draws_for(0, 1, 2, 3))
     seen = torch.bincount(x0, minlength=5)[:5] / 4000
     kept = torch.tensor([5.0, 4.0, 4.5])  # e^-1 and e^-0.5 of the top: inside min-p 0.2; the rest is not
     p = kept.softmax(0)
@@ -79,8 +84,8 @@ def test_a_rows_draws_do_not_depend_on_its_batch_mates(kw: dict) -> None:
     s = sampling(**kw)
     sharp = logits_with_ties(6, 300, seed=1) * 3
     flat = torch.randn(9, 300, generator=torch.Generator().manual_seed(2)) * 0.01
-    alone = sample_masked(sharp, s, [6], draws_for(7))
-    together = sample_masked(torch.cat([sharp, flat]), s, [6, 9], draws_for(7, 8))
+    alone = sample_masked(sharp, s, at([6]), draws_for(7))
+    together = sample_masked(torch.cat([sharp, flat]), s, at([6, 9]), draws_for(7, 8))
     assert torch.equal(alone, together[:6])
     assert len(set(together[6:].tolist())) > 1  # the flat row really samples
 
@@ -88,14 +93,14 @@ def test_a_rows_draws_do_not_depend_on_its_batch_mates(kw: dict) -> None:
 @pytest.mark.parametrize("kind", ["prob", "margin", "lead", "entropy"])
 def test_confidence_matches_the_full_softmax_definition(kind: str) -> None:
     logits = logits_with_ties(30, 300, seed=3)
-    x0 = sample_masked(logits, sampling(min_p=0.01), [30], draws_for(0))
+    x0 = sample_masked(logits, sampling(min_p=0.01), at([30]), draws_for(0))
     expected = confidence_of(logits[None], x0[None], kind)[0]  # type: ignore[arg-type]
     assert torch.allclose(confidence_masked(logits, x0, kind), expected, atol=1e-6)  # type: ignore[arg-type]
 
 
 def test_temperature_zero_is_the_argmax() -> None:
     logits = logits_with_ties()
-    assert torch.equal(sample_masked(logits, sampling(temperature=0.0), [40], draws_for()), logits.argmax(-1))
+    assert torch.equal(sample_masked(logits, sampling(temperature=0.0), at([40]), draws_for()), logits.argmax(-1))
 
 
 @pytest.mark.parametrize("kw", [*SETTINGS, {}], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "none")
@@ -108,7 +113,7 @@ def test_sampled_token_s_probability_is_that_of_the_filtered_distribution(kw: di
 
     logits = torch.randn(40, 300, generator=torch.Generator().manual_seed(0)) * 3
     s = sampling(**{**kw, "temperature": temperature})
-    counts = [10, 0, 30]
+    counts = at([10, 0, 30])
     x0, prob = sample_with_probability(logits, s, counts, draws_for(0, 1, 2))
     assert torch.equal(x0, sample_masked(logits, s, counts, draws_for(0, 1, 2)))
     full = filtered_scores(logits, sampling(**{**kw, "temperature": temperature or 1.0})).softmax(-1)
@@ -193,9 +198,9 @@ def test_a_draw_follows_softmax_never_picks_an_excluded_candidate_and_ignores_pa
     scores = torch.tensor([2.0, float("-inf"), 1.0, 0.0, float("-inf"), -1.0], dtype=torch.float64)
     N = 20_000
     rows = draws_for(*range(8))
-    picks = draw(scores.expand(N, -1).clone(), [N // 8] * 8, rows)
+    picks = draw(scores.expand(N, -1).clone(), at([N // 8] * 8), rows)
     seen = torch.bincount(picks, minlength=6).double() / N
     assert seen[1] == seen[4] == 0
     assert torch.allclose(seen, scores.softmax(0), atol=0.012)
     wider = torch.cat([scores.expand(N, -1), torch.full((N, 9), float("-inf"), dtype=torch.float64)], 1)
-    assert torch.equal(draw(wider, [N // 8] * 8, rows), picks)
+    assert torch.equal(draw(wider, at([N // 8] * 8), rows), picks)

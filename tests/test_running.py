@@ -168,7 +168,8 @@ def test_a_rows_noise_and_commit_do_not_change_with_the_rows_beside_it(block_eng
 
     plan = plan_of(block_engine.params(settings))
     mask, V, W = block_engine.tokenizer.mask_id, 48, 8
-    net = SimpleNamespace(head=lambda h: h)  # logits are the hidden states: no matmul whose shape could round
+    # logits are the hidden states: no matmul whose shape could round; a chunk of 7 splits a row's positions
+    net = SimpleNamespace(head=lambda h: h, chunk=7)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(16, W, V, generator=g) * 3
     block = torch.randint(0, V, (16, W), generator=g)

@@ -168,15 +168,15 @@ def test_subword_min_p_drops_only_unlikely_word_continuing_pieces() -> None:
     masked, offset, stop = torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long), torch.tensor([])
     pieces = torch.tensor([1, 2])  # 1 and 2 continue a word; 0 and 3 start one
     rule = Shaping(presence_penalty=0.0, min_tokens=0, subword_min_p=0.5)
-    out = shape_masked(logits, masked, None, offset, rule, 9, stop, T, pieces)
+    out = shape_masked(logits, masked.nonzero(), None, offset, rule, 9, stop, T, pieces)
     kept = out[0] > float("-inf")
     assert kept.tolist() == [True, True, False, True]  # 0.30 >= 0.5 * 0.40 > 0.15; id 3 starts a word
     assert torch.allclose(out[0, kept], logits[0, kept])
-    strict = shape_masked(logits, masked, None, offset, Shaping(0.0, 0, 0.8), 9, stop, T, pieces)
+    strict = shape_masked(logits, masked.nonzero(), None, offset, Shaping(0.0, 0, 0.8), 9, stop, T, pieces)
     assert (strict[0] > float("-inf")).tolist() == [True, False, False, True]  # 0.30 < 0.8 * 0.40
-    top = shape_masked(logits, masked, None, offset, Shaping(0.0, 0, 0.99), 9, stop, T, torch.tensor([0, 1]))
+    top = shape_masked(logits, masked.nonzero(), None, offset, Shaping(0.0, 0, 0.99), 9, stop, T, torch.tensor([0, 1]))
     assert top[0, 0] == logits[0, 0]  # the likeliest token stays, even a continuing one
-    greedy = shape_masked(logits, masked, None, offset, rule, 9, stop, 0.0, pieces)
+    greedy = shape_masked(logits, masked.nonzero(), None, offset, rule, 9, stop, 0.0, pieces)
     assert torch.equal(greedy, logits)
     with pytest.raises(UsageError, match="subword_min_p: only sampling"):  # so greedy refuses it when asked
         GenerationParams.from_mapping({"temperature": 0.0, "subword_min_p": 0.5})

@@ -170,7 +170,7 @@ def test_a_rows_logits_are_bit_for_bit_those_it_has_alone_beside_wider_rows(llad
 
     def spy(self: waves.WaveScheduler, stepped: list[Any]) -> None:
         for part in stepped:
-            seen[(part.row.req.key, part.row.block, part.row.step)] = part.logits.clone()
+            seen[(part.row.req.key, part.row.block, part.row.step)] = self.net.head(part.hidden).clone()
         commit(self, stepped)
 
     base = {"strategy": "fast", "temperature": 0.0, "early_exit": False, "denoise_steps": 8}

@@ -14,7 +14,11 @@ decoders in `decode/`):
   round's forward is one block-wide window per row (under bfloat16 with `upcast`, a layer's cache is read
   in float32, one layer at a time). Rows leaving move within the cache: nothing is copied;
 - `block` recomputes the prefix up to the active block at every step, without a cache;
-- `reference` and `dream` run the whole canvas and the LM head on every position at every step.
+- `reference`, `dream` and `rnd1` run the whole canvas at every step, and the LM head on the positions a
+  step predicts: the active block's masked ones (reference), the answer's (dream, rnd1).
+
+The LM head and the sampling run on at most `logit_chunk` positions at a time (`decode.predict.in_chunks`),
+so a step's logits stay within LOGIT_BUDGET per view however wide the batch and long the block.
 
 Activations are those of the largest forward's widest layer: the residual stream, then either the
 attention's projections (with their float32 rotary and upcast copies) or the SwiGLU's three intermediates.
@@ -35,6 +39,7 @@ Quantize = Literal["none", "int8", "int4"]
 QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8", "int4")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LOGIT_COPIES = 3  # the head's float32 output, its softmax and the sampler's filtered scores, alive together
+LOGIT_BUDGET = 256 * 2**20  # a step's logits and their copies alive at once: the head runs in chunks of this
 HEAD_CACHE_BYTES = 64 * 2**20  # as `layers.HEAD_CACHE_BYTES` (not imported: that module needs torch)
 GiB = 2**30
 
@@ -156,6 +161,14 @@ def weights_bytes(shape: Shape, dtype: str, quantize: Quantize = "none") -> int:
     return shape.params * a
 
 
+def logit_chunk(vocab: int, budget: int = LOGIT_BUDGET) -> int:
+    """The positions a step runs the LM head and the sampling on at a time (`decode.predict.in_chunks`): as
+    many as hold their logits' LOGIT_COPIES within `budget`, a whole number of the head's row tiles (16)
+    where that is at least one; never fewer than one."""
+    n = budget // (vocab * 4 * LOGIT_COPIES)
+    return max(1, n - n % 16 if n >= 16 else n)
+
+
 def _kv(shape: Shape, batch: int, length: int, nbytes: int) -> int:
     """Keys and values of every layer for `batch` rows of `length` positions."""
     return 2 * shape.layers * batch * shape.kv_heads * length * shape.head_dim * nbytes
@@ -171,12 +184,14 @@ def _activations(shape: Shape, tokens: int, a: int, upcast: bool) -> int:
     return tokens * (2 * shape.hidden * a + max(attention, mlp))
 
 
-def _head(shape: Shape, positions: int, a: int, upcast: bool, int8: bool, kernel: bool = False) -> int:
-    """The LM head's output for `positions`, its sampling copies, a large head's per-call float32 cast,
-    and an int8 head's dequantized copy (`quantize`: the head is read as a matrix; an int4 head of its own
-    runs the kernel (`kernel`): no copy, no cast; a tied one is the int8 embedding)."""
+def _head(shape: Shape, positions: int, views: int, a: int, upcast: bool, int8: bool, kernel: bool = False) -> int:
+    """The LM head's output for a step's `positions` in each view (a chunk of them at a time), its sampling
+    copies, a large head's per-call float32 cast, and an int8 head's dequantized copy (`quantize`: the head
+    is read as a matrix; an int4 head of its own runs the kernel (`kernel`): no copy, no cast; a tied one is
+    the int8 embedding)."""
     f32 = upcast and a < 4 and not kernel
     cast = shape.rows * shape.hidden * 4 if f32 and shape.rows * shape.hidden * 4 > HEAD_CACHE_BYTES else 0
+    positions = min(positions, logit_chunk(shape.rows)) * views  # the head runs in chunks
     return positions * shape.rows * 4 * LOGIT_COPIES + cast + (shape.rows * shape.hidden * a if int8 else 0)
 
 
@@ -195,13 +210,13 @@ def plan(shape: Shape, req: Request) -> Estimate:
     weights = weights_bytes(shape, req.dtype, req.quantize) + head_copy
     L = req.prompt + req.gen_length  # the canvas
     W = min(req.block_length, req.gen_length)
-    masked = B * W * V  # positions the head runs on in a step (at most)
+    masked = B * W  # positions the head runs on in a step (at most), in each view
     phases: list[Estimate] = []
     if req.strategy == "fast":
         seen = L  # a bounded canvas (suffix_window) still reaches the whole canvas at its last block
         act = _activations(shape, B * seen, a, req.upcast)
         if req.cache == "none":
-            phases.append(Estimate(weights, 0, act, _head(shape, masked, a, req.upcast, int8, kernel)))
+            phases.append(Estimate(weights, 0, act, _head(shape, masked, V, a, req.upcast, int8, kernel)))
         else:
             cache = V * _kv(shape, B, seen, 4 if f32 else a)
             fresh = _kv(shape, B, seen, a)
@@ -209,21 +224,22 @@ def plan(shape: Shape, req: Request) -> Estimate:
             phases.append(Estimate(weights, 2 * cache + fresh, 0, 0))  # the new cache built beside the old
             window = W if req.cache == "dual" else seen - req.prompt
             step = _activations(shape, B * window, a, req.upcast)
-            phases.append(Estimate(weights, cache, step, _head(shape, masked, a, req.upcast, int8, kernel)))
+            phases.append(Estimate(weights, cache, step, _head(shape, masked, V, a, req.upcast, int8, kernel)))
     elif req.strategy in ("block-fast", "block"):
         C = math.ceil(L / W) * W + W  # block-aligned canvas (a row's first block may hold its prompt's tail)
         if req.strategy == "block":
             act = V * _activations(shape, B * C, a, req.upcast)
-            phases.append(Estimate(weights, 0, act, _head(shape, masked, a, req.upcast, int8, kernel)))
+            phases.append(Estimate(weights, 0, act, _head(shape, masked, V, a, req.upcast, int8, kernel)))
         else:
             cache = V * _kv(shape, B, C, a)
             prefill = (req.prompt // W) * W  # one row's, into its slot
             phases.append(Estimate(weights, cache, _activations(shape, prefill, a, req.upcast), 0))
             step = _activations(shape, B * W, a, req.upcast) + (_kv(shape, B, C, 4) // shape.layers if f32 else 0)
-            phases.append(Estimate(weights, cache, step, _head(shape, masked, a, req.upcast, int8, kernel)))
+            phases.append(Estimate(weights, cache, step, _head(shape, masked, V, a, req.upcast, int8, kernel)))
     elif req.strategy in ("reference", "dream", "rnd1"):
         act = _activations(shape, B * L, a, req.upcast)
-        phases.append(Estimate(weights, 0, act, _head(shape, B * V * L, a, req.upcast, int8, kernel)))
+        predicted = B * (W if req.strategy == "reference" else req.gen_length)  # a block's, or the whole answer's
+        phases.append(Estimate(weights, 0, act, _head(shape, predicted, V, a, req.upcast, int8, kernel)))
     else:
         raise UsageError(f"no memory plan for strategy {req.strategy!r}")
     return max(phases, key=lambda e: e.peak)

@@ -29,15 +29,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
 
 from ..arch.kv import KV, KVCache, LayerKV
 from ..params import Blocks, Commit, Editing, Guidance, Ordering, Sampling, Shaping
-from .predict import sample_with_probability
-from .reference import commit_order, guide, select_top_k
-from .sampling import Draws, RowNoise, shape_masked
+from .predict import Places, StepLogits, choose, in_chunks
+from .reference import commit_order, select_top_k
+from .sampling import Draws, RowNoise, shaper
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ OnBlock = Callable[[int, list[int]], None]
 
 
 class BlockNet(Protocol):
+    chunk: int  # positions whose logits a step computes at a time
+
     def hidden(
         self,
         ids: torch.Tensor,
@@ -144,13 +147,12 @@ def commit_step(
     these options meaningful, as Dream's generate does). The presence penalty and min_tokens shape the
     logits first, from the rows' answers so far."""
     masked = block == mask_id
-    logits = net.head(hs[0][masked])
-    if len(hs) > 1:
-        logits = guide(logits, net.head(hs[1][masked]), plan.guidance.cfg_scale)
-    if answer is not None:
-        logits = shape_masked(logits, masked, *answer, plan.shaping, mask_id, stop, plan.sampling.temperature, pieces)
+    t = plan.sampling.temperature
+    shape = None if answer is None else shaper(plan.shaping, *answer, mask_id, stop, t, pieces)
+    where = masked.nonzero() if shape else None
+    logits = StepLogits(net.head, [h[masked] for h in hs], plan.guidance.cfg_scale, shape, where)
     left = masked.sum(1)
-    x0, conf = sample_with_probability(logits, plan.sampling, left.tolist(), draws)
+    x0, conf = choose(logits, Places.counted(left.tolist(), block.device), plan.sampling, None, draws, net.chunk)
     confidence = torch.zeros(block.shape, device=block.device).masked_scatter(masked, conf.float())
     fade = left[:, None] / block.shape[1]  # the share of the block still masked
     rank = torch.where(masked, commit_order(confidence, plan.ordering, fade, draws), float("-inf"))
@@ -158,6 +160,19 @@ def commit_step(
     out = block.clone()
     out[masked] = torch.where(chosen[masked], x0, mask_id)
     return out
+
+
+def top_choice(net: BlockNet, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The likeliest token at every position of hidden states (b, W, d), and its probability (float32),
+    the LM head running on a chunk of positions at a time (what editing rewrites a decided token with)."""
+    flat = h.flatten(0, 1)
+    p, x0 = in_chunks(flat.shape[0], net.chunk, partial(_top, net.head, flat))
+    return p.view(h.shape[:2]), x0.view(h.shape[:2])
+
+
+def _top(head: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, part: slice) -> tuple[torch.Tensor, ...]:
+    p, x0 = head(h[part]).float().softmax(-1).max(-1)
+    return p, x0
 
 
 def schedule(cv: Canvas, prompt_tokens: list[int], blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,8 +345,7 @@ def _edit_block(
         block = cv.x[r, s:e]
         k = torch.where(i < steps[r], ks[r, min(i, ks.shape[1] - 1)], 1)  # past its steps, one at a time
         out = commit_step(block, [h[:, s:e] for h in hs], net, plan, k, mask_id, draws, answer, stop, pieces)
-        probs = net.head(hs[0][:, s:e]).float().softmax(-1)
-        p, x0 = probs.max(-1)
+        p, x0 = top_choice(net, hs[0][:, s:e])
         edit = (block != mask_id) & answer_pos[at] & (x0 != block) & (p > ed.edit_threshold)
         out[edit] = x0[edit]
         cv.x[r, s:e] = out

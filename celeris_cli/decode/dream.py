@@ -19,13 +19,15 @@ same distributions with per-request reproducibility.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from ..params import Sampling, Timeline, Unmasking
-from .predict import draw
-from .reference import ModelFn, select_top_k
+from .predict import Places, draw, in_chunks
+from .reference import CanvasNet, select_top_k
 from .sampling import ORDER, TRANSFER, Draws, RowNoise
 
 
@@ -59,22 +61,36 @@ def dream_filter(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return logits
 
 
-def predict(logits: torch.Tensor, s: Sampling, alg: str, draws: Draws) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x0, confidence), each (B, L), from logits (B, L, V) under Dream's rule `alg`."""
+def predict(
+    logits: torch.Tensor, s: Sampling, alg: str, places: Places, draws: Draws
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x0, confidence), each (N,), from the logits (N, V) of positions at `places` under Dream's rule `alg`."""
     filtered = dream_filter(logits, s)
     probs = filtered.softmax(-1)
     if s.temperature > 0:  # a float64 draw from the same categorical as Dream's torch.multinomial
-        B, L, V = filtered.shape
-        x0 = draw(filtered.double().reshape(B * L, V), [L] * B, draws).view(B, L)
-        confidence = probs.gather(-1, x0[..., None]).squeeze(-1)
+        x0 = draw(filtered.double(), places, draws)
+        confidence = probs.gather(-1, x0[:, None]).squeeze(-1)
     else:
         confidence, x0 = probs.max(-1)
     if alg == "topk_margin":
         top2 = probs.topk(2, dim=-1).values
-        confidence = top2[..., 0] - top2[..., 1]
+        confidence = top2[:, 0] - top2[:, 1]
     elif alg == "entropy":
         confidence = (probs * torch.log(probs + 1e-10)).sum(-1)
     return x0, confidence
+
+
+def _predict_part(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    h: torch.Tensor,
+    s: Sampling,
+    alg: str,
+    places: Places,
+    draws: Draws,
+    part: slice,
+) -> tuple[torch.Tensor, ...]:
+    """`predict` for the positions `part` of the hidden states h (N, d)."""
+    return predict(head(h[part]), s, alg, places[part], draws)
 
 
 def pick(confidence: torch.Tensor, k: torch.Tensor, alg_temp: float, draws: Draws) -> torch.Tensor:
@@ -90,7 +106,7 @@ def pick(confidence: torch.Tensor, k: torch.Tensor, alg_temp: float, draws: Draw
 
 @torch.no_grad()
 def generate_dream(
-    model_fn: ModelFn,
+    net: CanvasNet,
     prompt: torch.Tensor,
     prompt_mask: torch.Tensor,
     plan: DreamPlan,
@@ -105,23 +121,27 @@ def generate_dream(
     timesteps = torch.linspace(1, tl.eps, tl.denoise_steps + 1, device=x.device)  # float32, as Dream
     rows = list(range(B))
     for i in range(tl.denoise_steps):
-        # only the generated part is predicted and drawn for, so a row's draws do not depend on how far its
-        # batch mates' padding pushes it right
+        # only the generated part's masked positions are predicted, each drawing by its column there, so a
+        # row's draws do not depend on how far its batch mates' padding pushes it right
         gen = x[:, P:]
         masked = gen == mask_id
-        logits = model_fn(x, key_mask)[:, P:]
+        h = net.canvas_hidden(x, key_mask, P, x.shape[1])[masked]  # (N, d)
+        places = Places.columns(masked.nonzero())
         draws = noise.at(rows, 0, i)
         t, s = timesteps[i], timesteps[i + 1]
         last = i == tl.denoise_steps - 1
+        rule = "maskgit_plus" if alg == "origin" else alg
+        step = partial(_predict_part, net.head, h, plan.sampling, rule, places, draws)
+        picked, picked_conf = in_chunks(len(places), net.chunk, step)
+        x0 = gen.masked_scatter(masked, picked)
         if alg == "origin":
             p_transfer = 1.0 if last else float(1 - s / t)
             draw = draws.uniform(tuple(gen.shape[1:]), torch.float32, TRANSFER)
-            x0, _ = predict(logits, plan.sampling, "maskgit_plus", draws)
             x[:, P:] = torch.where(masked & (draw < p_transfer), x0, gen)
             continue
-        x0, confidence = predict(logits, plan.sampling, alg, draws)
+        confidence = picked_conf.new_full(gen.shape, float("-inf")).masked_scatter(masked, picked_conf)
         n = masked.sum(1)
         k = n if last else (n.float() * (1 - s / t)).long()  # Dream's int(n * (1 - s/t)), in float32
-        chosen = pick(torch.where(masked, confidence, float("-inf")), k, plan.unmasking.alg_temp, draws)
+        chosen = pick(confidence, k, plan.unmasking.alg_temp, draws)
         x[:, P:] = torch.where(chosen, x0, gen)
     return x

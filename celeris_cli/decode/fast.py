@@ -1,7 +1,8 @@
 """Fast masked-diffusion decoding: KV cache, confidence-threshold parallel commits and early exit.
 
 Pure functions on token ids, like `reference`, but they need a cache-aware model boundary (`Net`):
-`span_logits(ids, positions, key_mask, s, e, cache, end) -> (logits of [s, e), kv)`.
+`span_hidden(ids, positions, key_mask, s, e, cache, end) -> (hidden states predicting [s, e), kv)`, the LM
+head, and `chunk`, the positions whose logits it computes at a time.
 
 - Threshold decoding (Fast-dLLM): each step commits every masked position of the active block whose
   confidence is >= `threshold`, and always at least the schedule's share (at least one), so the step
@@ -17,8 +18,8 @@ Pure functions on token ids, like `reference`, but they need a cache-aware model
 - Bounded canvas (`suffix_window` N > 0; DPad's suffix dropout): the model sees the prompt, the blocks
   decoded, the active block and at most N masked positions after it; the all-mask rest is left out of
   every forward, the cache refresh included.
-- The LM head, sampling and confidence run only on the masked positions of the active block
-  (`predict`).
+- The LM head, sampling and confidence run only on the masked positions of the active block, a chunk of
+  them at a time (`predict.choose`).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ import torch
 
 from ..arch.kv import KV, KVCache, LayerKV
 from ..params import Guidance, Ordering, Parallel, Sampling, Schedule, Shaping
-from .predict import confidence_masked, sample_masked
-from .reference import commit_order, guide, leave_when_finished, num_transfer_tokens, select_top_k, unconditional
-from .sampling import RowNoise, shape_masked
+from .predict import Places, StepLogits, choose
+from .reference import commit_order, leave_when_finished, num_transfer_tokens, select_top_k, unconditional
+from .sampling import RowNoise, shaper
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,9 @@ class FastPlan:
 
 
 class CachedNet(Protocol):
-    def span_logits(
+    chunk: int
+
+    def span_hidden(
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
@@ -63,6 +66,8 @@ class CachedNet(Protocol):
 
     def cache_of(self, kv: list[KV]) -> KVCache: ...
 
+    def head(self, h: torch.Tensor) -> torch.Tensor: ...
+
 
 class _View:
     """One view of the active rows' canvas for the model (conditional, or unconditional under guidance),
@@ -72,7 +77,7 @@ class _View:
         self.prompt_part = prompt_part  # (B, P): the prompt as this view shows it; None: the canvas's own
         self.cache: KVCache | None = None  # made once per block, by its first (full-canvas) forward
 
-    def logits(
+    def hidden(
         self,
         net: CachedNet,
         x: torch.Tensor,
@@ -84,19 +89,19 @@ class _View:
         refresh: bool,
         select: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits (N, V) of the `select`ed positions of the block [s, e): a full-canvas forward (which
+        """Hidden states (N, d) of the `select`ed positions of the block [s, e): a full-canvas forward (which
         refreshes the cache), or the block (dual) or the block and suffix (prefix) against the cached rest."""
         # this view's canvas (guidance masks the prompt); the cached path needs it too, since a shifted
         # model's window starts at s-1, which may be the prompt's last token
         canvas = x if self.prompt_part is None else torch.cat([self.prompt_part, x[:, self.prompt_part.shape[1] :]], 1)
         if mode == "none" or refresh:
-            logits, kv = net.span_logits(canvas, pos, km, s, e, select=select, keep_kv=mode != "none")
+            h, kv = net.span_hidden(canvas, pos, km, s, e, select=select, keep_kv=mode != "none")
             if mode != "none":
                 self.cache = net.cache_of(kv)
-            return logits
+            return h
         assert self.cache is not None
         end = x.shape[1] if mode == "prefix" else e
-        return net.span_logits(canvas, pos, km, s, e, self.cache.view(), end, select)[0]
+        return net.span_hidden(canvas, pos, km, s, e, self.cache.view(), end, select)[0]
 
     def keep(self, rows: torch.Tensor) -> None:
         """Only these rows stay (the others have finished)."""
@@ -137,22 +142,19 @@ def generate_fast(
         s, e = P + bs, P + be
         w = x.shape[1] if par.suffix_window == 0 else min(x.shape[1], e + par.suffix_window)  # bounded canvas
         schedule = num_transfer_tokens((xa[:, s:e] == mask_id).sum(1), steps)
-        shaping = plan.shaping if plan.shaping.active else None
-        offset = torch.tensor([bs], device=x.device) if shaping else None  # the block's first answer position
+        offset = torch.tensor([bs], device=x.device)  # the block's first answer position
         for i in range(steps):
             block = xa[:, s:e]
             masked = block == mask_id  # (b, T): the only positions predicted
-            logits = [v.logits(net, xa[:, :w], pos[:, :w], km[:, :w], s, e, par.cache, i == 0, masked) for v in views]
-            flat = guide(logits[0], logits[1], plan.guidance.cfg_scale) if len(logits) > 1 else logits[0]
-            if shaping is not None and offset is not None:
-                t = plan.sampling.temperature
-                flat = shape_masked(flat, masked, xa[:, P:], offset.expand(len(xa)), shaping, mask_id, stop, t, pieces)
+            hs = [v.hidden(net, xa[:, :w], pos[:, :w], km[:, :w], s, e, par.cache, i == 0, masked) for v in views]
+            t = plan.sampling.temperature
+            shape = shaper(plan.shaping, xa[:, P:], offset.expand(len(xa)), mask_id, stop, t, pieces)
+            logits = StepLogits(net.head, hs, plan.guidance.cfg_scale, shape, masked.nonzero() if shape else None)
             draws = noise.at(active, j, i)
             left = masked.sum(1)  # masked positions per row
-            x0 = sample_masked(flat, plan.sampling, left.tolist(), draws)  # (N,) in row order
-            conf = block.new_zeros(block.shape, dtype=torch.float32).masked_scatter(
-                masked, confidence_masked(flat, x0, par.confidence)
-            )
+            places = Places.counted(left.tolist(), x.device)
+            x0, picked_conf = choose(logits, places, plan.sampling, par.confidence, draws, net.chunk)  # (N,), row order
+            conf = block.new_zeros(block.shape, dtype=torch.float32).masked_scatter(masked, picked_conf)
             proposal = block.masked_scatter(masked, x0)
             # the order noise fades with the share of the block still masked, as the reference's does over its
             # steps (one commit each): by steps it would stay near full strength while thresholds fill the block

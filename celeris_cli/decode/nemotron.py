@@ -33,7 +33,7 @@ import torch
 
 from ..arch.kv import KVCache
 from ..params import Blocks, Commit, Length, Ordering, Sampling
-from .predict import sample_with_probability
+from .predict import Places, StepLogits, choose
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
 from .sampling import Draws, RowNoise
 
@@ -95,7 +95,8 @@ class CausalCanvas:
 
     def pick(self, h: torch.Tensor, sampling: Sampling, draws: Draws) -> torch.Tensor:
         """One token per row from the hidden state of its last position (the next position's prediction)."""
-        x0, _ = sample_with_probability(self.net.head(h), sampling, [1] * h.shape[0], draws)
+        places = Places.counted([1] * h.shape[0], h.device)
+        x0, _ = choose(StepLogits(self.net.head, [h]), places, sampling, None, draws, self.net.chunk)
         return x0
 
 
@@ -168,7 +169,8 @@ def generate_seeded(
                 break
             hs = cv.forward(s, e, causal=False)
             draws = noise.at(rows, j, i + 1)  # the sampling's lane and the order's, from each row's stream
-            x0, conf = sample_with_probability(net.head(hs[masked]), sampling, masked.sum(1).tolist(), draws)
+            places = Places.counted(masked.sum(1).tolist(), block.device)
+            x0, conf = choose(StepLogits(net.head, [hs[masked]]), places, sampling, None, draws, net.chunk)
             confidence = torch.full(block.shape, float("-inf"), device=block.device).masked_scatter(masked, conf)
             fade = masked.sum(1, keepdim=True) / max(e - s - 1, 1)  # the share of the block still masked
             rank = torch.where(masked, commit_order(confidence, plan.ordering, fade, draws), float("-inf"))

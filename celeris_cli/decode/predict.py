@@ -16,12 +16,17 @@ which token was sampled); lead = p(x0) minus the largest probability of any othe
 token that is not the favourite has a negative lead and waits for more context (at temperature 0, lead =
 margin); entropy = exp(-H(p)). The whole-vocabulary definitions of the filters and the confidence are kept
 as the tests' oracles (tests/oracles.py).
+
+A step's logits are made from the hidden states of the positions it predicts a chunk at a time
+(`StepLogits`, `choose`, `in_chunks`): a wide batch on a long block holds at most `Net.chunk` positions'
+logits at once (`arch.memory.logit_chunk`), and nothing a position gets depends on the chunks.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -105,48 +110,124 @@ def survivors(logits: torch.Tensor, s: Sampling) -> tuple[torch.Tensor | None, t
     return candidates(logits, s)
 
 
-def positions(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For N positions laid out rows after rows (row b has counts[b] of them): each one's row and its
-    place within its row, (N,) each."""
-    counts_t = torch.tensor(counts, device=device, dtype=torch.long)
-    N = sum(counts)
-    row = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t, output_size=N)
-    return row, torch.arange(N, device=device) - (counts_t.cumsum(0) - counts_t)[row]
+@dataclass(frozen=True)
+class Places:
+    """Where each of N positions laid out flat sits: its row in the step's batch, and which number of that
+    row's stream it draws with (its place among the row's masked positions, or its column where a decoder
+    draws by column). Sliced with its positions, so a chunk of them keeps its numbers."""
+
+    row: torch.Tensor  # (N,) long
+    nth: torch.Tensor  # (N,) long
+
+    @staticmethod
+    def counted(counts: list[int], device: torch.device) -> Places:
+        """Rows after rows, row b with counts[b] positions numbered 0, 1, ... in it."""
+        counts_t = torch.tensor(counts, device=device, dtype=torch.long)
+        N = sum(counts)
+        row = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t, output_size=N)
+        return Places(row, torch.arange(N, device=device) - (counts_t.cumsum(0) - counts_t)[row])
+
+    @staticmethod
+    def columns(where: torch.Tensor) -> Places:
+        """From `mask.nonzero()` (N, 2): each position numbered by its column."""
+        return Places(where[:, 0], where[:, 1])
+
+    def __len__(self) -> int:
+        return self.row.shape[0]
+
+    def __getitem__(self, part: slice) -> Places:
+        return Places(self.row[part], self.nth[part])
 
 
-def draw(scores: torch.Tensor, counts: list[int], draws: Draws) -> torch.Tensor:
+def guide(cond: torch.Tensor, un: torch.Tensor, cfg_scale: float) -> torch.Tensor:
+    """Classifier-free guidance (LLaDA): un + (s + 1) * (cond - un)."""
+    return un + (cfg_scale + 1) * (cond - un)
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """The logits of a step's N predicted positions, made a part at a time from their hidden states (N, d)
+    in each view: the canvas's, guided under classifier-free guidance by the unconditional view's (hs[1]),
+    then shaped by `shape(logits, where[part])` (`sampling.shape_masked`; where: (N, 2), each position's
+    row and block column)."""
+
+    head: Callable[[torch.Tensor], torch.Tensor]
+    hs: list[torch.Tensor]
+    cfg_scale: float = 0.0
+    shape: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    where: torch.Tensor | None = None
+
+    def __call__(self, part: slice) -> torch.Tensor:
+        logits = self.head(self.hs[0][part])
+        if len(self.hs) > 1:
+            logits = guide(logits, self.head(self.hs[1][part]), self.cfg_scale)
+        if self.shape is not None:
+            assert self.where is not None, "shaping needs each position's row and column"
+            logits = self.shape(logits, self.where[part])
+        return logits
+
+
+def choose(
+    logits: StepLogits, places: Places, s: Sampling, confidence: Confidence | None, draws: Draws, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x0 and its confidence, (N,) each, for the positions at `places`, their logits made `chunk` positions
+    at a time (`in_chunks`): `sample_masked` and the confidence `confidence` of the whole vocabulary, or
+    with None `sample_with_probability` (the probability under the filtered distribution)."""
+
+    def step(part: slice) -> tuple[torch.Tensor, ...]:
+        scores = logits(part)
+        if confidence is None:
+            return sample_with_probability(scores, s, places[part], draws)
+        x0 = sample_masked(scores, s, places[part], draws)
+        return x0, confidence_masked(scores, x0, confidence)
+
+    x0, conf = in_chunks(len(places), chunk, step)
+    return x0, conf
+
+
+def in_chunks(n: int, size: int, step: Callable[[slice], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """step(part) over the positions [0, n) in parts of at most `size`, each output concatenated in order:
+    a step's LM head and sampling hold the logits of `size` positions at a time, never of all n at once
+    (`arch.memory.logit_chunk`). Nothing a position gets depends on the parts: its logits are its own row
+    of the head (batch-invariant), and its draw is numbered by its `Places`."""
+    if n <= size:
+        return step(slice(0, n))
+    parts = [step(slice(i, min(i + size, n))) for i in range(0, n, size)]
+    return tuple(torch.cat(outs) for outs in zip(*parts))
+
+
+def draw(scores: torch.Tensor, places: Places, draws: Draws) -> torch.Tensor:
     """The column (N,) drawn from softmax(scores) at each position, scores (N, K) float64 with excluded
-    candidates at -inf, rows' positions contiguous in order (row b has counts[b] of them): by inverse
-    CDF, the first column whose running mass reaches u times the position's whole mass, u being number j
-    of its row's stream for the row's j-th position. One number per position, however many candidates:
-    what a row draws does not depend on K, which its batch mates' candidates can widen. Exact in float64
-    as Gumbel-max is (Zheng et al.'s warning is against low precision, not the method), at a cost of one
-    pass over the candidates instead of a random number and two logarithms for each."""
-    row, nth = positions(counts, scores.device)
-    u = draws.uniform_at(row, nth[:, None], SAMPLE)  # (N, 1), in (0, 1)
+    candidates at -inf: by inverse CDF, the first column whose running mass reaches u times the
+    position's whole mass, u being the number its `places` give it in its row's stream. One number per
+    position, however many candidates: what a row draws does not depend on K, which its batch mates'
+    candidates can widen. Exact in float64 as Gumbel-max is (Zheng et al.'s warning is against low
+    precision, not the method), at a cost of one pass over the candidates instead of a random number and
+    two logarithms for each."""
+    u = draws.uniform_at(places.row, places.nth[:, None], SAMPLE)  # (N, 1), in (0, 1)
     mass = (scores - scores.amax(-1, keepdim=True)).exp().cumsum(-1)  # an excluded candidate adds nothing
     return torch.searchsorted(mass, u * mass[:, -1:]).squeeze(-1).clamp_max(scores.shape[1] - 1)
 
 
-def sample_masked(logits: torch.Tensor, s: Sampling, counts: list[int], draws: Draws) -> torch.Tensor:
-    """x0 (N,) for the logits (N, V) of the masked positions, rows' positions contiguous in order (row b
-    has counts[b] of them): argmax at temperature 0, else a draw among the survivors (`draw`)."""
-    assert sum(counts) == logits.shape[0] or s.temperature == 0
+def sample_masked(logits: torch.Tensor, s: Sampling, places: Places, draws: Draws) -> torch.Tensor:
+    """x0 (N,) for the logits (N, V) of masked positions at `places`: argmax at temperature 0, else a draw
+    among the survivors (`draw`)."""
+    assert len(places) == logits.shape[0] or s.temperature == 0
     if s.temperature == 0:
         return logits.argmax(-1)
     ids, scores = survivors(logits, s)
-    choice = draw(scores, counts, draws)
+    choice = draw(scores, places, draws)
     return choice if ids is None else ids.gather(-1, choice[:, None]).squeeze(-1)
 
 
 def sample_with_probability(
-    logits: torch.Tensor, s: Sampling, counts: list[int], draws: Draws
+    logits: torch.Tensor, s: Sampling, places: Places, draws: Draws
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x0 (N,) as `sample_masked`, and its probability under the filtered distribution (the survivors
     renormalised; at temperature 0 the filters apply at temperature 1), from the same candidates."""
     t = s.temperature if s.temperature > 0 else 1.0
     ids, scores = survivors(logits, s if s.temperature > 0 else replace(s, temperature=t))
-    col = scores.argmax(-1) if s.temperature == 0 else draw(scores, counts, draws)
+    col = scores.argmax(-1) if s.temperature == 0 else draw(scores, places, draws)
     prob = (scores.gather(-1, col[:, None]).squeeze(-1) - scores.logsumexp(-1)).exp().float()
     return (col if ids is None else ids.gather(-1, col[:, None]).squeeze(-1)), prob
 

@@ -1,7 +1,9 @@
 """Reference masked-diffusion decoding (LLaDA `generate.py`), as pure functions on token ids.
 
-Nothing here knows about text, files or devices: a decoder takes a `model_fn(ids, key_mask) -> logits`,
-a left-padded prompt, its settings and the rows' random streams (`RowNoise`), and returns the canvas.
+Nothing here knows about text, files or devices: a decoder takes the model as a `CanvasNet` (hidden states
+predicting a span of the canvas, and the LM head; `FullLogits` makes one of a plain `model_fn(ids,
+key_mask) -> logits`), a left-padded prompt, its settings and the rows' random streams (`RowNoise`), and
+returns the canvas. The head runs on the positions a step predicts only, a chunk at a time.
 
 Canvas: [prompt | MASK x gen_length]. The generation part is split into semi-autoregressive blocks of
 `block_length`, decoded left to right. Each step predicts every masked position of the active block and
@@ -12,14 +14,41 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from ..params import Guidance, Ordering, Sampling, Schedule
-from .predict import confidence_masked, sample_masked
+from .predict import Places, StepLogits, choose
 from .sampling import ORDER, Draws, RowNoise, order_scores
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids (B,L), key_mask (B,L)) -> (B,L,V)
+
+
+class CanvasNet(Protocol):
+    """The model as the whole-canvas decoders (reference, Dream, RND1) call it (`strategies.Net`)."""
+
+    chunk: int  # positions whose logits are computed at a time (`predict.in_chunks`)
+
+    def canvas_hidden(self, ids: torch.Tensor, key_mask: torch.Tensor, s: int, e: int) -> torch.Tensor:
+        """(B, e - s, d): what predicts positions [s, e) of the canvas ids (B, L), from a full forward."""
+        ...
+
+    def head(self, h: torch.Tensor) -> torch.Tensor: ...
+
+
+class FullLogits:
+    """A plain model_fn(ids, key_mask) -> logits (B, L, V) as a CanvasNet: its logits stand for the
+    hidden states and the head passes them through (a test's fake, another project's model)."""
+
+    def __init__(self, model_fn: ModelFn, chunk: int = 2**31) -> None:
+        self.model_fn, self.chunk = model_fn, chunk
+
+    def canvas_hidden(self, ids: torch.Tensor, key_mask: torch.Tensor, s: int, e: int) -> torch.Tensor:
+        return self.model_fn(ids, key_mask)[:, s:e]
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return h
 
 
 @dataclass(frozen=True)
@@ -55,11 +84,6 @@ def unconditional(x: torch.Tensor, key_mask: torch.Tensor, prompt_len: int, mask
     un = x.clone()
     un[:, :prompt_len] = torch.where(key_mask[:, :prompt_len], mask_id, x[:, :prompt_len])
     return un
-
-
-def guide(cond: torch.Tensor, un: torch.Tensor, cfg_scale: float) -> torch.Tensor:
-    """Classifier-free guidance (LLaDA): un + (s + 1) * (cond - un)."""
-    return un + (cfg_scale + 1) * (cond - un)
 
 
 def finished_rows(gen: torch.Tensor, mask_id: int, stop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +125,7 @@ def commit_order(conf: torch.Tensor, ordering: Ordering, fade: float | torch.Ten
 
 @torch.no_grad()
 def generate_reference(
-    model_fn: ModelFn,
+    net: CanvasNet,
     prompt: torch.Tensor,
     prompt_mask: torch.Tensor,
     plan: ReferencePlan,
@@ -129,18 +153,16 @@ def generate_reference(
         s, e = P + bs, P + be
         schedule = num_transfer_tokens((xa[:, s:e] == mask_id).sum(1), steps)
         for i in range(steps):
-            logits = model_fn(xa, km)[:, s:e]
+            masked = xa[:, s:e] == mask_id  # only masked positions can commit: only they are predicted
+            hs = [net.canvas_hidden(xa, km, s, e)[masked]]
             if plan.guidance.cfg_scale > 0:  # a second forward pass, counted as one by the model boundary
-                un = model_fn(unconditional(xa, km, P, mask_id), km)[:, s:e]
-                logits = guide(logits, un, plan.guidance.cfg_scale)
+                hs.append(net.canvas_hidden(unconditional(xa, km, P, mask_id), km, s, e)[masked])
             draws = noise.at(rows, j, i)
-            masked = xa[:, s:e] == mask_id  # only masked positions can commit: only they are sampled
-            flat = logits[masked]
-            picked = sample_masked(flat, plan.sampling, masked.sum(1).tolist(), draws)  # (N,) in row order
+            places = Places.counted(masked.sum(1).tolist(), x.device)
+            logits = StepLogits(net.head, hs, plan.guidance.cfg_scale)
+            picked, picked_conf = choose(logits, places, plan.sampling, "prob", draws, net.chunk)  # (N,), row order
             x0 = xa[:, s:e].masked_scatter(masked, picked)
-            conf = torch.zeros(masked.shape, device=x.device).masked_scatter(
-                masked, confidence_masked(flat, picked, "prob")
-            )
+            conf = torch.zeros(masked.shape, device=x.device).masked_scatter(masked, picked_conf)
             rank = commit_order(conf, plan.ordering, 1 - i / steps, draws)
             commit = select_top_k(torch.where(masked, rank, float("-inf")), schedule[:, i])
             xa[:, s:e] = torch.where(commit, x0, xa[:, s:e])

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from ..params import Canvas, EntropyRanking, Filters
-from .predict import draw
-from .reference import ModelFn
+from .predict import Places, draw, in_chunks
+from .reference import CanvasNet
 from .sampling import Draws, RowNoise
 
 
@@ -64,17 +64,14 @@ def rnd1_log_probs(logits: torch.Tensor, f: Filters) -> torch.Tensor:
 
 
 def predict(
-    logits: torch.Tensor, f: Filters, greedy: bool, draws: Draws
+    logits: torch.Tensor, f: Filters, greedy: bool, places: Places, draws: Draws
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens, confidence, entropy), each (B, T), from logits (B, T, V): the likeliest token or one drawn
-    (`predict.draw`, in float64, from each row's stream), its log-probability, and the distribution's entropy."""
+    """(tokens, confidence, entropy), each (N,), from the logits (N, V) of positions at `places`: the
+    likeliest token or one drawn (`predict.draw`, in float64, from each row's stream), its
+    log-probability, and the distribution's entropy."""
     logp = rnd1_log_probs(logits, f)
-    if greedy:
-        tokens = logp.argmax(-1)
-    else:
-        B, T, V = logp.shape
-        tokens = draw(logp.double().reshape(B * T, V), [T] * B, draws).view(B, T)
-    confidence = logp.gather(-1, tokens[..., None]).squeeze(-1)
+    tokens = logp.argmax(-1) if greedy else draw(logp.double(), places, draws)
+    confidence = logp.gather(-1, tokens[:, None]).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return tokens, confidence, entropy
 
@@ -118,7 +115,7 @@ def bounded(
 
 @torch.no_grad()
 def generate_rnd1(
-    model_fn: ModelFn,
+    net: CanvasNet,
     prompt: torch.Tensor,
     prompt_mask: torch.Tensor,
     plan: RND1Plan,
@@ -127,7 +124,7 @@ def generate_rnd1(
     noise: RowNoise,
 ) -> torch.Tensor:
     """prompt: (B, P) left-padded ids; prompt_mask: (B, P). Returns the canvas (B, P + gen_length), whose
-    last position is pad_id. model_fn's logits at position j predict position j (`Net` shifts them)."""
+    last position is pad_id. The net's hidden state at position j predicts position j (`Net` shifts them)."""
     B, P = prompt.shape
     N, S = plan.canvas.gen_length, plan.canvas.denoise_steps
     f, rank = plan.filters, plan.entropy
@@ -142,12 +139,21 @@ def generate_rnd1(
     total = maskable[:1].sum(1)  # (1,) long: n, as RND1 counts it
     forwards = 0
 
-    def scores() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def scores() -> tuple[torch.Tensor, ...]:
+        """(tokens, confidence, entropy), each (B, N), at the maskable positions (0 elsewhere: unread)."""
         nonlocal forwards
-        # only the canvas is predicted and drawn for, so a row's draws do not depend on its batch mates' padding
-        logits = model_fn(x, key_mask)[:, P:]
+        # only the canvas's maskable positions are predicted, each drawing by its column there, so a row's
+        # draws do not depend on its batch mates' padding
+        h = net.canvas_hidden(x, key_mask, P, x.shape[1])[maskable]  # (n, d)
+        places = Places.columns(maskable.nonzero())
+        draws = noise.at(rows, 0, forwards)
         forwards += 1
-        return predict(logits, f, rank.greedy, noise.at(rows, 0, forwards - 1))
+
+        def step(part: slice) -> tuple[torch.Tensor, ...]:
+            return predict(net.head(h[part]), f, rank.greedy, places[part], draws)
+
+        flat = in_chunks(len(places), net.chunk, step)
+        return tuple(t.new_zeros(maskable.shape).masked_scatter(maskable, t) for t in flat)
 
     tokens, confidence, entropy = scores()
     for step in range(S - 1, 0, -1):

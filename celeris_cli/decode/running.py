@@ -33,7 +33,7 @@ import torch
 
 from ..arch.kv import KVCache
 from ..params import Blocks
-from .block import BlockNet, BlockPlan, OnBlock, block_mask, commit_step
+from .block import BlockNet, BlockPlan, OnBlock, block_mask, commit_step, top_choice
 from .reference import finished_rows
 from .sampling import Draws, stream_seed
 
@@ -296,7 +296,7 @@ class BlockScheduler:
         answer = self._answer(rows, plan)
         out = commit_step(block, [h], self.net, plan, k, self.mask_id, draws, answer, self.stop, self.pieces)
         if plan.editing.active:  # LLaDA2.1: from the same forward, rewrite decided answer tokens the model doubts
-            p, x0 = self.net.head(h).float().softmax(-1).max(-1)
+            p, x0 = top_choice(self.net, h)
             cols = torch.stack([torch.arange(r.start, r.start + W, device=self.device) for r in rows])
             answer_pos = cols >= torch.tensor([r.gen for r in rows], device=self.device)[:, None]
             edit = (block != self.mask_id) & answer_pos & (x0 != block) & (p > plan.editing.edit_threshold)

@@ -14,7 +14,8 @@ how many share the batch and how many numbers came before cannot change a row's 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -148,7 +149,7 @@ def order_scores(
 
 def shape_masked(
     logits: torch.Tensor,
-    masked: torch.Tensor,
+    where: torch.Tensor,
     answer: torch.Tensor | None,
     offset: torch.Tensor,
     s: Shaping,
@@ -157,7 +158,8 @@ def shape_masked(
     temperature: float = 0.0,
     word_pieces: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits (N, V) of a block's masked positions in row order (masked: (b, T)), given each row's answer
+    """logits (N, V) of a block's masked positions, each one's row and block column in where (N, 2) (the
+    rows of `masked.nonzero()` for a block's mask (b, T), or a part of them), given each row's answer
     so far (b, A; mask_id where nothing is committed or outside the answer; needed only for the penalty)
     and the answer position of each row's first block column (offset: (b,)): minus presence_penalty on
     every token the row has committed in its answer, no stop token at an answer position below
@@ -165,7 +167,6 @@ def shape_masked(
     continue a word) less likely than subword_min_p times the likeliest token."""
     if not s.active:
         return logits
-    where = masked.nonzero()  # (N, 2): row and column of each logit row, row-major as the logits are
     V = logits.shape[-1]
     if s.presence_penalty > 0:
         assert answer is not None, "the presence penalty needs the answer so far"
@@ -185,3 +186,22 @@ def shape_masked(
         floor = scores.amax(-1, keepdim=True) + temperature * math.log(s.subword_min_p)
         logits = scores.masked_fill(piece[None, :] & (scores < floor), float("-inf"))
     return logits
+
+
+def shaper(
+    s: Shaping,
+    answer: torch.Tensor | None,
+    offset: torch.Tensor,
+    mask_id: int,
+    stop: torch.Tensor,
+    temperature: float,
+    word_pieces: torch.Tensor | None,
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """`shape_masked` for a step's rows, as (logits, where) -> logits (`predict.StepLogits.shape`); None
+    where the shaping changes nothing."""
+    if not s.active:
+        return None
+    return partial(
+        shape_masked, answer=answer, offset=offset, s=s, mask_id=mask_id, stop=stop,
+        temperature=temperature, word_pieces=word_pieces,
+    )  # fmt: skip

@@ -34,7 +34,7 @@ import torch
 from ..arch.kv import KVCache
 from ..params import Draft, Sampling
 from .nemotron import CausalCanvas, stop_after
-from .predict import sample_with_probability
+from .predict import Places, StepLogits, choose
 from .sampling import RowNoise
 
 
@@ -86,7 +86,8 @@ def _draft(
         h = rows.forward(block, causal=False)
         # streams of the draft's own: block 1 + the seed's answer position, never 0 (the accepted tokens')
         draws = noise.at(rows.idx, [1 + t for t in answer_at], step)
-        x0, conf = sample_with_probability(rows.cv.net.head(h[masked]), plan.sampling, masked.sum(1).tolist(), draws)
+        net, places = rows.cv.net, Places.counted(masked.sum(1).tolist(), block.device)
+        x0, conf = choose(StepLogits(net.head, [h[masked]]), places, plan.sampling, None, draws, net.chunk)
         confidence = torch.full(block.shape, float("-inf"), device=block.device).masked_scatter(masked, conf)
         chosen = masked & (confidence >= threshold)
         best = confidence.argmax(1, keepdim=True)
@@ -128,7 +129,8 @@ def generate_speculative(
         h = rows.forward(block, causal=True)  # the verify pass: every position's next token, as the AR mode's
         own = [(r, t + 1 + i) for r, t in zip(rows.idx.tolist(), answer_at) for i in range(W)]
         draws = noise.at([r for r, _ in own], 0, [t for _, t in own])
-        x0, _ = sample_with_probability(net.head(h.flatten(0, 1)), plan.sampling, [1] * len(own), draws)
+        places = Places.counted([1] * len(own), prompt.device)
+        x0, _ = choose(StepLogits(net.head, [h.flatten(0, 1)]), places, plan.sampling, None, draws, net.chunk)
         ar = x0.view(-1, W)  # ar[:, i]: the token after block[:, i]
         agree = (ar[:, :-1] == block[:, 1:]).long().cumprod(1).sum(1)  # the draft's tokens confirmed
         accepted = agree + 1  # and the verifier's next one

@@ -1,9 +1,11 @@
 """The table of decoding strategies, and `Net`, the model boundary they call.
 
 A strategy has the form `(net, prompt, prompt_mask, params, tokens, noise) -> canvas`; it hands its decoder
-only the parts of the settings the strategy declares. `net` is callable as `net(ids, key_mask) -> logits`
-(so the reference decoder accepts any plain model_fn) and counts every forward pass where it happens, the
-unconditional passes of guidance included. Choosing a strategy by an unknown name is a user error.
+only the parts of the settings the strategy declares. `net` gives the hidden states a decoder asks for (a
+span of a full-canvas forward, or a window against a cache) and the LM head apart, so that the head runs
+on the positions a step predicts only, a chunk at a time (`Net.chunk`); it counts every forward pass where
+it happens, the unconditional passes of guidance included. Choosing a strategy by an unknown name is a
+user error.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from ..arch.kv import KV, KVCache, LayerKV
 from ..arch.layers import Model
+from ..arch.memory import logit_chunk
 from ..arch.packed import PackedLayer
 from ..errors import UsageError
 from ..params import STRATEGY_PARTS, GenerationParams
@@ -43,8 +46,10 @@ class Net:
     nothing), forward counting (NFE), the cache-aware calls used by the fast decoders, and the logit shift
     of families whose position j-1 predicts position j (Dream), so no decoder needs to know of it."""
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, chunk: int | None = None) -> None:
         self.model = model
+        # positions whose logits a step computes at a time (`predict.in_chunks`): within the logit budget
+        self.chunk = logit_chunk(model.cfg.rows) if chunk is None else chunk
         self.nfe = 0
         self.positions_computed = 0  # positions (rows x tokens) through the network, over every forward
         self.shift = model.logit_shift
@@ -53,14 +58,12 @@ class Net:
     def positions(key_mask: torch.Tensor) -> torch.Tensor:
         return (key_mask.long().cumsum(1) - 1).clamp_min(0)
 
-    def __call__(self, ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        """Full-canvas logits (B, L, V), position j's row predicting position j."""
-        self.nfe += 1
-        self.positions_computed += ids.numel()
-        logits = self.model(ids, key_mask, self.positions(key_mask))
-        if self.shift:  # as Dream's generate: position 0 keeps its own row (it is always prompt)
-            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-        return logits
+    def canvas_hidden(self, ids: torch.Tensor, key_mask: torch.Tensor, s: int, e: int) -> torch.Tensor:
+        """Hidden states (B, e - s, d) predicting positions [s, e) of the canvas `ids` (B, L), from a
+        full-canvas forward: `head` of them is `self(ids, key_mask)[:, s:e]`, computed where needed only."""
+        assert s >= self.shift, "a shifted model's first position has no prediction of its own"
+        h, _ = self.hidden(ids, self.positions(key_mask), key_mask, keep_kv=False)
+        return h[:, s - self.shift : e - self.shift]
 
     def hidden(
         self,
@@ -89,7 +92,7 @@ class Net:
 
         return KVCache([(keep(k), keep(v)) for k, v in kv])
 
-    def span_logits(
+    def span_hidden(
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
@@ -101,11 +104,11 @@ class Net:
         select: torch.Tensor | None = None,
         keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]:
-        """Logits predicting positions [s, e) of the canvas `ids` (B, L), s >= 1: a full-canvas forward
-        (no cache; returns every layer's keys/values unless keep_kv is False), or the window [s, end)
+        """Hidden states predicting positions [s, e) of the canvas `ids` (B, L), s >= 1: a full-canvas
+        forward (no cache; returns every layer's keys/values unless keep_kv is False), or the window [s, end)
         recomputed against `cache` (`KVCache.view`; end defaults to e; its fresh keys/values are the
         window's only). With a logit shift the window starts one position earlier. `select` (B, e - s) bool:
-        the LM head runs on those positions only, and the logits come flat, (N, V) in row order."""
+        those positions only, flat, (N, d) in row order (the LM head's input)."""
         lo = s - self.shift
         if cache is None:
             h, kv = self.hidden(ids, positions, key_mask, keep_kv=keep_kv)
@@ -114,7 +117,7 @@ class Net:
             end = e if end is None else end
             h, kv = self.hidden(ids[:, lo:end], positions[:, lo:end], key_mask, cache, lo)
             h = h[:, : e - s]
-        return self.head(h if select is None else h[select]), kv
+        return (h if select is None else h[select]), kv
 
 
 Strategy = Callable[[Net, torch.Tensor, torch.Tensor, GenerationParams, SpecialTokens, RowNoise], torch.Tensor]

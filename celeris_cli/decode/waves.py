@@ -39,10 +39,10 @@ import torch
 from ..arch.kv import DeferredKVCache, KVCache
 from ..arch.packed import Segment, packed_layers
 from .fast import FastPlan
-from .predict import confidence_masked, sample_masked
+from .predict import Places, StepLogits, choose
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
 from .running import Lane, Occupancy, supports
-from .sampling import Draws, shape_masked, stream_seed
+from .sampling import Draws, shaper, stream_seed
 from .strategies import Net
 
 
@@ -112,11 +112,12 @@ class _Row:
 
 @dataclass
 class _Stepped:
-    """A row's part of this tick: its block as the forward saw it and the logits of its masked positions."""
+    """A row's part of this tick: its block as the forward saw it and the hidden states of its masked
+    positions (the LM head's input)."""
 
     row: _Row
     block: torch.Tensor  # (T,)
-    logits: torch.Tensor  # (masked, V)
+    hidden: torch.Tensor  # (masked, d)
 
 
 class WaveScheduler:
@@ -236,8 +237,7 @@ class WaveScheduler:
             lo = seg.begin + s - shift - a  # the hidden state predicting the block's first column
             picks.append(torch.arange(lo, lo + e - s, device=self.device)[block == self.mask_id])
             blocks.append(block)
-        logits = self.net.head(h[0, torch.cat(picks)])
-        parts = logits.split([len(p) for p in picks])
+        parts = h[0, torch.cat(picks)].split([len(p) for p in picks])
         return [_Stepped(r, blk, part) for r, blk, part in zip(rows, blocks, parts)]
 
     @staticmethod
@@ -266,17 +266,17 @@ class WaveScheduler:
             block = torch.stack([p.block for p in parts])
             T = block.shape[1]
             masked = block == self.mask_id
-            flat = torch.cat([p.logits for p in parts])
+            shape, where = None, None
             if plan.shaping.active:
-                answer, offset = self._answer(rows)
                 t = plan.sampling.temperature
-                flat = shape_masked(flat, masked, answer, offset, plan.shaping, self.mask_id, self.stop, t, self.pieces)
+                shape = shaper(plan.shaping, *self._answer(rows), self.mask_id, self.stop, t, self.pieces)
+                where = masked.nonzero()
+            logits = StepLogits(self.net.head, [torch.cat([p.hidden for p in parts])], 0.0, shape, where)
             draws = Draws([stream_seed(r.req.seed, r.block, r.step) for r in rows], self.device)
             left = masked.sum(1)
-            x0 = sample_masked(flat, plan.sampling, left.tolist(), draws)
-            conf = block.new_zeros(block.shape, dtype=torch.float32).masked_scatter(
-                masked, confidence_masked(flat, x0, plan.parallel.confidence)
-            )
+            places = Places.counted(left.tolist(), self.device)
+            x0, picked = choose(logits, places, plan.sampling, plan.parallel.confidence, draws, self.net.chunk)
+            conf = block.new_zeros(block.shape, dtype=torch.float32).masked_scatter(masked, picked)
             proposal = block.masked_scatter(masked, x0)
             fade = left[:, None] / T
             rank = torch.where(masked, commit_order(conf, plan.ordering, fade, draws), float("-inf"))

@@ -151,6 +151,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     mib = 2**20
     return {
         "model": spec["name"],
+        "strategy": spec["settings"].get("strategy", "default"),
         "dtype": spec["dtype"],
         "quantize": spec.get("quantize", "none"),
         "batch": spec["batch"],
@@ -218,12 +219,15 @@ def check(specs: list[dict[str, Any]], random_shapes: tuple[str, ...] = ()) -> l
 def default_specs(threads: int = 2) -> list[dict[str, Any]]:
     """The shapes `celeris bench memory` measures. Every row decodes to the end of its canvas (no early
     exit; on celeris-block, min_tokens holds the answer open), the case the planner sizes batches for.
-    The random checkpoints run in bfloat16 at a small batch: this CPU emulates bfloat16 slowly."""
+    The random checkpoints run in bfloat16 at a small batch: this CPU emulates bfloat16 slowly. The last
+    two predict a 256-token block for 4 rows of a 151,936-token vocabulary in one step, in float32: the
+    LM head's logits are bounded by its chunk (`arch.memory.logit_chunk`), not by the block."""
     from ..engine import embedded_models
 
     models = embedded_models()
     whole = {"gen_length": 256, "min_tokens": 256}
     short = {"gen_length": 64, "block_length": 32, "denoise_steps": 4, "early_exit": False}
+    one_block = {"gen_length": 256, "block_length": 256, "denoise_steps": 2}
     return [
         {"name": "celeris-block", "folder": str(models["celeris-block"]), "dtype": "float32", "batch": 16,
          "prompt": 32, "prompt_spread": 8, "settings": whole, "threads": threads},
@@ -233,6 +237,11 @@ def default_specs(threads: int = 2) -> list[dict[str, Any]]:
          "settings": short, "threads": threads},
         {"name": "random-1.5B", "folder": "random-1.5B", "dtype": "bfloat16", "batch": 2, "prompt": 32,
          "settings": short, "threads": threads},
+        {"name": "random-0.5B", "folder": "random-0.5B", "dtype": "float32", "batch": 4, "prompt": 32,
+         "settings": {**one_block, "strategy": "reference"}, "threads": threads, "glibc_default": False},
+        {"name": "random-0.5B", "folder": "random-0.5B", "dtype": "float32", "batch": 4, "prompt": 32,
+         "settings": {**one_block, "strategy": "fast", "early_exit": False}, "threads": threads,
+         "glibc_default": False},
     ]  # fmt: skip
 
 
@@ -248,7 +257,7 @@ def render_check(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title="memory planner vs measured peak added (MiB; measured with a fixed mmap threshold)")
-    cols = ["model", "dtype", "batch", "weights_mib", "kv_cache_mib", "activations_mib", "logits_mib"]
+    cols = ["model", "strategy", "dtype", "batch", "weights_mib", "kv_cache_mib", "activations_mib", "logits_mib"]
     cols += ["predicted_mib", "measured_mib", "measured_glibc_default_mib", "predicted_over_measured"]
     for c in cols:
         table.add_column(c.replace("_mib", ""))

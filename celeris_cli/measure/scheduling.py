@@ -119,7 +119,7 @@ def sampling_cost(
                 block, torch.arange(W, device=engine.device).expand(B, W), torch.ones_like(block, dtype=torch.bool)
             )
             logits = net.head(h[block == mask])
-            given = SimpleNamespace(head=lambda _h, logits=logits: logits)
+            given = SimpleNamespace(head=lambda _h, logits=logits: logits, chunk=len(logits))  # one chunk: all
             k = torch.ones(B, dtype=torch.long, device=engine.device)
             cell: dict[str, Any] = {"batch_size": B}
             for name, head_net in (("step_ms", net), ("sampling_ms", given)):
