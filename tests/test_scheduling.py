@@ -44,3 +44,23 @@ def test_the_mixed_workload_runs_a_bidirectional_model_through_the_waves(engine)
     assert report["answers"] == 6 and report["identical_answers"] == 6
     assert report["scheduling"]["continuous"]["occupancy"] > report["scheduling"]["static"]["occupancy"]
     assert report["commit_step"] == []  # the block decoders' commit step only
+
+
+def test_pairs_alternate_which_mode_goes_first_and_the_speedup_is_their_median(engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`--pairs N`: N runs of each mode, static first in the first pair and second in the next, so a slow
+    stretch of a shared machine falls on both; the speedup is the median of the pairs' ratios."""
+    order: list[bool] = []
+    decode = engine.decode_running
+
+    def spy(*args, refill: bool = True, **kw):  # type: ignore[no-untyped-def]
+        order.append(refill)
+        return decode(*args, refill=refill, **kw)
+
+    monkeypatch.setattr(engine, "decode_running", spy)
+    report = compare_scheduling(engine, n_prompts=4, batch_size=2, pairs=3)
+    assert order[1:] == [False, True, True, False, False, True]  # after the warm-up: S C, C S, S C
+    ratios = [p["ratio"] for p in report["pairs"]]
+    assert len(ratios) == 3 and report["speedup"] == sorted(ratios)[1]
+    for mode in ("static", "continuous"):
+        assert report["scheduling"][mode]["tokens_per_s"] == sorted(p[mode] for p in report["pairs"])[1]
+    assert report["identical_answers"] == 4  # the same text in all six runs

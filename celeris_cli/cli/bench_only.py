@@ -133,6 +133,9 @@ def workload_cmd(
     device: DeviceOpt = DEVICE,
     dtype: DtypeOpt = DTYPE,
     threads: int = THREADS,
+    pairs: int = typer.Option(
+        1, "--pairs", min=1, help="Static and continuous runs, this many of each, alternating which goes first."
+    ),
     out: Path = OUT,
     as_json: bool = AS_JSON,
 ) -> None:
@@ -143,7 +146,7 @@ def workload_cmd(
 
     def measure() -> dict[str, Any]:
         engine = load_engine(model, device.value, dtype.value, threads)
-        return compare_scheduling(engine, prompts, batch_size, _json_setting(set_name))
+        return compare_scheduling(engine, prompts, batch_size, _json_setting(set_name), pairs)
 
     _measure(measure, out, as_json, render_scheduling)
 
