@@ -121,6 +121,9 @@ class LogitsFake:
     def head(self, h):  # type: ignore[no-untyped-def]
         return h
 
+    def step_head(self):  # type: ignore[no-untyped-def]
+        return self.head
+
 
 def write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data), encoding="utf-8")
@@ -143,16 +146,22 @@ def noise(rows: int, seed: int = 0):  # type: ignore[no-untyped-def]
 
 
 def predicting_the_mask(model, mask_id: int, limit: int, calls: list[int]):  # type: ignore[no-untyped-def]
-    """`model.head`, except that every position's likeliest token is the mask itself (which commits nothing);
-    counts its calls in calls[0] and raises past `limit` of them (a decoder stepping forever)."""
-    head = model.head
+    """`model.step_head`, except that every position's likeliest token is the mask itself (which commits
+    nothing); counts the head's calls in calls[0] and raises past `limit` of them (a decoder stepping
+    forever)."""
+    step_head = model.step_head
 
-    def predicts_the_mask(h):  # type: ignore[no-untyped-def]
-        calls[0] += 1
-        if calls[0] > limit:
-            raise RuntimeError("the block never ended")
-        logits = head(h).clone()
-        logits[..., mask_id] = 1e4
-        return logits
+    def ready():  # type: ignore[no-untyped-def]
+        head = step_head()
 
-    return predicts_the_mask
+        def predicts_the_mask(h):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            if calls[0] > limit:
+                raise RuntimeError("the block never ended")
+            logits = head(h).clone()
+            logits[..., mask_id] = 1e4
+            return logits
+
+        return predicts_the_mask
+
+    return ready

@@ -93,7 +93,7 @@ def test_editing_ends_a_block_whose_model_predicts_the_mask_itself(engine, strat
     """Committing the mask token commits nothing, and past its steps a block commits one mask a step: it
     would never fill. The block ends W steps after its schedule and post-edit steps instead of looping."""
     mask, calls = engine.tokenizer.mask_id, [0]
-    monkeypatch.setattr(engine.model, "head", predicting_the_mask(engine.model, mask, 2000, calls))
+    monkeypatch.setattr(engine.model, "step_head", predicting_the_mask(engine.model, mask, 2000, calls))
     kw = {"gen_length": 8, "block_length": 4, "threshold": 0.9, "editing_threshold": 0.5, "max_post_steps": 2}
     [out], _ = engine.decode_ids([CASES[0]["input_ids"]], engine.params(_settings(kw, strategy)))
     assert out[:8] == [mask] * 8

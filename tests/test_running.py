@@ -169,7 +169,7 @@ def test_a_rows_noise_and_commit_do_not_change_with_the_rows_beside_it(block_eng
     plan = plan_of(block_engine.params(settings))
     mask, V, W = block_engine.tokenizer.mask_id, 48, 8
     # logits are the hidden states: no matmul whose shape could round; a chunk of 7 splits a row's positions
-    net = SimpleNamespace(head=lambda h: h, chunk=7)
+    net = SimpleNamespace(step_head=lambda: lambda h: h, chunk=7)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(16, W, V, generator=g) * 3
     block = torch.randint(0, V, (16, W), generator=g)
@@ -194,7 +194,7 @@ def test_a_block_ends_after_its_steps_when_the_model_predicts_the_mask_itself(
     """Committing the mask token commits nothing; a row still leaves its block after its own steps (as the
     static decoders do) instead of stepping forever."""
     mask, calls = block_engine.tokenizer.mask_id, [0]
-    monkeypatch.setattr(block_engine.model, "head", predicting_the_mask(block_engine.model, mask, 200, calls))
+    monkeypatch.setattr(block_engine.model, "step_head", predicting_the_mask(block_engine.model, mask, 200, calls))
     params = block_engine.params({"gen_length": 16, "temperature": 0.0})
     prompt = block_engine.encode_prompt("the cat sat on")
     [out], _ = block_engine.decode_ids([prompt], params)

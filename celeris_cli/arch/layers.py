@@ -7,7 +7,7 @@ Each architecture's module builds its network from these and exposes the same fo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -69,6 +69,8 @@ class Model(Protocol):
     ) -> tuple[torch.Tensor, list[KV]]: ...
 
     def head(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def step_head(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
 
     def __call__(
         self, ids: torch.Tensor, key_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
@@ -336,13 +338,26 @@ class DiffusionLM(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """LM head (B, T, vocab_size); call it on the positions whose logits are needed only."""
-        layer = self.head_layer()
+        return self.step_head()(h)
+
+    def step_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The LM head with its matrix made ready once for the calls it serves (a step's chunks of positions,
+        `decode.predict.in_chunks`): an int8 head's dequantized copy, and under `upcast` a large head's
+        float32 cast, are made at most once, not once per chunk."""
+        layer, V = self.head_layer(), self.cfg.vocab_size
         if isinstance(layer, Int4Linear):  # its own kernel: int4 is never dequantized as a whole
-            return layer(h.float() if h.dtype != torch.float32 and self.upcast else h)[..., : self.cfg.vocab_size]
+            return lambda h: layer(h.float() if h.dtype != torch.float32 and self.upcast else h)[..., :V]
         w = self.head_weight()
-        if h.dtype != torch.float32 and self.upcast:
-            return invariant.linear(h.float(), self._float_head(w))[..., : self.cfg.vocab_size]
-        return invariant.linear(h, w)[..., : self.cfg.vocab_size]
+        cast: list[torch.Tensor] = []
+
+        def apply(h: torch.Tensor) -> torch.Tensor:
+            if h.dtype != torch.float32 and self.upcast:
+                if not cast:
+                    cast.append(self._float_head(w))
+                return invariant.linear(h.float(), cast[0])[..., :V]
+            return invariant.linear(h, w)[..., :V]
+
+        return apply
 
     def _float_head(self, w: torch.Tensor) -> torch.Tensor:
         """The head's weight in float32 for the upcast head: cast once and kept while the weight is

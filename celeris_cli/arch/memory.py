@@ -18,7 +18,9 @@ decoders in `decode/`):
   step predicts: the active block's masked ones (reference), the answer's (dream, rnd1).
 
 The LM head and the sampling run on at most `logit_chunk` positions at a time (`decode.predict.in_chunks`),
-so a step's logits stay within LOGIT_BUDGET per view however wide the batch and long the block.
+so a step's logits stay within LOGIT_BUDGET per view however wide the batch and long the block. A position's
+logits take LOGIT_COPIES float32 copies, or WHOLE_DRAW_BYTES an entry where tokens are drawn over the whole
+vocabulary in float64 (sampling with no filter to narrow the candidates, or Dream's and RND1's samplers).
 
 Activations are those of the largest forward's widest layer: the residual stream, then either the
 attention's projections (with their float32 rotary and upcast copies) or the SwiGLU's three intermediates.
@@ -39,7 +41,10 @@ Quantize = Literal["none", "int8", "int4"]
 QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8", "int4")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LOGIT_COPIES = 3  # the head's float32 output, its softmax and the sampler's filtered scores, alive together
-LOGIT_BUDGET = 256 * 2**20  # a step's logits and their copies alive at once: the head runs in chunks of this
+# per vocabulary entry of a position drawn over the whole vocabulary (`Request.whole_draw`): the float32
+# logits and their filtered copy, the float64 scores and the inverse-CDF draw's two float64 temporaries
+WHOLE_DRAW_BYTES = 2 * 4 + 3 * 8 + 4  # and the probabilities Dream and RND1 keep beside them
+LOGIT_BUDGET = 512 * 2**20  # a step's logits and their copies alive at once: the head runs in chunks of this
 HEAD_CACHE_BYTES = 64 * 2**20  # as `layers.HEAD_CACHE_BYTES` (not imported: that module needs torch)
 GiB = 2**30
 
@@ -83,6 +88,7 @@ class Request:
     suffix_window: int = 0
     views: int = 1  # 2 under classifier-free guidance
     upcast: bool = True
+    whole_draw: bool = False  # tokens drawn over the whole vocabulary in float64 (`request_of`)
 
 
 @dataclass(frozen=True)
@@ -163,9 +169,10 @@ def weights_bytes(shape: Shape, dtype: str, quantize: Quantize = "none") -> int:
 
 def logit_chunk(vocab: int, budget: int = LOGIT_BUDGET) -> int:
     """The positions a step runs the LM head and the sampling on at a time (`decode.predict.in_chunks`): as
-    many as hold their logits' LOGIT_COPIES within `budget`, a whole number of the head's row tiles (16)
-    where that is at least one; never fewer than one."""
-    n = budget // (vocab * 4 * LOGIT_COPIES)
+    many as fit `budget` when each is drawn over the whole vocabulary (WHOLE_DRAW_BYTES an entry, the most a
+    sampler keeps), a whole number of the head's row tiles (16) where that is at least one; never fewer than
+    one."""
+    n = budget // (vocab * WHOLE_DRAW_BYTES)
     return max(1, n - n % 16 if n >= 16 else n)
 
 
@@ -184,15 +191,17 @@ def _activations(shape: Shape, tokens: int, a: int, upcast: bool) -> int:
     return tokens * (2 * shape.hidden * a + max(attention, mlp))
 
 
-def _head(shape: Shape, positions: int, views: int, a: int, upcast: bool, int8: bool, kernel: bool = False) -> int:
-    """The LM head's output for a step's `positions` in each view (a chunk of them at a time), its sampling
-    copies, a large head's per-call float32 cast, and an int8 head's dequantized copy (`quantize`: the head
-    is read as a matrix; an int4 head of its own runs the kernel (`kernel`): no copy, no cast; a tied one is
-    the int8 embedding)."""
-    f32 = upcast and a < 4 and not kernel
+def _head(shape: Shape, positions: int, req: Request, int8: bool, kernel: bool = False) -> int:
+    """The LM head's output for a step's `positions` in each view (a chunk of them at a time) with its
+    sampling copies (float64 ones for a draw over the whole vocabulary), a large head's float32 cast, and an
+    int8 head's dequantized copy (`quantize`: the head is read as a matrix; an int4 head of its own runs the
+    kernel (`kernel`): no copy, no cast; a tied one is the int8 embedding)."""
+    a = DTYPE_BYTES[req.dtype]
+    f32 = req.upcast and a < 4 and not kernel
     cast = shape.rows * shape.hidden * 4 if f32 and shape.rows * shape.hidden * 4 > HEAD_CACHE_BYTES else 0
-    positions = min(positions, logit_chunk(shape.rows)) * views  # the head runs in chunks
-    return positions * shape.rows * 4 * LOGIT_COPIES + cast + (shape.rows * shape.hidden * a if int8 else 0)
+    positions = min(positions, logit_chunk(shape.rows)) * req.views  # the head runs in chunks
+    entry = WHOLE_DRAW_BYTES if req.whole_draw else 4 * LOGIT_COPIES
+    return positions * shape.rows * entry + cast + (shape.rows * shape.hidden * a if int8 else 0)
 
 
 def plan(shape: Shape, req: Request) -> Estimate:
@@ -216,7 +225,7 @@ def plan(shape: Shape, req: Request) -> Estimate:
         seen = L  # a bounded canvas (suffix_window) still reaches the whole canvas at its last block
         act = _activations(shape, B * seen, a, req.upcast)
         if req.cache == "none":
-            phases.append(Estimate(weights, 0, act, _head(shape, masked, V, a, req.upcast, int8, kernel)))
+            phases.append(Estimate(weights, 0, act, _head(shape, masked, req, int8, kernel)))
         else:
             cache = V * _kv(shape, B, seen, 4 if f32 else a)
             fresh = _kv(shape, B, seen, a)
@@ -224,22 +233,22 @@ def plan(shape: Shape, req: Request) -> Estimate:
             phases.append(Estimate(weights, 2 * cache + fresh, 0, 0))  # the new cache built beside the old
             window = W if req.cache == "dual" else seen - req.prompt
             step = _activations(shape, B * window, a, req.upcast)
-            phases.append(Estimate(weights, cache, step, _head(shape, masked, V, a, req.upcast, int8, kernel)))
+            phases.append(Estimate(weights, cache, step, _head(shape, masked, req, int8, kernel)))
     elif req.strategy in ("block-fast", "block"):
         C = math.ceil(L / W) * W + W  # block-aligned canvas (a row's first block may hold its prompt's tail)
         if req.strategy == "block":
             act = V * _activations(shape, B * C, a, req.upcast)
-            phases.append(Estimate(weights, 0, act, _head(shape, masked, V, a, req.upcast, int8, kernel)))
+            phases.append(Estimate(weights, 0, act, _head(shape, masked, req, int8, kernel)))
         else:
             cache = V * _kv(shape, B, C, a)
             prefill = (req.prompt // W) * W  # one row's, into its slot
             phases.append(Estimate(weights, cache, _activations(shape, prefill, a, req.upcast), 0))
             step = _activations(shape, B * W, a, req.upcast) + (_kv(shape, B, C, 4) // shape.layers if f32 else 0)
-            phases.append(Estimate(weights, cache, step, _head(shape, masked, V, a, req.upcast, int8, kernel)))
+            phases.append(Estimate(weights, cache, step, _head(shape, masked, req, int8, kernel)))
     elif req.strategy in ("reference", "dream", "rnd1"):
         act = _activations(shape, B * L, a, req.upcast)
         predicted = B * (W if req.strategy == "reference" else req.gen_length)  # a block's, or the whole answer's
-        phases.append(Estimate(weights, 0, act, _head(shape, predicted, V, a, req.upcast, int8, kernel)))
+        phases.append(Estimate(weights, 0, act, _head(shape, predicted, req, int8, kernel)))
     else:
         raise UsageError(f"no memory plan for strategy {req.strategy!r}")
     return max(phases, key=lambda e: e.peak)
@@ -345,4 +354,14 @@ def request_of(p: GenerationParams, batch: int, prompt: int, dtype: str, quantiz
         cache=p.cache,
         suffix_window=p.suffix_window,
         views=2 if p.cfg_scale > 0 else 1,
+        whole_draw=whole_draw(p),
     )
+
+
+def whole_draw(p: GenerationParams) -> bool:
+    """Whether a decode draws tokens over the whole vocabulary in float64: sampling (RND1's with `greedy`
+    off) with no top-k, top-p or min-p to narrow the candidates, or Dream's and RND1's samplers, which
+    always filter over it."""
+    sampled = p.temperature > 0 and (p.strategy != "rnd1" or not p.greedy)
+    narrowed = p.top_k > 0 or p.top_p < 1 or p.min_p > 0
+    return sampled and (p.strategy in ("dream", "rnd1") or not narrowed)

@@ -72,7 +72,7 @@ class BlockNet(Protocol):
         keep_kv: bool = True,
     ) -> tuple[torch.Tensor, list[KV]]: ...
 
-    def head(self, h: torch.Tensor) -> torch.Tensor: ...
+    def step_head(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
 
 
 @dataclass
@@ -150,7 +150,7 @@ def commit_step(
     t = plan.sampling.temperature
     shape = None if answer is None else shaper(plan.shaping, *answer, mask_id, stop, t, pieces)
     where = masked.nonzero() if shape else None
-    logits = StepLogits(net.head, [h[masked] for h in hs], plan.guidance.cfg_scale, shape, where)
+    logits = StepLogits(net.step_head(), [h[masked] for h in hs], plan.guidance.cfg_scale, shape, where)
     left = masked.sum(1)
     x0, conf = choose(logits, Places.counted(left.tolist(), block.device), plan.sampling, None, draws, net.chunk)
     confidence = torch.zeros(block.shape, device=block.device).masked_scatter(masked, conf.float())
@@ -166,7 +166,7 @@ def top_choice(net: BlockNet, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """The likeliest token at every position of hidden states (b, W, d), and its probability (float32),
     the LM head running on a chunk of positions at a time (what editing rewrites a decided token with)."""
     flat = h.flatten(0, 1)
-    p, x0 = in_chunks(flat.shape[0], net.chunk, partial(_top, net.head, flat))
+    p, x0 = in_chunks(flat.shape[0], net.chunk, partial(_top, net.step_head(), flat))
     return p.view(h.shape[:2]), x0.view(h.shape[:2])
 
 

@@ -131,7 +131,7 @@ def generate_dream(
         t, s = timesteps[i], timesteps[i + 1]
         last = i == tl.denoise_steps - 1
         rule = "maskgit_plus" if alg == "origin" else alg
-        step = partial(_predict_part, net.head, h, plan.sampling, rule, places, draws)
+        step = partial(_predict_part, net.step_head(), h, plan.sampling, rule, places, draws)
         picked, picked_conf = in_chunks(len(places), net.chunk, step)
         x0 = gen.masked_scatter(masked, picked)
         if alg == "origin":

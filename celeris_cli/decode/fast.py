@@ -24,6 +24,7 @@ head, and `chunk`, the positions whose logits it computes at a time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,7 +67,7 @@ class CachedNet(Protocol):
 
     def cache_of(self, kv: list[KV]) -> KVCache: ...
 
-    def head(self, h: torch.Tensor) -> torch.Tensor: ...
+    def step_head(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
 
 
 class _View:
@@ -149,7 +150,9 @@ def generate_fast(
             hs = [v.hidden(net, xa[:, :w], pos[:, :w], km[:, :w], s, e, par.cache, i == 0, masked) for v in views]
             t = plan.sampling.temperature
             shape = shaper(plan.shaping, xa[:, P:], offset.expand(len(xa)), mask_id, stop, t, pieces)
-            logits = StepLogits(net.head, hs, plan.guidance.cfg_scale, shape, masked.nonzero() if shape else None)
+            logits = StepLogits(
+                net.step_head(), hs, plan.guidance.cfg_scale, shape, masked.nonzero() if shape else None
+            )
             draws = noise.at(active, j, i)
             left = masked.sum(1)  # masked positions per row
             places = Places.counted(left.tolist(), x.device)

@@ -96,7 +96,7 @@ class CausalCanvas:
     def pick(self, h: torch.Tensor, sampling: Sampling, draws: Draws) -> torch.Tensor:
         """One token per row from the hidden state of its last position (the next position's prediction)."""
         places = Places.counted([1] * h.shape[0], h.device)
-        x0, _ = choose(StepLogits(self.net.head, [h]), places, sampling, None, draws, self.net.chunk)
+        x0, _ = choose(StepLogits(self.net.step_head(), [h]), places, sampling, None, draws, self.net.chunk)
         return x0
 
 
@@ -170,7 +170,7 @@ def generate_seeded(
             hs = cv.forward(s, e, causal=False)
             draws = noise.at(rows, j, i + 1)  # the sampling's lane and the order's, from each row's stream
             places = Places.counted(masked.sum(1).tolist(), block.device)
-            x0, conf = choose(StepLogits(net.head, [hs[masked]]), places, sampling, None, draws, net.chunk)
+            x0, conf = choose(StepLogits(net.step_head(), [hs[masked]]), places, sampling, None, draws, net.chunk)
             confidence = torch.full(block.shape, float("-inf"), device=block.device).masked_scatter(masked, conf)
             fade = masked.sum(1, keepdim=True) / max(e - s - 1, 1)  # the share of the block still masked
             rank = torch.where(masked, commit_order(confidence, plan.ordering, fade, draws), float("-inf"))

@@ -188,8 +188,10 @@ def choose(
 def in_chunks(n: int, size: int, step: Callable[[slice], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     """step(part) over the positions [0, n) in parts of at most `size`, each output concatenated in order:
     a step's LM head and sampling hold the logits of `size` positions at a time, never of all n at once
-    (`arch.memory.logit_chunk`). Nothing a position gets depends on the parts: its logits are its own row
-    of the head (batch-invariant), and its draw is numbered by its `Places`."""
+    (`arch.memory.logit_chunk`). Nothing a position gets depends on the parts: its draw is numbered by its
+    `Places`, and its logits are its own row of the head, the same bit for bit in any chunk under the
+    batch-invariant mode (`deterministic`; otherwise a matmul's float32 rounding may change with its number
+    of rows, as it may with a batch's)."""
     if n <= size:
         return step(slice(0, n))
     parts = [step(slice(i, min(i + size, n))) for i in range(0, n, size)]

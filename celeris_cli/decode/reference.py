@@ -34,21 +34,28 @@ class CanvasNet(Protocol):
         """(B, e - s, d): what predicts positions [s, e) of the canvas ids (B, L), from a full forward."""
         ...
 
-    def head(self, h: torch.Tensor) -> torch.Tensor: ...
+    def step_head(self) -> Callable[[torch.Tensor], torch.Tensor]: ...
+
+
+WHOLE = 2**31  # a chunk no step reaches: every position's logits at once
 
 
 class FullLogits:
     """A plain model_fn(ids, key_mask) -> logits (B, L, V) as a CanvasNet: its logits stand for the
     hidden states and the head passes them through (a test's fake, another project's model)."""
 
-    def __init__(self, model_fn: ModelFn, chunk: int = 2**31) -> None:
+    def __init__(self, model_fn: ModelFn, chunk: int = WHOLE) -> None:
         self.model_fn, self.chunk = model_fn, chunk
 
     def canvas_hidden(self, ids: torch.Tensor, key_mask: torch.Tensor, s: int, e: int) -> torch.Tensor:
         return self.model_fn(ids, key_mask)[:, s:e]
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        return h
+    def step_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return _identity
+
+
+def _identity(h: torch.Tensor) -> torch.Tensor:
+    return h
 
 
 @dataclass(frozen=True)
@@ -159,7 +166,7 @@ def generate_reference(
                 hs.append(net.canvas_hidden(unconditional(xa, km, P, mask_id), km, s, e)[masked])
             draws = noise.at(rows, j, i)
             places = Places.counted(masked.sum(1).tolist(), x.device)
-            logits = StepLogits(net.head, hs, plan.guidance.cfg_scale)
+            logits = StepLogits(net.step_head(), hs, plan.guidance.cfg_scale)
             picked, picked_conf = choose(logits, places, plan.sampling, "prob", draws, net.chunk)  # (N,), row order
             x0 = xa[:, s:e].masked_scatter(masked, picked)
             conf = torch.zeros(masked.shape, device=x.device).masked_scatter(masked, picked_conf)

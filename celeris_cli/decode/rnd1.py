@@ -149,8 +149,10 @@ def generate_rnd1(
         draws = noise.at(rows, 0, forwards)
         forwards += 1
 
+        head = net.step_head()
+
         def step(part: slice) -> tuple[torch.Tensor, ...]:
-            return predict(net.head(h[part]), f, rank.greedy, places[part], draws)
+            return predict(head(h[part]), f, rank.greedy, places[part], draws)
 
         flat = in_chunks(len(places), net.chunk, step)
         return tuple(t.new_zeros(maskable.shape).masked_scatter(maskable, t) for t in flat)

@@ -87,7 +87,7 @@ def _draft(
         # streams of the draft's own: block 1 + the seed's answer position, never 0 (the accepted tokens')
         draws = noise.at(rows.idx, [1 + t for t in answer_at], step)
         net, places = rows.cv.net, Places.counted(masked.sum(1).tolist(), block.device)
-        x0, conf = choose(StepLogits(net.head, [h[masked]]), places, plan.sampling, None, draws, net.chunk)
+        x0, conf = choose(StepLogits(net.step_head(), [h[masked]]), places, plan.sampling, None, draws, net.chunk)
         confidence = torch.full(block.shape, float("-inf"), device=block.device).masked_scatter(masked, conf)
         chosen = masked & (confidence >= threshold)
         best = confidence.argmax(1, keepdim=True)
@@ -130,7 +130,7 @@ def generate_speculative(
         own = [(r, t + 1 + i) for r, t in zip(rows.idx.tolist(), answer_at) for i in range(W)]
         draws = noise.at([r for r, _ in own], 0, [t for _, t in own])
         places = Places.counted([1] * len(own), prompt.device)
-        x0, _ = choose(StepLogits(net.head, [h.flatten(0, 1)]), places, plan.sampling, None, draws, net.chunk)
+        x0, _ = choose(StepLogits(net.step_head(), [h.flatten(0, 1)]), places, plan.sampling, None, draws, net.chunk)
         ar = x0.view(-1, W)  # ar[:, i]: the token after block[:, i]
         agree = (ar[:, :-1] == block[:, 1:]).long().cumprod(1).sum(1)  # the draft's tokens confirmed
         accepted = agree + 1  # and the verifier's next one

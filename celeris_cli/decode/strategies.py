@@ -60,7 +60,8 @@ class Net:
 
     def canvas_hidden(self, ids: torch.Tensor, key_mask: torch.Tensor, s: int, e: int) -> torch.Tensor:
         """Hidden states (B, e - s, d) predicting positions [s, e) of the canvas `ids` (B, L), from a
-        full-canvas forward: `head` of them is `self(ids, key_mask)[:, s:e]`, computed where needed only."""
+        full-canvas forward (the LM head of them: the full forward's logits there, shifted where the
+        family's position j-1 predicts position j)."""
         assert s >= self.shift, "a shifted model's first position has no prediction of its own"
         h, _ = self.hidden(ids, self.positions(key_mask), key_mask, keep_kv=False)
         return h[:, s - self.shift : e - self.shift]
@@ -80,6 +81,10 @@ class Net:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.head(h)
+
+    def step_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The head for one step's chunks, its matrix made ready once (`DiffusionLM.step_head`)."""
+        return self.model.step_head()
 
     def cache_of(self, kv: list[KV]) -> KVCache:
         """A cache made of a full forward's keys/values: contiguous, one copy each, and in float32 where

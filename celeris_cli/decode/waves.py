@@ -271,7 +271,7 @@ class WaveScheduler:
                 t = plan.sampling.temperature
                 shape = shaper(plan.shaping, *self._answer(rows), self.mask_id, self.stop, t, self.pieces)
                 where = masked.nonzero()
-            logits = StepLogits(self.net.head, [torch.cat([p.hidden for p in parts])], 0.0, shape, where)
+            logits = StepLogits(self.net.step_head(), [torch.cat([p.hidden for p in parts])], 0.0, shape, where)
             draws = Draws([stream_seed(r.req.seed, r.block, r.step) for r in rows], self.device)
             left = masked.sum(1)
             places = Places.counted(left.tolist(), self.device)

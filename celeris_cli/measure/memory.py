@@ -220,8 +220,9 @@ def default_specs(threads: int = 2) -> list[dict[str, Any]]:
     """The shapes `celeris bench memory` measures. Every row decodes to the end of its canvas (no early
     exit; on celeris-block, min_tokens holds the answer open), the case the planner sizes batches for.
     The random checkpoints run in bfloat16 at a small batch: this CPU emulates bfloat16 slowly. The last
-    two predict a 256-token block for 4 rows of a 151,936-token vocabulary in one step, in float32: the
-    LM head's logits are bounded by its chunk (`arch.memory.logit_chunk`), not by the block."""
+    three predict a 256-token block for 4 rows of a 151,936-token vocabulary in one step, in float32: the
+    LM head's logits are bounded by its chunk (`arch.memory.logit_chunk`), not by the block; the last
+    samples over the whole vocabulary (float64 copies, `arch.memory.whole_draw`)."""
     from ..engine import embedded_models
 
     models = embedded_models()
@@ -242,6 +243,9 @@ def default_specs(threads: int = 2) -> list[dict[str, Any]]:
         {"name": "random-0.5B", "folder": "random-0.5B", "dtype": "float32", "batch": 4, "prompt": 32,
          "settings": {**one_block, "strategy": "fast", "early_exit": False}, "threads": threads,
          "glibc_default": False},
+        {"name": "random-0.5B", "folder": "random-0.5B", "dtype": "float32", "batch": 4, "prompt": 32,
+         "settings": {**one_block, "strategy": "fast", "early_exit": False, "temperature": 1.0},
+         "threads": threads, "glibc_default": False},
     ]  # fmt: skip
 
 
