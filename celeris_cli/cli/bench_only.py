@@ -46,7 +46,8 @@ def memory_cmd(
     as_json: bool = AS_JSON,
 ) -> None:
     """The memory planner's estimate beside the peak a fresh process adds decoding celeris-block,
-    celeris-tiny and random 0.5B and 1.5B-parameter checkpoints (bfloat16) to the end."""
+    celeris-tiny and random 0.5B and 1.5B-parameter checkpoints (bfloat16) to the end, and the 0.5B one
+    (float32) predicting a 256-token block at once, greedy and sampled."""
     from ..measure.memory import check_default, render_check
 
     _measure(lambda: check_default(threads), out, as_json, render_check)
