@@ -132,10 +132,11 @@ def test_the_planner_counts_a_chunk_of_logits_however_long_the_block() -> None:
 def test_a_request_draws_over_the_whole_vocabulary_only_when_sampling_without_a_filter(
     settings: dict[str, Any], whole: bool
 ) -> None:
-    from celeris_cli.arch.memory import whole_draw
+    from celeris_cli.arch.memory import request_of
     from celeris_cli.params import GenerationParams
 
-    assert whole_draw(GenerationParams.from_mapping({"strategy": "reference", **settings})) is whole
+    params = GenerationParams.from_mapping({"strategy": "reference", **settings})
+    assert request_of(params, batch=1, prompt=8, dtype="float32").whole_draw is whole  # what the planner is asked
 
 
 def test_a_steps_head_makes_a_large_heads_float32_cast_once_for_all_its_chunks(

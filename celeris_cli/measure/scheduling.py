@@ -93,8 +93,7 @@ def compare_scheduling(
             runs[name].append(row)
             texts[name].append(answers)
     ratios = [c["tokens_per_s"] / max(s["tokens_per_s"], 1e-9) for s, c in zip(runs["static"], runs["continuous"])]
-    # each mode's median run (the lower of the middle two for an even count)
-    median = {name: sorted(rs, key=lambda r: r["tokens_per_s"])[(len(rs) - 1) // 2] for name, rs in runs.items()}
+    median = {name: _lower_median(rs, key=lambda r: r["tokens_per_s"]) for name, rs in runs.items()}
     same = sum(
         len({t[i] for mode in texts.values() for t in mode}) == 1 for i in range(len(prompts))
     )  # the same text in every run of both modes
@@ -111,11 +110,17 @@ def compare_scheduling(
             {"static": s["tokens_per_s"], "continuous": c["tokens_per_s"], "ratio": round(r, 3)}
             for s, c, r in zip(runs["static"], runs["continuous"], ratios)
         ],
-        "speedup": round(sorted(ratios)[(len(ratios) - 1) // 2], 3),  # the lower median, as the rows
+        "speedup": round(_lower_median(ratios, key=float), 3),
         "identical_answers": same,
         "answers": len(prompts),
         "commit_step": sampling_cost(engine, settings=settings),
     }
+
+
+def _lower_median(values: list[Any], key: Any) -> Any:
+    """The middle one by `key`, the lower of the middle two for an even count: an element of `values`, so
+    a mode's row is one of its runs and the speedup one of the pairs' ratios."""
+    return sorted(values, key=key)[(len(values) - 1) // 2]
 
 
 def sampling_cost(
