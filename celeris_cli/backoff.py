@@ -93,12 +93,20 @@ def run_backing_off(
 
 def _fitting(group: list[T], need: Callable[[list[T]], int] | None, budget: int | None) -> int:
     """How many leading rows of `group` fit the budget together (the estimate grows with the rows)."""
-    if need is None or budget is None or need(group) <= budget:
+    if need is None or budget is None:
         return len(group)
-    lo, hi = 0, len(group) - 1
+    return largest_fitting(len(group), lambda k: need(group[:k]) <= budget)
+
+
+def largest_fitting(most: int, fits: Callable[[int], bool]) -> int:
+    """The largest n in 0..most with fits(n), for a `fits` true up to some n and false beyond (memory that
+    grows with the rows): the one "how many fit" search, by bisection; 0 when not even one fits."""
+    if fits(most):
+        return most
+    lo, hi = 0, most - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if need(group[:mid]) <= budget:
+        if fits(mid):
             lo = mid
         else:
             hi = mid - 1

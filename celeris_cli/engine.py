@@ -23,10 +23,11 @@ from .arch.folder import CONFIG, GENERATION_CONFIG, ModelFolder
 from .arch.layers import Model
 from .arch.registry import ARCHITECTURES, Architecture
 from .arch.tokenizer import Tokenizer
-from .backoff import is_out_of_memory, run_backing_off
+from .backoff import is_out_of_memory, largest_fitting, run_backing_off
 from .backoff import too_large as too_large_error
 from .decode import waves
-from .decode.running import BlockRequest, BlockScheduler, Occupancy, supports
+from .decode.running import BlockRequest, BlockScheduler
+from .decode.runset import Occupancy, RunningSet, supports
 from .decode.sampling import RowNoise, request_seed
 from .decode.strategies import BY_BLOCK, Net, OnBlock, SpecialTokens, fast_plan_of, get_strategy, plan_of
 from .device import resolve_device, resolve_dtype
@@ -195,7 +196,7 @@ class Engine:
         max_batch: int,
         refill: bool = True,
         on_block: OnBlock | None = None,
-    ) -> tuple[BlockScheduler | waves.WaveScheduler, Net]:
+    ) -> tuple[RunningSet[Any], Net]:
         """The running set for rows with these settings (one kind: `_running_kind`)."""
         kinds = {_running_kind(p) for p in params}
         assert len(kinds) == 1 and None not in kinds, "one running set decodes rows of one kind"
@@ -215,7 +216,7 @@ class Engine:
             return waves.FastRequest(key, list(ids), fast_plan_of(params), request_seed(seed, ids))
         return BlockRequest(key, list(ids), plan_of(params), request_seed(seed, ids))
 
-    def _account(self, scheduler: BlockScheduler | waves.WaveScheduler, net: Net) -> None:
+    def _account(self, scheduler: RunningSet[Any], net: Net) -> None:
         self.positions_computed += net.positions_computed
         self.last_occupancy = scheduler.occupancy
 
@@ -362,46 +363,19 @@ class Engine:
         for i, p in enumerate(params):
             assert self.continuous(p), "a row the running set cannot decode"
             kinds.setdefault(_running_kind(p), []).append(i)
-        deterministic = {p.deterministic for p in params}
-        assert len(deterministic) == 1, "rows of one running set compute one way"  # a run-wide setting
-        reset_peak(self.device)
-        t0 = time.perf_counter()
+        assert len({p.deterministic for p in params}) <= 1, "rows of one running set compute one way"
         results: list[Result | None] = [None] * len(encoded)
         too_large: list[TooLarge] = []
         for idx in kinds.values():  # block diffusion's rows and the fast decoder's: a running set each
-            group = [params[i] for i in idx]
-            width = start = self._running_width([encoded[i] for i in idx], group, max_batch)
-            pending = list(idx)
-            while pending:
-                requests = [self._request(i, list(encoded[i]), params[i], seeds[i]) for i in pending]
-                scheduler, net = self._scheduler([params[i] for i in pending], width, refill)
-                try:
-                    for i, out, forwards in _running(scheduler.run(requests), next(iter(deterministic))):
-                        wall = time.perf_counter() - t0
-                        peak = round(read_peak(self.device) / 2**20, 1)  # the process's so far
-                        r = self._result(
-                            prompts[i], list(encoded[i]), out, params[i], seeds[i], forwards, wall, width, peak
-                        )
-                        results[i] = r
-                        if on_result is not None:
-                            on_result(i, r)
-                    pending = []
-                except Exception as e:  # out of memory: the unfinished rows again, in a running set half as wide
-                    if not is_out_of_memory(e):
-                        raise
-                    self.memory.release()
-                    pending = [i for i in pending if results[i] is None]
-                    if width > 1:
-                        log.info("out of memory with %d rows in flight; going on with %d", width, width // 2)
-                        width //= 2
-                        continue
-                    # alone: the row in flight was the first admitted of those left (longest answer first)
-                    alone = min(pending, key=lambda i: (-params[i].gen_length, pending.index(i)))
-                    needed = self.memory.need([encoded[alone]], params[alone])
-                    too_large.append(too_large_error(needed, "out of memory alone"))
-                    pending.remove(alone)
-                    width = start
-                self._account(scheduler, net)
+            live = LiveRun(self, max_batch, refill)
+            live.extend([(i, RowRequest(prompts[i], list(encoded[i]), params[i], seeds[i])) for i in idx])
+            for i, r in live.answers():
+                if isinstance(r, TooLarge):
+                    too_large.append(r)
+                    continue
+                results[i] = r
+                if on_result is not None:
+                    on_result(i, r)
         if too_large:  # the others are decoded (and handed to on_result); this row fails alone
             raise too_large[0]
         return [r for r in results if r is not None]
@@ -412,30 +386,28 @@ class Engine:
 
     def _running_width(self, encoded: Sequence[list[int]], params: Sequence[GenerationParams], max_batch: int) -> int:
         """At most max_batch rows, and under a memory budget (`--max-memory`) as many as fit (at least one)
-        when every row in flight is as long as the longest prompt with the longest answer of its block width:
-        each width has a cache of its own in the running set, so the widths' working states add up (the
-        weights counted once)."""
+        when every row in flight is as long as the longest prompt with the longest answer of its lane: each
+        lane (block width, and cache mode for the fast decoder's rows: `_lane_of`) has a cache of its own in
+        the running set, so the lanes' working states add up (the weights counted once)."""
         if self.memory.budget is None:
             return max_batch
-        widths: dict[int, list[int]] = {}
+        budget = self.memory.budget
+        lanes: dict[tuple[Any, ...], list[int]] = {}
         for i, p in enumerate(params):
-            widths.setdefault(p.block_length, []).append(i)
+            lanes.setdefault(_lane_of(p), []).append(i)
 
-        def need(rows: int) -> int:
+        def fits(rows: int) -> bool:
             weights, state = 0, 0
-            for idx in widths.values():
+            for idx in lanes.values():
                 longest = max((encoded[i] for i in idx), key=len)
                 worst = max((params[i] for i in idx), key=lambda p: p.gen_length)
                 est = self.memory.estimate([longest] * min(rows, len(idx)), worst)
                 if est is None:
-                    return 0
+                    return False
                 weights, state = est.weights, state + est.peak - est.weights
-            return weights + state
+            return weights + state <= budget
 
-        width = max_batch
-        while width > 1 and need(width) > self.memory.budget:
-            width -= 1
-        return width
+        return max(1, largest_fitting(max_batch, fits))
 
     def continuous(self, params: GenerationParams) -> bool:
         """Whether rows with these settings decode through a running set: block diffusion's cached decoder
@@ -491,26 +463,45 @@ class Engine:
         return [r for r in results if r is not None]
 
 
-class LiveRun:
-    """A running set fed while it runs, block diffusion's (`decode.running`) or the fast decoder's
-    (`decode.waves`): `add` rows between the answers `answers` yields (the queue daemon hands it each batch
-    as it is packed, so a file claimed while others decode joins their running set as rows leave). Each
-    answer is the one its row gets alone, as in `decode_running`; its `wall_s` runs from its `add`. Under a
-    memory budget (`--max-memory`, CUDA's default) at most as many rows run as the planner expects to fit,
-    as in `decode_running`. Out of memory, it goes on with the rows not yet answered in a running set half
-    as wide, down to one row; a row out of memory alone is answered with `TooLarge` (as `decode_running`),
-    and the width comes back. Another exception ends the run: the rows left are the caller's to decode
-    again."""
+@dataclass(frozen=True)
+class RowRequest:
+    """One prompt to decode in a running set: its text, its ids, its final settings and its seed."""
 
-    def __init__(self, engine: Engine, max_batch: int) -> None:
-        self.engine, self.max_batch = engine, max_batch
+    prompt: str
+    ids: list[int]
+    params: GenerationParams
+    seed: int
+
+
+@dataclass(frozen=True)
+class _Pending:
+    row: RowRequest
+    added: float  # perf_counter() when it was added: its answer's wall_s runs from here
+
+
+class LiveRun:
+    """A running set fed while it runs (`decode.runset`: block diffusion's rows or the fast decoder's):
+    `add` rows between the answers `answers` yields (the queue daemon hands it each batch as it is packed,
+    so a file claimed while others decode joins their running set as rows leave). Each answer is the one its
+    row gets alone; its `wall_s` runs from its `add`. `decode_running` is one of these, all rows added at
+    once.
+
+    Its width is the one place the running set's width is decided: at most `max_batch` rows, and under a
+    memory budget (`--max-memory`, CUDA's default) as many as the planner expects to fit, set through the
+    running set's `resize`. Out of memory, the rows not yet answered go on in a fresh running set: half as
+    wide as the rows that were in flight, or, when one row alone was (the only row admitted and not
+    waiting), that row is answered with `TooLarge` and the width comes back. Another exception ends the run:
+    the rows left are the caller's to decode again. refill False: static batches (`bench`'s comparison)."""
+
+    def __init__(self, engine: Engine, max_batch: int, refill: bool = True) -> None:
+        self.engine, self.max_batch, self.refill = engine, max_batch, refill
         self.cap = max_batch  # out of memory, halved (down to 1) until the set runs empty or a row fails alone
         self.width = max_batch  # rows in flight at most: the cap, and under a memory budget what fits
-        self.scheduler: BlockScheduler | waves.WaveScheduler | None = None
+        self.scheduler: RunningSet[Any] | None = None
         self.kind: str | None = None  # the running set's: "block" or "waves" (`_running_kind`)
         self.net: Net | None = None
         self.deterministic: bool | None = None
-        self.rows: dict[int, tuple[str, list[int], GenerationParams, int, float]] = {}  # by key, as added
+        self.rows: dict[int, _Pending] = {}  # by key, as added
         self.on_block: OnBlock | None = None  # (key, generated ids so far) as each row's block is committed
 
     def accepts(self, params: GenerationParams) -> bool:
@@ -524,38 +515,46 @@ class LiveRun:
 
     def add(self, key: int, prompt: str, ids: list[int], params: GenerationParams, seed: int) -> None:
         """A row (its final settings, `accepts`) under the caller's `key`, behind those waiting."""
-        assert self.accepts(params), "a row this running set cannot decode"
-        if self.scheduler is None or not self.rows:  # a fresh running set (its caches allocated as rows come)
-            self.cap = self.max_batch
-            self._fresh(params)
-        self.deterministic = params.deterministic
-        self.rows[key] = (prompt, list(ids), params, seed, time.perf_counter())
+        self.extend([(key, RowRequest(prompt, list(ids), params, seed))])
+
+    def extend(self, rows: Sequence[tuple[int, RowRequest]]) -> None:
+        """Rows under the caller's keys, behind those waiting (among them, the longest answers first)."""
+        now = time.perf_counter()
+        for key, row in rows:
+            assert self.accepts(row.params), "a row this running set cannot decode"
+            if self.scheduler is None or not self.rows:  # a fresh running set (its caches allocated as rows come)
+                self.cap = self.max_batch
+                self._fresh(row.params)
+            self.deterministic = row.params.deterministic
+            self.rows[key] = _Pending(row, now)
         self._resize()
-        self._enqueue(key)
+        self._enqueue([key for key, _ in rows])
 
     def _resize(self) -> None:
         """The width: the cap, and under a memory budget as many rows as fit when each is as large as the
         largest here (`Engine._running_width`); rows in flight past it finish, none joins meanwhile."""
         fits = self.cap
         if self.engine.memory.budget is not None and self.rows:  # else nothing to work out, at every add
-            rows = list(self.rows.values())
-            fits = self.engine._running_width([r[1] for r in rows], [r[2] for r in rows], self.cap)
+            rows = [p.row for p in self.rows.values()]
+            fits = self.engine._running_width([r.ids for r in rows], [r.params for r in rows], self.cap)
         self.width = max(1, min(self.cap, fits))
         if self.scheduler is not None:
-            self.scheduler.max_batch = self.width
+            self.scheduler.resize(self.width)
 
     def _fresh(self, params: GenerationParams) -> None:
         self.kind = _running_kind(params)
         on_block = self.on_block if self.kind == "block" else None  # the fast strategy streams no blocks
-        self.scheduler, self.net = self.engine._scheduler([params], self.width, on_block=on_block)
+        self.scheduler, self.net = self.engine._scheduler([params], self.width, self.refill, on_block)
 
-    def _enqueue(self, key: int) -> None:
-        _, ids, params, seed, _ = self.rows[key]
+    def _enqueue(self, keys: Sequence[int]) -> None:
         assert self.scheduler is not None
-        if params.subword_min_p > 0 and not self.scheduler.pieces.numel():  # word pieces, once a row needs them
-            pieces = sorted(self.engine._special(params).word_pieces)
-            self.scheduler.pieces = torch.tensor(pieces, device=self.engine.device, dtype=torch.long)
-        self.scheduler.add([self.engine._request(key, ids, params, seed)])
+        requests = []
+        for key in keys:
+            row = self.rows[key].row
+            if row.params.subword_min_p > 0:  # word pieces, once a row needs them
+                self.scheduler.use_word_pieces(self.engine._special(row.params).word_pieces)
+            requests.append(self.engine._request(key, row.ids, row.params, row.seed))
+        self.scheduler.add(requests)
 
     @property
     def pending(self) -> int:
@@ -571,10 +570,11 @@ class LiveRun:
             reset_peak(self.engine.device)
             try:
                 for key, out, forwards in _running(scheduler.run(), deterministic):
-                    prompt, ids, params, seed, t0 = self.rows.pop(key)
+                    row, t0 = self.rows[key].row, self.rows.pop(key).added
                     peak = round(read_peak(self.engine.device) / 2**20, 1)
                     wall = time.perf_counter() - t0
-                    yield key, self.engine._result(prompt, ids, out, params, seed, forwards, wall, self.width, peak)
+                    args = (row.prompt, row.ids, out, row.params, row.seed, forwards, wall, self.width, peak)
+                    yield key, self.engine._result(*args)
                 if scheduler is self.scheduler:
                     return  # (rows added at its last answer went to a fresh running set: on with that one)
             except Exception as e:
@@ -583,21 +583,21 @@ class LiveRun:
                     raise
                 self.engine.memory.release()
                 waiting = {r.key for r in scheduler.waiting}
-                alone = [k for k in self.rows if k not in waiting]  # in flight: added, not answered, not waiting
-                if self.width > 1:
-                    log.info("out of memory with %d rows in flight; going on with %d", self.width, self.width // 2)
-                    self.cap = self.width // 2
-                    failed = None
-                else:  # the one row in flight does not fit alone; the others go on as wide as before
-                    failed = alone[0]
-                    _, ids, params, _, _ = self.rows.pop(failed)
-                    needed = self.engine.memory.need([ids], params)
+                suspects = [k for k in self.rows if k not in waiting]  # in flight, or being admitted
+                failed, needed = None, 0
+                if len(suspects) == 1:  # out of memory alone: that row fails; the others go on as wide as before
+                    failed = suspects[0]
+                    row = self.rows.pop(failed).row
+                    needed = self.engine.memory.need([row.ids], row.params)
                     self.cap = self.max_batch
+                else:
+                    narrower = max(1, min(self.width, len(suspects)) // 2)
+                    log.info("out of memory with %d rows in flight; going on with %d", len(suspects), narrower)
+                    self.cap = narrower
                 if self.rows:
-                    self._fresh(next(iter(self.rows.values()))[2])
+                    self._fresh(next(iter(self.rows.values())).row.params)
                     self._resize()
-                    for key in self.rows:
-                        self._enqueue(key)
+                    self._enqueue(list(self.rows))
                 if failed is not None:
                     yield failed, too_large_error(needed, "out of memory alone")
             except BaseException:  # closed: the rows left are never answered here
@@ -605,6 +605,13 @@ class LiveRun:
                 raise
             finally:
                 self.engine._account(scheduler, net)
+
+
+def _lane_of(params: GenerationParams) -> tuple[Any, ...]:
+    """The lane a row runs in, each with a cache of its own: its running set's kind, its block width, and
+    for the fast decoder's rows their cache mode (`decode.waves`)."""
+    kind = _running_kind(params)
+    return kind, params.block_length, params.cache if kind == "waves" else None
 
 
 def _running_kind(params: GenerationParams) -> str | None:

@@ -212,7 +212,7 @@ def test_generate_decodes_a_bidirectional_models_prompts_through_the_running_set
     runs: list[bool] = []
     run = waves.WaveScheduler.run
 
-    def spy(self: waves.WaveScheduler, requests: Any) -> Any:
+    def spy(self: waves.WaveScheduler, requests: Any = ()) -> Any:
         runs.append(self.refill)
         return run(self, requests)
 

@@ -24,7 +24,6 @@ unconditional view would need a second cache per row: `supports` says which requ
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,6 +34,7 @@ from ..arch.kv import KVCache
 from ..params import Blocks
 from .block import BlockNet, BlockPlan, OnBlock, block_mask, commit_step, top_choice
 from .reference import finished_rows
+from .runset import Lane, RunningSet, supports
 from .sampling import Draws, stream_seed
 
 
@@ -47,11 +47,9 @@ class BlockRequest:
     plan: BlockPlan
     seed: int
 
-
-def supports(plan: BlockPlan | Any) -> bool:
-    """Whether a request with these settings (a block or a fast plan) can join a running set: guidance
-    cannot, its unconditional view would need a second cache per row (see the module)."""
-    return bool(plan.guidance.cfg_scale == 0)
+    @property
+    def gen_length(self) -> int:
+        return self.plan.blocks.gen_length
 
 
 @dataclass
@@ -91,59 +89,10 @@ class _Row:
         return self.x[self.gen : self.gen + self.req.plan.blocks.gen_length].tolist()
 
 
-@dataclass
-class Occupancy:
-    """What the running set did: its decoding forwards (steps and stores), rows per such forward, and
-    prompt prefills (one row each, apart)."""
-
-    forwards: int = 0
-    rows: int = 0  # summed over forwards
-    positions: int = 0  # through the network, prefills included
-    prefills: int = 0
-    rounds: int = 0  # each running row advances once per round (one forward per block width)
-    in_flight: int = 0  # summed over rounds
-
-    @property
-    def mean_rows(self) -> float:
-        """Rows per decoding forward."""
-        return self.rows / self.forwards if self.forwards else 0.0
-
-    @property
-    def mean_in_flight(self) -> float:
-        """Rows in the running set per round."""
-        return self.in_flight / self.rounds if self.rounds else 0.0
-
-
-class Lane:
-    """Running rows that share their forwards, and their cache: row i owns slot i. A row names how much of
-    its slot holds its keys and values (`cached`), which is what moves when an earlier row leaves. The block
-    running set has a lane per block width; `decode.waves` one per cache mode and block width."""
-
-    def __init__(self, cache: KVCache) -> None:
-        self.cache = cache
-        self.rows: list[Any] = []
-
-    def ensure(self, length: int, rows: int = 0) -> None:
-        """At least `length` positions a slot and `rows` slots (a running set taking rows while it runs)."""
-        if length > self.cache.length or rows > self.cache.rows:
-            longer = max(length, 2 * self.cache.length) if length > self.cache.length else length
-            self.cache.grow(longer, len(self.rows), rows)
-
-    def drop(self, gone: set[int]) -> None:
-        """Rows whose id() is in `gone` leave; each later row moves into the first free slot."""
-        kept: list[Any] = []
-        for slot, r in enumerate(self.rows):
-            if id(r) not in gone:
-                if slot != len(kept):
-                    self.cache.move(slot, len(kept), min(r.cached, self.cache.length))
-                kept.append(r)
-        self.rows = kept
-
-
-class BlockScheduler:
-    """Decodes `BlockRequest`s with at most `max_batch` rows in flight; `run` yields (key, generated ids,
+class BlockScheduler(RunningSet[BlockRequest]):
+    """Decodes `BlockRequest`s with at most `width` rows in flight; `run` yields (key, generated ids,
     forwards) as each row finishes, in the order they finish. `refill` False runs static batches instead:
-    up to max_batch rows are admitted only once the running set is empty (the comparison `bench` makes).
+    up to `width` rows are admitted only once the running set is empty (the comparison `bench` makes).
     on_block(key, generated ids so far): called as each row's block is committed (streaming).
 
     `add` gives it more requests while it runs, between the rows `run` yields (the queue's files arriving
@@ -156,50 +105,41 @@ class BlockScheduler:
         mask_id: int,
         stop_ids: frozenset[int],
         pad_id: int,
-        max_batch: int,
+        width: int,
         device: torch.device,
         word_pieces: frozenset[int] = frozenset(),
         refill: bool = True,
         on_block: OnBlock | None = None,
     ) -> None:
-        self.net, self.mask_id, self.pad_id, self.max_batch, self.device = net, mask_id, pad_id, max_batch, device
-        self.refill, self.on_block = refill, on_block
+        super().__init__(width, device, word_pieces, refill)
+        self.net, self.mask_id, self.pad_id, self.on_block = net, mask_id, pad_id, on_block
         self.stop = torch.tensor(sorted(stop_ids), device=device)
-        self.pieces = torch.tensor(sorted(word_pieces), device=device, dtype=torch.long)
         self.lanes: dict[int, Lane] = {}  # by block width
         self.sizes: dict[int, tuple[int, int]] = {}  # by block width: (slots, length) of its cache
-        self.waiting: deque[BlockRequest] = deque()
-        self.occupancy = Occupancy()
 
-    @property
-    def in_flight(self) -> int:
-        return sum(len(lane.rows) for lane in self.lanes.values())
+    def in_flight_keys(self) -> list[int]:
+        return [r.req.key for lane in self.lanes.values() for r in lane.rows]
 
     # -- the loop ------------------------------------------------------------------------------------
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
     def run(self, requests: Iterable[BlockRequest] = ()) -> Iterator[tuple[int, list[int], int]]:
         self.add(requests)
         while self.waiting or self.in_flight:
-            if self.refill or not self.in_flight:
-                while self.waiting and self.in_flight < self.max_batch:
-                    self._admit(self.waiting.popleft())
-            self.occupancy.rounds += 1
-            self.occupancy.in_flight += self.in_flight
+            for req in self.admit():
+                self._admit(req)
             for lane in list(self.lanes.values()):
                 if lane.rows:
                     yield from self._leave(lane, self._round(lane))
 
     def add(self, requests: Iterable[BlockRequest]) -> None:
-        """Requests to decode, behind those waiting; among them the longest answers first (stable), so the
-        last rows to run are short ones and the tail is brief."""
-        new = sorted(requests, key=lambda r: -r.plan.blocks.gen_length)
+        new = list(requests)
         # each width's cache, allocated once: as many slots as rows can run at once, as long as the longest
         # canvas (growing it on the way would hold the old and the new at once, and double its length)
         for r in new:
             W = r.plan.blocks.block_length
             rows, length = self.sizes.get(W, (0, 0))
-            self.sizes[W] = (min(rows + 1, self.max_batch), max(length, _end(r)))
-        self.waiting.extend(new)
+            self.sizes[W] = (min(rows + 1, self.width), max(length, _end(r)))
+        super().add(new)
 
     def _admit(self, req: BlockRequest) -> None:
         assert supports(req.plan), "guidance runs in static batches"
@@ -211,14 +151,11 @@ class BlockScheduler:
         transfers = [blocks.transfers(n, m) for n, m in zip(blocks.steps_for(P), blocks.masked(P))]
         row = _Row(req, x, transfers, first=P // W, block=P // W, commit=replace(req.plan, blocks=_NO_BLOCKS))
         if W not in self.lanes:
-            rows, length = self.sizes.get(W, (self.max_batch, end))
+            rows, length = self.sizes.get(W, (self.width, end))
             self.lanes[W] = Lane(self._allocate(rows, max(length, end)))
         lane = self.lanes[W]
-        slots = max(len(lane.rows) + 1, self.sizes.get(W, (0, 0))[0])
-        if slots > lane.cache.rows:  # a running set fed while it runs: double the slots, up to max_batch
-            slots = max(slots, min(self.max_batch, 2 * lane.cache.rows))
-        lane.ensure(end, slots)
-        slot = len(lane.rows)
+        lane.ensure(end, min(self.sizes.get(W, (0, 0))[0], self.width))
+        slot = lane.join(row, end, self.width)
         s0 = row.first * W
         if s0 > 0:  # the prompt's whole blocks, into the row's slot
             real = torch.ones(1, s0, dtype=torch.bool, device=self.device)
@@ -227,7 +164,6 @@ class BlockScheduler:
             row.forwards += 1
             self.occupancy.prefills += 1
             self.occupancy.positions += s0
-        lane.rows.append(row)
 
     def _round(self, lane: Lane) -> list[_Row]:
         """One forward over the lane's rows, each its own window at its own place, then each stepping row's

@@ -29,7 +29,6 @@ the same loop, for `bench workload mixed`.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +40,7 @@ from ..arch.packed import Segment, packed_layers
 from .fast import FastPlan
 from .predict import Places, StepLogits, choose
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
-from .running import Lane, Occupancy, supports
+from .runset import Lane, RunningSet, supports
 from .sampling import Draws, shaper, stream_seed
 from .strategies import Net
 
@@ -54,6 +53,10 @@ class FastRequest:
     prompt: list[int]
     plan: FastPlan
     seed: int
+
+    @property
+    def gen_length(self) -> int:
+        return self.plan.schedule.gen_length
 
 
 @dataclass
@@ -120,8 +123,8 @@ class _Stepped:
     hidden: torch.Tensor  # (masked, d)
 
 
-class WaveScheduler:
-    """Decodes `FastRequest`s with at most `max_batch` rows in flight; `run` yields (key, generated ids,
+class WaveScheduler(RunningSet[FastRequest]):
+    """Decodes `FastRequest`s with at most `width` rows in flight; `run` yields (key, generated ids,
     forwards taken part in) as each row finishes. `add` feeds it while it runs (`Engine.live`: the queue,
     `celeris batch` and serve)."""
 
@@ -130,46 +133,29 @@ class WaveScheduler:
         net: Net,
         mask_id: int,
         stop_ids: frozenset[int],
-        max_batch: int,
+        width: int,
         device: torch.device,
         word_pieces: frozenset[int] = frozenset(),
         refill: bool = True,
     ) -> None:
+        super().__init__(width, device, word_pieces, refill)
         self.net = net
         self.mask_id = mask_id
-        self.max_batch = max_batch
-        self.device = device
-        self.refill = refill
         self.stop = torch.tensor(sorted(stop_ids), device=device, dtype=torch.long)
-        self.pieces = torch.tensor(sorted(word_pieces), device=device, dtype=torch.long)
         self.lanes: dict[tuple[str, int], Lane] = {}
-        self.waiting: deque[FastRequest] = deque()
         self.fresh: list[_Row] = []  # rows whose block starts next tick (a refresh forward), or with no cache
-        self.occupancy = Occupancy()
         model: Any = getattr(net, "model", net)
         self.n_layers = len(model.parts()[1])  # what a packed forward passes, one per layer
 
-    @property
-    def in_flight(self) -> int:
+    def in_flight_keys(self) -> list[int]:
         """Rows admitted and not yet handed back."""
-        return len(self.fresh) + sum(len(lane.rows) for lane in self.lanes.values())
-
-    def add(self, requests: Iterable[FastRequest]) -> None:
-        """Requests to decode, behind those waiting; among them the longest answers first (stable), as the
-        block running set admits them. Rows may be added while `run` goes on (between two of its answers)."""
-        self.waiting.extend(sorted(requests, key=lambda r: -r.plan.schedule.gen_length))
+        return [r.req.key for r in self.fresh] + [r.req.key for lane in self.lanes.values() for r in lane.rows]
 
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
     def run(self, requests: Iterable[FastRequest] = ()) -> Iterator[tuple[int, list[int], int]]:
         self.add(requests)
         while self.waiting or self.in_flight:
-            in_flight = self.in_flight
-            if self.refill or in_flight == 0:
-                while self.waiting and in_flight < self.max_batch:
-                    self.fresh.append(self._admit(self.waiting.popleft()))
-                    in_flight += 1
-            self.occupancy.rounds += 1
-            self.occupancy.in_flight += in_flight
+            self.fresh.extend(self._admit(req) for req in self.admit())
             stepped = self._tick(self.fresh)
             self._commit(stepped)
             self.fresh = []  # those starting a block this tick are in their lanes now, or stepped without one
@@ -216,9 +202,8 @@ class WaveScheduler:
                 segments.append(self._segment(segments, r.width))
             else:
                 lane = self._lane(r)
-                lane.ensure(r.width)
-                segments.append(self._segment(segments, r.width, lane.cache, len(lane.rows), 0, r.width))
-                lane.rows.append(r)
+                slot = lane.join(r, r.width, self.width)  # slots added here as the set widens
+                segments.append(self._segment(segments, r.width, lane.cache, slot, 0, r.width))
             rows.append(r)
             at.append(0)
             ids.append(r.x[: r.width])
@@ -251,7 +236,7 @@ class WaveScheduler:
         key = r.lane
         if key not in self.lanes:
             # its layout comes with the first keys written into it: no forward runs only to find it out
-            self.lanes[key] = Lane(DeferredKVCache(self.max_batch, max(r.width, 64)))
+            self.lanes[key] = Lane(DeferredKVCache(self.width, max(r.width, 64)))
         return self.lanes[key]
 
     # -- commits -------------------------------------------------------------------------------------

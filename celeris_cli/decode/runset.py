@@ -1,0 +1,157 @@
+"""What every running set is, whatever its rows: requests waiting, at most `width` rows in flight, lanes of
+rows that share a cache, and what it did. Block diffusion's rows (`decode.running`) and the fast decoder's
+bidirectional rows (`decode.waves`) are kinds of it.
+
+The running set owns its width and its slots. Its width changes only through `resize` (the memory planner's
+answer, or the out-of-memory rule, both in `engine.LiveRun`); a lane adds slots itself as rows join it
+(`Lane.join`), so a running set widened while rows are in flight never hands a row a slot its cache does
+not have. Nothing outside writes its attributes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import torch
+
+from ..arch.kv import KVCache
+
+
+def supports(plan: Any) -> bool:
+    """Whether a request with these settings (a block or a fast plan) can join a running set: guidance
+    cannot, its unconditional view would need a second cache per row."""
+    return bool(plan.guidance.cfg_scale == 0)
+
+
+@dataclass
+class Occupancy:
+    """What the running set did: its decoding forwards (steps and stores), rows per such forward, and
+    prompt prefills (one row each, apart)."""
+
+    forwards: int = 0
+    rows: int = 0  # summed over forwards
+    positions: int = 0  # through the network, prefills included
+    prefills: int = 0
+    rounds: int = 0  # each running row advances once per round
+    in_flight: int = 0  # summed over rounds
+
+    @property
+    def mean_rows(self) -> float:
+        """Rows per decoding forward."""
+        return self.rows / self.forwards if self.forwards else 0.0
+
+    @property
+    def mean_in_flight(self) -> float:
+        """Rows in the running set per round."""
+        return self.in_flight / self.rounds if self.rounds else 0.0
+
+
+class Lane:
+    """Running rows that share their forwards, and their cache: row i owns slot i. A row names how much of
+    its slot holds its keys and values (`cached`), which is what moves when an earlier row leaves. The block
+    running set has a lane per block width; `decode.waves` one per cache mode and block width."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.rows: list[Any] = []
+
+    def ensure(self, length: int, rows: int = 0) -> None:
+        """At least `length` positions a slot and `rows` slots."""
+        if length > self.cache.length or rows > self.cache.rows:
+            longer = max(length, 2 * self.cache.length) if length > self.cache.length else length
+            self.cache.grow(longer, len(self.rows), rows)
+
+    def join(self, row: Any, length: int, width: int) -> int:
+        """`row` takes the next slot, of at least `length` positions; returns the slot. With no slot free, the
+        slots double, up to `width` (the running set's), and at least to the rows now here."""
+        slots = len(self.rows) + 1
+        if slots > self.cache.rows:
+            slots = max(slots, min(width, 2 * self.cache.rows))
+        self.ensure(length, slots)
+        self.rows.append(row)
+        return len(self.rows) - 1
+
+    def drop(self, gone: set[int]) -> None:
+        """Rows whose id() is in `gone` leave; each later row moves into the first free slot."""
+        kept: list[Any] = []
+        for slot, r in enumerate(self.rows):
+            if id(r) not in gone:
+                if slot != len(kept):
+                    self.cache.move(slot, len(kept), min(r.cached, self.cache.length))
+                kept.append(r)
+        self.rows = kept
+
+
+class Request(Protocol):
+    @property
+    def key(self) -> int: ...
+
+    @property
+    def gen_length(self) -> int: ...
+
+
+R = TypeVar("R", bound=Request)
+
+
+class RunningSet(Generic[R]):
+    """The part every kind of running set shares: the waiting requests (longest answer first, so the last
+    rows to run are short and the tail is brief), the width, the word pieces its shaping reads, and the
+    admission rule. `refill` False gives static batches through the same loop (up to `width` rows admitted
+    only when none is in flight: `bench workload mixed`'s comparison). A kind says which keys are in flight
+    and runs its rounds (`run`)."""
+
+    def __init__(self, width: int, device: torch.device, word_pieces: frozenset[int], refill: bool) -> None:
+        self._width = max(1, width)
+        self.device = device
+        self.refill = refill
+        self.pieces = torch.tensor(sorted(word_pieces), device=device, dtype=torch.long)
+        self.waiting: deque[R] = deque()
+        self.occupancy = Occupancy()
+
+    @property
+    def width(self) -> int:
+        """Rows in flight at most."""
+        return self._width
+
+    def resize(self, width: int) -> None:
+        """At most `width` rows in flight from the next round (at least one): rows in flight past it finish,
+        none joins meanwhile; a wider set's lanes add their slots as rows join them."""
+        self._width = max(1, width)
+
+    def use_word_pieces(self, pieces: frozenset[int]) -> None:
+        """The tokenizer's word-continuing pieces, for rows whose shaping needs them (`subword_min_p`)."""
+        if pieces and not self.pieces.numel():
+            self.pieces = torch.tensor(sorted(pieces), device=self.device, dtype=torch.long)
+
+    def in_flight_keys(self) -> list[int]:
+        """The keys of the rows admitted and not yet handed back."""
+        raise NotImplementedError
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.in_flight_keys())
+
+    def add(self, requests: Iterable[R]) -> None:
+        """Requests to decode, behind those waiting; among them the longest answers first (stable). Rows may
+        be added while `run` goes on (between two of its answers)."""
+        self.waiting.extend(sorted(requests, key=lambda r: -r.gen_length))
+
+    def admit(self) -> list[R]:
+        """The requests that join this round: while fewer than `width` rows are in flight (static batches:
+        only when none is), the first waiting; the round is counted with them."""
+        joining: list[R] = []
+        n = self.in_flight
+        if self.refill or n == 0:
+            while self.waiting and n < self._width:
+                joining.append(self.waiting.popleft())
+                n += 1
+        self.occupancy.rounds += 1
+        self.occupancy.in_flight += n
+        return joining
+
+    def run(self, requests: Iterable[R] = ()) -> Iterator[tuple[int, list[int], int]]:
+        """(key, generated ids, forwards taken part in) as each row finishes, until none waits or runs."""
+        raise NotImplementedError
