@@ -165,3 +165,19 @@ def predicting_the_mask(model, mask_id: int, limit: int, calls: list[int]):  # t
         return predicts_the_mask
 
     return ready
+
+
+def decoded_alone(engine, prompt: str, params, seed: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """The generated ids (uncut) of one request decoded alone by its strategy's own decoder, called directly
+    (`decode.strategies`), never through a running set: the oracle the running sets are tested against."""
+    import torch
+
+    from celeris_cli.decode.sampling import RowNoise, request_seed
+    from celeris_cli.decode.strategies import Net, get_strategy
+
+    ids = engine.encode_prompt(prompt)
+    x = torch.tensor([ids], device=engine.device)
+    noise = RowNoise([request_seed(seed, ids)], engine.device)
+    out = get_strategy(params.strategy)(Net(engine.model), x, torch.ones_like(x, dtype=torch.bool), params,
+                                        engine._special(params), noise)  # fmt: skip
+    return out[0, len(ids) : len(ids) + params.gen_length].tolist()  # type: ignore[no-any-return]

@@ -13,7 +13,7 @@ from celeris_cli import load_engine
 from celeris_cli.arch.kv import KVCache, LayerKV
 from celeris_cli.engine import Engine
 
-from .conftest import make_model, predicting_the_mask
+from .conftest import decoded_alone, make_model, predicting_the_mask
 
 LLADA2 = Path(__file__).parent / "data" / "llada2" / "llada2_tiny"
 PROMPTS = [
@@ -40,8 +40,8 @@ def block_engine(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path)
 
 
 def _alone(engine: Engine, prompt: str, params, seed: int) -> list[int]:  # type: ignore[no-untyped-def]
-    out, _ = engine.decode_ids([engine.encode_prompt(prompt)], params, [seed])
-    return out[0]
+    """The request decoded alone by its strategy's own decoder (`generate_block_cached`), not the running set."""
+    return decoded_alone(engine, prompt, params, seed)
 
 
 def _running(engine: Engine, rows: list[tuple[str, object, int]], max_batch: int) -> list[list[int]]:
@@ -107,8 +107,9 @@ def test_default_model_presets_share_one_running_set_and_answer_as_alone() -> No
     params = engine.params({"gen_length": 24, "seed": 5})
     running = engine.generate(prompts, params, batch_size=3)
     occupancy = engine.last_occupancy
-    alone = [engine.generate([p], params, batch_size=1, scheduling="static")[0] for p in prompts]
-    assert [r.text for r in running] == [r.text for r in alone]
+    alone = [engine.finish(_alone(engine, p, engine.params_for(p, params), 5), (), engine.encode_prompt(p))[0]
+             for p in prompts]  # fmt: skip
+    assert [r.text for r in running] == alone
     # two presets (block widths 8 and 4) ran side by side rather than in separate batches
     assert occupancy is not None and occupancy.mean_in_flight > 2
 
@@ -371,5 +372,5 @@ def test_the_default_models_answers_in_a_running_set_of_16_equal_each_alone() ->
     encoded = [engine.encode_prompt(p) for p in prompts]
     together = engine.decode_running(prompts, encoded, params, list(range(195)), 16)
     for i in (117, 0, 58, 194):
-        [alone] = engine.decode_running([prompts[i]], [encoded[i]], [params[i]], [i], 1)
-        assert together[i].text == alone.text, i
+        alone = engine.finish(_alone(engine, prompts[i], params[i], i), (), encoded[i])[0]
+        assert together[i].text == alone, i

@@ -112,6 +112,21 @@ def test_shaping_confidence_and_early_exit_apply_per_row(llada: Engine) -> None:
     assert _running(llada, rows, max_batch=4) == [_alone(llada, p, s, seed) for p, s, seed in rows]
 
 
+def test_min_tokens_holds_back_the_stop_each_row_would_commit_early_beside_other_rows(llada: Engine) -> None:
+    """min_tokens on prompts that do stop early without it: each row's ban covers its own first answer
+    positions (its block's offset in its answer, not its canvas), as it does alone."""
+    stop = llada.special.stop_ids
+    base = {"strategy": "fast", "gen_length": 24, "block_length": 8, "seed": 3}
+    free = [_alone(llada, p, llada.params(base), 3) for p in PROMPTS]
+    first_stop = [next((j for j, t in enumerate(ids) if t in stop), len(ids)) for ids in free]
+    k = 12
+    assert sum(j < k for j in first_stop) >= 3, first_stop  # the prompts want to stop before k
+    rows = [(p, llada.params(base | {"min_tokens": k}), 3) for p in PROMPTS]
+    running = _running(llada, rows, max_batch=4)
+    assert running == [_alone(llada, p, s, seed) for p, s, seed in rows]
+    assert all(not any(t in stop for t in ids[:k]) for ids in running)
+
+
 def test_static_batches_through_the_same_loop_give_the_same_answers(llada: Engine) -> None:
     rows = [(p, llada.params(_settings(i, 1.0)), i) for i, p in enumerate(PROMPTS)]
     continuous = _running(llada, rows, max_batch=2)

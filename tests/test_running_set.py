@@ -1,0 +1,114 @@
+"""What every kind of running set owes its rows (`decode.runset`, fed by `engine.LiveRun`): widened under a
+memory budget while rows of different lengths are in flight, the rows that join get slots of their own and
+answer as they do alone; out of memory, the blame lands on the row that failed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from celeris_cli import load_engine
+from celeris_cli.engine import Engine
+from celeris_cli.errors import TooLarge
+
+from .conftest import decoded_alone, make_model
+
+SHORT = ["a", "the cat", "床前", "hi", "白日"]
+LONG = "春眠不觉晓，处处闻啼鸟。夜来风雨声，花落知多少。床前明月光，疑是地上霜。举头望明月，低头思故乡。" * 6
+
+KINDS = {  # the settings of each kind of row (`engine._running_kind`), with every row's block in one lane
+    "block": {"strategy": "block-fast", "gen_length": 16, "block_length": 8},
+    "waves": {"strategy": "fast", "gen_length": 16, "block_length": 8, "early_exit": False},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def kind_engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path) -> Any:
+    kind = request.param
+    folder = make_model(tmp_path_factory.mktemp(kind) / "m", tiny_tokenizer, seed=5, block_causal=kind == "block")
+    return kind, load_engine(folder, device="cpu", dtype="float32")
+
+
+def _text(engine: Engine, prompt: str, params: Any, seed: int) -> str:
+    return engine.finish(decoded_alone(engine, prompt, params, seed), params.stop, engine.encode_prompt(prompt))[0]
+
+
+def test_a_running_set_widened_under_a_budget_gives_every_joining_row_a_slot(kind_engine: Any) -> None:
+    """A long row and a short one under a budget that fits one long row: one row runs at a time. Once the
+    long row is answered, three short rows join and the planner widens the set while the first short row is
+    in flight: the new rows need slots the set did not have (the bidirectional kind wrote past its cache)."""
+    kind, engine = kind_engine
+    params = engine.params({**KINDS[kind], "temperature": 1.0})
+    long_ids = engine.encode_prompt(LONG)
+    engine.memory.budget = engine.memory.need([long_ids], params)
+    try:
+        live = engine.live(max_batch=4)
+        live.add(0, LONG, long_ids, params, 0)
+        live.add(1, SHORT[0], engine.encode_prompt(SHORT[0]), params, 1)
+        assert live.width == 1
+        got, widths = {}, []
+        for key, result in live.answers():
+            got[key] = result
+            if key == 0:  # the first answer: the long row
+                for k in (2, 3, 4):
+                    live.add(k, SHORT[k - 1], engine.encode_prompt(SHORT[k - 1]), params, k)
+                widths.append(live.width)
+    finally:
+        engine.memory.budget = None
+    assert widths and widths[0] > 1  # the set widened with rows in flight
+    prompts = [LONG, *SHORT[:4]]
+    assert {k: r.text for k, r in got.items()} == {k: _text(engine, p, params, k) for k, p in enumerate(prompts)}
+
+
+class _OutOfMemoryWhenArmed:
+    """The model, except that once armed a forward over more than one row runs out of memory."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.armed = model, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def hidden(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.armed and ids.shape[0] > 1:
+            raise torch.OutOfMemoryError("fake: several rows")
+        return self.model.hidden(ids, *args, **kwargs)
+
+
+def test_out_of_memory_with_several_rows_in_flight_narrows_and_blames_no_row(
+    tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path
+) -> None:
+    """The planner narrows the set to one row while three are in flight (a long row arrives); the next
+    forward of the three runs out of memory. No row ran alone, so none is blamed: the three go on one at a
+    time and every row is answered as alone (before, the first row in dict order was failed)."""
+    folder = make_model(tmp_path_factory.mktemp("blame") / "m", tiny_tokenizer, seed=5, block_causal=True)
+    engine = load_engine(folder, device="cpu", dtype="float32")
+    params = engine.params({**KINDS["block"], "temperature": 1.0})
+    fake = _OutOfMemoryWhenArmed(engine.model)
+    engine.model = fake  # type: ignore[assignment]
+    long_ids = engine.encode_prompt(LONG)
+    live = engine.live(max_batch=4)
+    arrived: list[int] = []
+
+    def long_row_arrives(key: int, ids: list[int]) -> None:  # as the first block is committed, mid-round
+        if not arrived:
+            arrived.append(live.scheduler.in_flight)  # type: ignore[union-attr]
+            engine.memory.budget = engine.memory.need([long_ids], params)  # one long row, or three short ones
+            live.add(3, LONG, long_ids, params, 3)
+            fake.armed = True
+
+    live.on_block = long_row_arrives
+    for k in range(3):
+        live.add(k, SHORT[k], engine.encode_prompt(SHORT[k]), params, k)
+    try:
+        got = dict(live.answers())
+    finally:
+        engine.memory.budget = None
+    assert arrived == [3] and live.width == 1
+    assert not [k for k, r in got.items() if isinstance(r, TooLarge)]
+    prompts = [*SHORT[:3], LONG]
+    engine.model = fake.model  # type: ignore[assignment]
+    assert {k: r.text for k, r in got.items()} == {k: _text(engine, p, params, k) for k, p in enumerate(prompts)}
