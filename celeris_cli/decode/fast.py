@@ -34,7 +34,7 @@ from ..arch.kv import KV, KVCache, LayerKV
 from ..params import Guidance, Ordering, Parallel, Sampling, Schedule, Shaping
 from .predict import Places, StepLogits, choose
 from .reference import commit_order, leave_when_finished, num_transfer_tokens, select_top_k, unconditional
-from .sampling import RowNoise, shaper
+from .sampling import Draws, RowNoise, Shaper, shaper
 
 
 @dataclass(frozen=True)
@@ -150,24 +150,7 @@ def generate_fast(
             hs = [v.hidden(net, xa[:, :w], pos[:, :w], km[:, :w], s, e, par.cache, i == 0, masked) for v in views]
             t = plan.sampling.temperature
             shape = shaper(plan.shaping, xa[:, P:], offset.expand(len(xa)), mask_id, stop, t, pieces)
-            logits = StepLogits(
-                net.step_head(), hs, plan.guidance.cfg_scale, shape, masked.nonzero() if shape else None
-            )
-            draws = noise.at(active, j, i)
-            left = masked.sum(1)  # masked positions per row
-            places = Places.counted(left.tolist(), x.device)
-            x0, picked_conf = choose(logits, places, plan.sampling, par.confidence, draws, net.chunk)  # (N,), row order
-            conf = block.new_zeros(block.shape, dtype=torch.float32).masked_scatter(masked, picked_conf)
-            proposal = block.masked_scatter(masked, x0)
-            # the order noise fades with the share of the block still masked, as the reference's does over its
-            # steps (one commit each): by steps it would stay near full strength while thresholds fill the block
-            fade = left[:, None] / (e - s)
-            rank = torch.where(masked, commit_order(conf, plan.ordering, fade, draws), float("-inf"))
-            k = schedule[:, i].clamp_min(1)  # at least one commit per row that still has masks
-            commit = select_top_k(rank, k)
-            if plan.ordering.remasking != "sequential":  # sequential commits in order: no threshold (even 1.0 >= 1)
-                commit |= masked & (conf >= par.threshold)
-            xa[:, s:e] = torch.where(commit, proposal, block)
+            xa[:, s:e] = commit_step(block, hs, net, plan, schedule[:, i], mask_id, noise.at(active, j, i), shape)
             if par.early_exit:  # a finished row leaves at once; the rest of its canvas is its stop token
                 keep = leave_when_finished(x, xa, active, P, s, e, mask_id, stop)
                 if keep is not None:
@@ -180,3 +163,36 @@ def generate_fast(
                 break
     x[active] = xa
     return x
+
+
+def commit_step(
+    block: torch.Tensor,
+    hs: list[torch.Tensor],
+    net: CachedNet,
+    plan: FastPlan,
+    k: torch.Tensor,
+    mask_id: int,
+    draws: Draws,
+    shape: Shaper | None,
+) -> torch.Tensor:
+    """The fast decoder's step, for rows alone (`generate_fast`) and in the running set (`decode.waves`): the
+    block (b, T) after one step, from the hidden states of its masked positions in each view (row order;
+    under guidance the unconditional view too). Each row commits its k[b] (at least one) first-ranked masked
+    positions, and every masked one whose confidence reaches the threshold (not under `sequential`
+    remasking, which commits in order). `shape`: the step's logit shaping (`sampling.shaper`), or None."""
+    masked = block == mask_id  # (b, T): the only positions predicted
+    where = masked.nonzero() if shape else None
+    logits = StepLogits(net.step_head(), hs, plan.guidance.cfg_scale, shape, where)
+    left = masked.sum(1)  # masked positions per row
+    places = Places.counted(left.tolist(), block.device)
+    x0, picked = choose(logits, places, plan.sampling, plan.parallel.confidence, draws, net.chunk)  # row order
+    conf = block.new_zeros(block.shape, dtype=torch.float32).masked_scatter(masked, picked)
+    proposal = block.masked_scatter(masked, x0)
+    # the order noise fades with the share of the block still masked, as the reference's does over its steps
+    # (one commit each): by steps it would stay near full strength while thresholds fill the block
+    fade = left[:, None] / block.shape[1]
+    rank = torch.where(masked, commit_order(conf, plan.ordering, fade, draws), float("-inf"))
+    commit = select_top_k(rank, k.clamp_min(1))  # at least one commit per row that still has masks
+    if plan.ordering.remasking != "sequential":  # sequential commits in order: no threshold (even 1.0 >= 1)
+        commit |= masked & (conf >= plan.parallel.threshold)
+    return torch.where(commit, proposal, block)

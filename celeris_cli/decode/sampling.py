@@ -188,6 +188,9 @@ def shape_masked(
     return logits
 
 
+Shaper = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, where) -> logits, `shaper`'s
+
+
 def shaper(
     s: Shaping,
     answer: torch.Tensor | None,
@@ -196,7 +199,7 @@ def shaper(
     stop: torch.Tensor,
     temperature: float,
     word_pieces: torch.Tensor | None,
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+) -> Shaper | None:
     """`shape_masked` for a step's rows, as (logits, where) -> logits (`predict.StepLogits.shape`); None
     where the shaping changes nothing."""
     if not s.active:

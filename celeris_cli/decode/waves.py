@@ -37,9 +37,8 @@ import torch
 
 from ..arch.kv import DeferredKVCache, KVCache
 from ..arch.packed import Segment, packed_layers
-from .fast import FastPlan
-from .predict import Places, StepLogits, choose
-from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
+from .fast import FastPlan, commit_step
+from .reference import finished_rows, num_transfer_tokens
 from .runset import Lane, RunningSet, supports
 from .sampling import Draws, shaper, stream_seed
 from .strategies import Net
@@ -241,7 +240,8 @@ class WaveScheduler(RunningSet[FastRequest]):
 
     # -- commits -------------------------------------------------------------------------------------
     def _commit(self, stepped: list[_Stepped]) -> None:
-        """The fast decoder's commit for every row that took a step, per group sharing its settings."""
+        """The fast decoder's commit step (`fast.commit_step`) for every row that took a step, per group sharing
+        its settings."""
         groups: dict[tuple[Any, ...], list[_Stepped]] = {}
         for part in stepped:
             groups.setdefault(part.row.commit, []).append(part)
@@ -249,27 +249,14 @@ class WaveScheduler(RunningSet[FastRequest]):
             rows = [p.row for p in parts]
             plan = rows[0].req.plan
             block = torch.stack([p.block for p in parts])
-            T = block.shape[1]
-            masked = block == self.mask_id
-            shape, where = None, None
+            shape = None
             if plan.shaping.active:
                 t = plan.sampling.temperature
                 shape = shaper(plan.shaping, *self._answer(rows), self.mask_id, self.stop, t, self.pieces)
-                where = masked.nonzero()
-            logits = StepLogits(self.net.step_head(), [torch.cat([p.hidden for p in parts])], 0.0, shape, where)
             draws = Draws([stream_seed(r.req.seed, r.block, r.step) for r in rows], self.device)
-            left = masked.sum(1)
-            places = Places.counted(left.tolist(), self.device)
-            x0, picked = choose(logits, places, plan.sampling, plan.parallel.confidence, draws, self.net.chunk)
-            conf = block.new_zeros(block.shape, dtype=torch.float32).masked_scatter(masked, picked)
-            proposal = block.masked_scatter(masked, x0)
-            fade = left[:, None] / T
-            rank = torch.where(masked, commit_order(conf, plan.ordering, fade, draws), float("-inf"))
-            k = torch.stack([r.schedule[r.step] for r in rows]).clamp_min(1)
-            commit = select_top_k(rank, k)
-            if plan.ordering.remasking != "sequential":  # sequential commits in order: no threshold (even 1.0 >= 1)
-                commit |= masked & (conf >= plan.parallel.threshold)
-            new = torch.where(commit, proposal, block)
+            k = torch.stack([r.schedule[r.step] for r in rows])
+            hidden = [torch.cat([p.hidden for p in parts])]
+            new = commit_step(block, hidden, self.net, plan, k, self.mask_id, draws, shape)
             for r, row_block in zip(rows, new):
                 s, e = r.span
                 r.x[s:e] = row_block
