@@ -29,10 +29,11 @@ from .decode import waves
 from .decode.running import BlockRequest, BlockScheduler
 from .decode.runset import Occupancy, RunningSet, supports
 from .decode.sampling import RowNoise, request_seed
-from .decode.strategies import BY_BLOCK, Net, OnBlock, SpecialTokens, fast_plan_of, get_strategy, plan_of
+from .decode.strategies import Net, OnBlock, SpecialTokens, fast_plan_of, get_strategy, plan_of
 from .device import resolve_device, resolve_dtype
 from .errors import ModelError, TooLarge, UsageError
 from .params import GenerationParams, check_fits, model_layer, script_layers, script_of
+from .strategy import STRATEGIES
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +164,10 @@ class Engine:
         """Decode one batch of token-id prompts; returns each row's generated ids (uncut) and the NFE. Row
         b draws its randomness from seeds[b] and its own prompt alone (default seed: params.seed). Rows the
         running set can decode go through it, all admitted at once. on_block(row, generated ids so far):
-        called as each row's block is committed (strategies in BY_BLOCK only; for streaming)."""
+        called as each row's block is committed (strategies that stream blocks only)."""
         seeds = seeds if seeds is not None else [params.seed] * len(batch)
-        if self.continuous(params) and (on_block is None or params.strategy in BY_BLOCK):
+        streams = STRATEGIES[params.strategy].streams_blocks
+        if self.continuous(params) and (on_block is None or streams):
             scheduler, net = self._scheduler([params], len(batch), on_block=on_block)
             requests = [self._request(i, ids, params, s) for i, (ids, s) in enumerate(zip(batch, seeds))]
             with invariant.enabled(params.deterministic):
@@ -183,7 +185,7 @@ class Engine:
         with invariant.enabled(params.deterministic):
             if on_block is None:
                 out = decode(net, prompt, prompt_mask, params, self._special(params), noise)
-            elif params.strategy in BY_BLOCK:
+            elif streams:
                 out = decode(net, prompt, prompt_mask, params, self._special(params), noise, on_block)  # type: ignore[call-arg]
             else:
                 raise UsageError(f"the {params.strategy} strategy commits no blocks to report")
@@ -616,11 +618,13 @@ def _lane_of(params: GenerationParams) -> tuple[Any, ...]:
 
 def _running_kind(params: GenerationParams) -> str | None:
     """Which running set decodes rows with these settings: "block" (`decode.running`), "waves"
-    (`decode.waves`), or None (static batches)."""
-    if params.strategy == "block-fast" and supports(plan_of(params)):
-        return "block"
-    if params.strategy == "fast" and waves.supports(fast_plan_of(params)):
-        return "waves"
+    (`decode.waves`), or None (static batches): its strategy's row kind (`strategy.Strategy.running`),
+    unless guidance keeps it out (`runset.supports`)."""
+    kind = STRATEGIES[params.strategy].running
+    if kind == "block" and supports(plan_of(params)):
+        return kind
+    if kind == "waves" and supports(fast_plan_of(params)):
+        return kind
     return None
 
 

@@ -2,7 +2,7 @@
 
 A setting ("knob") is declared once in `KNOBS`: its type, built-in default and range rule. Knobs are grouped
 into parts (`Schedule`, `Sampling`, `Ordering`, `Guidance`, `Parallel`), and each strategy declares the
-parts it honours (`STRATEGY_PARTS`); a decoder receives only those parts, so it cannot quietly ignore a
+parts it honours (`strategy.STRATEGIES`); a decoder receives only those parts, so it cannot quietly ignore a
 knob. A knob the user sets that the chosen strategy does not honour is an error naming both.
 
 Layers merge in one order: built-in defaults, then the model folder's `generation_config.json`, then the
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from .errors import PromptTooLong, UsageError
+from .strategy import STRATEGIES
 
 Remasking = Literal["low_confidence", "random", "sequential"]
 CacheMode = Literal["none", "prefix", "dual"]
@@ -227,7 +228,7 @@ KNOBS: dict[str, Knob] = {
     "strategy": Knob(
         str,
         "fast",
-        choices=("fast", "reference", "dream", "rnd1", "block", "block-fast", "nemotron", "ar", "nemotron-spec"),
+        choices=tuple(STRATEGIES),
         help="fast (cache, threshold, early exit), reference (LLaDA's decoder), dream (Dream's own), rnd1 (RND1's "
         "own), block or "
         "block-fast (block diffusion, LLaDA2; block-fast keeps an exact cache), nemotron (Nemotron-Labs-Diffusion's "
@@ -490,25 +491,12 @@ PARTS: dict[str, type] = {
     "entropy": EntropyRanking,
     "draft": Draft,
 }
-STRATEGY_PARTS: dict[str, tuple[str, ...]] = {
-    "reference": ("schedule", "sampling", "ordering", "guidance"),
-    "fast": ("schedule", "sampling", "ordering", "guidance", "parallel", "shaping"),
-    "dream": ("timeline", "sampling", "unmasking"),
-    "rnd1": ("canvas", "filters", "entropy"),
-    "block": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing"),
-    "block-fast": ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing"),
-    "nemotron": ("blocks", "sampling", "ordering", "commit"),
-    "ar": ("length", "sampling"),
-    "nemotron-spec": ("draft", "sampling"),
-}
 PER_REQUEST = ("seed", "strategy", "deterministic", "stop")  # honoured by every strategy, outside the decoder
-# strategies whose own code allows more steps than tokens (a step may commit nothing): Dream's, RND1's
-UNCAPPED = frozenset({"dream", "rnd1"})
 
 
 def honoured(strategy: str) -> tuple[str, ...]:
     """The knobs a strategy honours, in declaration order."""
-    names = {f.name for p in STRATEGY_PARTS[strategy] for f in fields(PARTS[p])} | set(PER_REQUEST)
+    names = {f.name for p in STRATEGIES[strategy].parts for f in fields(PARTS[p])} | set(PER_REQUEST)
     return tuple(k for k in KNOBS if k in names)
 
 
@@ -598,8 +586,9 @@ class GenerationParams:
         def name(k: str) -> str:
             return spelled.get(k, k)
 
-        if self.strategy not in STRATEGY_PARTS:
+        if self.strategy not in STRATEGIES:
             return  # _coerce already rejected it
+        strategy = STRATEGIES[self.strategy]
         ignored = [k for k in sorted(self.explicit) if k not in honoured(self.strategy)]
         if ignored:
             raise UsageError(
@@ -616,19 +605,18 @@ class GenerationParams:
             self.alg == "origin"
             and self.alg_temp > 0
             and {"alg", "alg_temp"} & self.explicit
-            and self.strategy == "dream"
+            and "alg_temp" in honoured(self.strategy)
         ):
             raise UsageError("alg_temp: origin unmasks at random, with no ranking to draw from; set it to 0")
-        capped = self.strategy not in UNCAPPED
-        if capped and self.denoise_steps > self.gen_length and "denoise_steps" in layer:
+        if not strategy.uncapped and self.denoise_steps > self.gen_length and "denoise_steps" in layer:
             raise UsageError(
                 f"{name('denoise_steps')} {self.denoise_steps} exceeds {name('gen_length')} {self.gen_length}: a step "
                 "commits at least one token, so more steps than tokens cannot run"
             )
-        if self.strategy == "rnd1" and self.gen_length < 2:
+        if strategy.end_slot and self.gen_length < 2:
             raise UsageError(
-                f"{name('gen_length')} {self.gen_length}: the rnd1 strategy keeps the canvas's last position for "
-                "the end of text (as RND1's own sampler), so it needs at least 2"
+                f"{name('gen_length')} {self.gen_length}: the {self.strategy} strategy keeps the canvas's last "
+                "position for the end of text (as its family's own sampler), so it needs at least 2"
             )
         if self.remasking != "low_confidence" and self.order_temperature > 0 and "order_temperature" in self.explicit:
             raise UsageError(
@@ -640,7 +628,7 @@ class GenerationParams:
                 f"{name('threshold')}: sequential remasking commits the leftmost masked positions in order, not "
                 "the confident ones; set it to 1"
             )
-        if self.strategy == "block-fast" and self.cfg_scale > 0 and self.part("editing").active:
+        if strategy.running == "block" and self.cfg_scale > 0 and self.part("editing").active:
             raise UsageError(
                 f"{name('edit_threshold')} with {name('cfg_scale')}: the block-fast strategy edits tokens in its "
                 "running set, which guidance does not use; use the block strategy for both"
@@ -657,7 +645,7 @@ class GenerationParams:
         fixes: dict[str, Any] = {}
         if self.alg == "origin" and self.alg_temp > 0:
             fixes["alg_temp"] = 0.0
-        if self.denoise_steps > self.gen_length and self.strategy not in UNCAPPED:
+        if self.denoise_steps > self.gen_length and not STRATEGIES[self.strategy].uncapped:
             fixes["denoise_steps"] = self.gen_length
         if self.remasking != "low_confidence" and self.order_temperature > 0:
             fixes["order_temperature"] = 0.0
@@ -685,13 +673,14 @@ class GenerationParams:
         """The steps each block is given for a prompt of `prompt_tokens` tokens; one block (the whole canvas)
         for strategies without blocks. Block diffusion's blocks start at the row's own position 0, so how
         many it decodes depends on the prompt's length."""
-        if self.strategy == "nemotron":  # its blocks start at the answer, after a seed token each
+        rule = STRATEGIES[self.strategy].steps
+        if rule == "seeded":  # its blocks start at the answer, after a seed token each
             return self.part("blocks").seeded_steps()
-        if self.strategy in ("ar", "nemotron-spec"):  # one token per forward (speculation: at most that)
+        if rule == "per_token":  # one token per forward (speculation: at most that)
             return [self.gen_length]
-        if "block_steps" in honoured(self.strategy):
+        if rule == "block_steps":
             return self.part("blocks").steps_for(prompt_tokens)
-        if "block_length" in honoured(self.strategy):
+        if rule == "schedule":
             return self.schedule.steps_per_block
         return [self.denoise_steps]
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 from unittest.mock import patch
 
-from celeris_cli.decode.strategies import STRATEGIES, reference_until_finished
+from celeris_cli.decode.strategies import DECODERS, Decoder, reference_until_finished
 from celeris_cli.engine import load_engine
 from celeris_cli.measure.evaluate import EvalSet, distinct_2
 
@@ -116,7 +116,8 @@ def main() -> None:
     kept = json.loads(args.answers.read_text(encoding="utf-8")) if args.answers and args.answers.exists() else {}
     store = kept.get(key, {})
     texts: dict[str, list[list[str]]] = {}
-    with patch.dict(STRATEGIES, {"reference": reference_until_finished}):  # the same answers, sooner
+    until_finished = Decoder(DECODERS["reference"].plan, reference_until_finished)
+    with patch.dict(DECODERS, {"reference": until_finished}):  # the same answers, sooner
         for name, over in modes.items():
             settings = {k: v for k, v in engine.params({**canvas, **over}).report().items() if k != "seed"}
             slot = store.setdefault(json.dumps(settings, sort_keys=True), {})  # its answers by seed

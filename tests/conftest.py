@@ -131,10 +131,10 @@ def write_json(path: Path, data: object) -> None:
 
 def plan(strategy: str = "reference", **settings: object):  # type: ignore[no-untyped-def]
     """A decoder's plan (exactly the parts its strategy honours) from settings, validated as users' are."""
-    from celeris_cli.decode.strategies import PLANS, _plan
+    from celeris_cli.decode.strategies import plan_for
     from celeris_cli.params import GenerationParams
 
-    return _plan(PLANS[strategy], GenerationParams.from_mapping({"strategy": strategy, **settings}))
+    return plan_for(GenerationParams.from_mapping({"strategy": strategy, **settings}))
 
 
 def noise(rows: int, seed: int = 0):  # type: ignore[no-untyped-def]

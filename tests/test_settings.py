@@ -16,12 +16,12 @@ from celeris_cli.params import (
     KNOBS,
     MAX_SEED,
     PER_REQUEST,
-    STRATEGY_PARTS,
     GenerationParams,
     check_values,
     honoured,
     model_layer,
 )
+from celeris_cli.strategy import STRATEGIES
 
 from .conftest import make_model
 
@@ -109,7 +109,7 @@ def test_every_strategy_declares_what_it_honours() -> None:
     assert set(honoured("nemotron-spec")) == {"gen_length", "block_length", "draft_threshold"} | sampling | set(
         PER_REQUEST
     )
-    for strategy in STRATEGY_PARTS:
+    for strategy in STRATEGIES:
         assert set(PER_REQUEST) <= set(honoured(strategy))
 
 

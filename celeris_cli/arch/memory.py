@@ -35,7 +35,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from ..errors import UsageError
-from ..params import GenerationParams
+from ..params import GenerationParams, honoured
+from ..strategy import STRATEGIES
 
 Quantize = Literal["none", "int8", "int4"]
 QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8", "int4")
@@ -221,7 +222,8 @@ def plan(shape: Shape, req: Request) -> Estimate:
     W = min(req.block_length, req.gen_length)
     masked = B * W  # positions the head runs on in a step (at most), in each view
     phases: list[Estimate] = []
-    if req.strategy == "fast":
+    rule = STRATEGIES[req.strategy].memory if req.strategy in STRATEGIES else None
+    if rule == "fast":
         seen = L  # a bounded canvas (suffix_window) still reaches the whole canvas at its last block
         act = _activations(shape, B * seen, a, req.upcast)
         if req.cache == "none":
@@ -234,9 +236,9 @@ def plan(shape: Shape, req: Request) -> Estimate:
             window = W if req.cache == "dual" else seen - req.prompt
             step = _activations(shape, B * window, a, req.upcast)
             phases.append(Estimate(weights, cache, step, _head(shape, masked, req, int8, kernel)))
-    elif req.strategy in ("block-fast", "block"):
+    elif rule in ("block-cached", "block"):
         C = math.ceil(L / W) * W + W  # block-aligned canvas (a row's first block may hold its prompt's tail)
-        if req.strategy == "block":
+        if rule == "block":
             act = V * _activations(shape, B * C, a, req.upcast)
             phases.append(Estimate(weights, 0, act, _head(shape, masked, req, int8, kernel)))
         else:
@@ -245,9 +247,9 @@ def plan(shape: Shape, req: Request) -> Estimate:
             phases.append(Estimate(weights, cache, _activations(shape, prefill, a, req.upcast), 0))
             step = _activations(shape, B * W, a, req.upcast) + (_kv(shape, B, C, 4) // shape.layers if f32 else 0)
             phases.append(Estimate(weights, cache, step, _head(shape, masked, req, int8, kernel)))
-    elif req.strategy in ("reference", "dream", "rnd1"):
+    elif rule in ("canvas-block", "canvas-answer"):
         act = _activations(shape, B * L, a, req.upcast)
-        predicted = B * (W if req.strategy == "reference" else req.gen_length)  # a block's, or the whole answer's
+        predicted = B * (W if rule == "canvas-block" else req.gen_length)  # a block's, or the whole answer's
         phases.append(Estimate(weights, 0, act, _head(shape, predicted, req, int8, kernel)))
     else:
         raise UsageError(f"no memory plan for strategy {req.strategy!r}")
@@ -362,6 +364,6 @@ def whole_draw(p: GenerationParams) -> bool:
     """Whether a decode draws tokens over the whole vocabulary in float64: sampling (RND1's with `greedy`
     off) with no top-k, top-p or min-p to narrow the candidates, or Dream's and RND1's samplers, which
     always filter over it."""
-    sampled = p.temperature > 0 and (p.strategy != "rnd1" or not p.greedy)
+    sampled = p.temperature > 0 and not ("greedy" in honoured(p.strategy) and p.greedy)
     narrowed = p.top_k > 0 or p.top_p < 1 or p.min_p > 0
-    return sampled and (p.strategy in ("dream", "rnd1") or not narrowed)
+    return sampled and (STRATEGIES[p.strategy].whole_draw or not narrowed)

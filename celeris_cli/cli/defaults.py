@@ -9,7 +9,8 @@ from typing import Any
 
 from ..arch.folder import ModelFolder
 from ..errors import CelerisError
-from ..params import PER_REQUEST, STRATEGY_PARTS, GenerationParams, honoured
+from ..params import PER_REQUEST, GenerationParams, honoured
+from ..strategy import STRATEGIES
 
 EMBEDDED = Path(__file__).parents[1] / "models" / "celeris-block"
 
@@ -41,8 +42,8 @@ def knob_help(name: str, text: str) -> str:
     """`text`, led by the strategies that honour the knob when not all do, and the value the embedded model
     runs with when the option is not given (and the value for prompts of a script whose preset sets it);
     for a knob its strategy does not use, no default: help never shows a default the model refuses."""
-    users = [s for s in STRATEGY_PARTS if name in PER_REQUEST or name in honoured(s)]
-    lead = "" if len(users) == len(STRATEGY_PARTS) else f"{', '.join(users)}: "
+    users = [s for s in STRATEGIES if name in PER_REQUEST or name in honoured(s)]
+    lead = "" if len(users) == len(STRATEGIES) else f"{', '.join(users)}: "
     defaults = effective_defaults()
     strategy = defaults.strategy
     if name not in PER_REQUEST and name not in honoured(strategy):

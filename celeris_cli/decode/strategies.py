@@ -22,7 +22,8 @@ from ..arch.layers import Model
 from ..arch.memory import logit_chunk
 from ..arch.packed import PackedLayer
 from ..errors import UsageError
-from ..params import STRATEGY_PARTS, GenerationParams
+from ..params import GenerationParams
+from ..strategy import STRATEGIES
 from .block import BlockPlan, OnBlock, generate_block, generate_block_cached
 from .dream import DreamPlan, generate_dream
 from .fast import FastPlan, generate_fast
@@ -125,12 +126,12 @@ class Net:
         return (h if select is None else h[select]), kv
 
 
-Strategy = Callable[[Net, torch.Tensor, torch.Tensor, GenerationParams, SpecialTokens, RowNoise], torch.Tensor]
+Decode = Callable[[Net, torch.Tensor, torch.Tensor, GenerationParams, SpecialTokens, RowNoise], torch.Tensor]
 
 
 def _plan(cls: type, params: GenerationParams) -> Any:
-    """The decoder's settings: exactly the parts its strategy declares in `params.STRATEGY_PARTS`."""
-    return cls(**{name: params.part(name) for name in STRATEGY_PARTS[params.strategy]})
+    """The decoder's settings: exactly the parts its strategy declares (`strategy.STRATEGIES`)."""
+    return cls(**{name: params.part(name) for name in STRATEGIES[params.strategy].parts})
 
 
 def plan_of(params: GenerationParams) -> BlockPlan:
@@ -160,9 +161,9 @@ def _reference(
 
 # The reference decoder with each row leaving the batch once its answer is finished: the same answers at
 # a fraction of the cost, for measuring the reference's quality over many seeds
-# (`scripts/distinct_by_length.py`). Not in STRATEGIES: `celeris bench` times the reference as LLaDA runs
+# (`scripts/distinct_by_length.py`). Not in DECODERS: `celeris bench` times the reference as LLaDA runs
 # it, every row to the end of the canvas.
-reference_until_finished: Strategy = partial(_reference, until_finished=True)
+reference_until_finished: Decode = partial(_reference, until_finished=True)
 
 
 def _fast(
@@ -208,12 +209,26 @@ def _block(
     noise: RowNoise,
     on_block: OnBlock | None = None,
 ) -> torch.Tensor:
-    decode = generate_block_cached if params.strategy == "block-fast" else generate_block
     plan = _plan(BlockPlan, params)
-    return decode(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces, on_block)
+    args = (tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces, on_block)
+    return generate_block(net, prompt, prompt_mask, plan, *args)
 
 
-def _nemotron(
+def _block_cached(
+    net: Net,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: GenerationParams,
+    tokens: SpecialTokens,
+    noise: RowNoise,
+    on_block: OnBlock | None = None,
+) -> torch.Tensor:
+    plan = _plan(BlockPlan, params)
+    args = (tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces, on_block)
+    return generate_block_cached(net, prompt, prompt_mask, plan, *args)
+
+
+def _seeded(
     net: Net,
     prompt: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -221,42 +236,66 @@ def _nemotron(
     tokens: SpecialTokens,
     noise: RowNoise,
 ) -> torch.Tensor:
-    if params.strategy == "ar":
-        return generate_ar(net, prompt, prompt_mask, _plan(ARPlan, params), tokens.mask_id, tokens.stop_ids, noise)
-    if params.strategy == "nemotron-spec":
-        spec = _plan(SpecPlan, params)
-        return generate_speculative(net, prompt, prompt_mask, spec, tokens.mask_id, tokens.stop_ids, noise)
     plan = _plan(SeededPlan, params)
     return generate_seeded(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise)
 
 
-STRATEGIES: dict[str, Strategy] = {
-    "reference": _reference,
-    "fast": _fast,
-    "dream": _dream,
-    "rnd1": _rnd1,
-    "block": _block,
-    "block-fast": _block,
-    "nemotron": _nemotron,
-    "ar": _nemotron,
-    "nemotron-spec": _nemotron,
-}
-BY_BLOCK = frozenset({"block", "block-fast"})  # the strategies that take an `on_block` hook (streaming)
-PLANS: dict[str, type] = {
-    "reference": ReferencePlan,
-    "fast": FastPlan,
-    "dream": DreamPlan,
-    "rnd1": RND1Plan,
-    "block": BlockPlan,
-    "block-fast": BlockPlan,
-    "nemotron": SeededPlan,
-    "ar": ARPlan,
-    "nemotron-spec": SpecPlan,
+def _ar(
+    net: Net,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: GenerationParams,
+    tokens: SpecialTokens,
+    noise: RowNoise,
+) -> torch.Tensor:
+    return generate_ar(net, prompt, prompt_mask, _plan(ARPlan, params), tokens.mask_id, tokens.stop_ids, noise)
+
+
+def _speculative(
+    net: Net,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: GenerationParams,
+    tokens: SpecialTokens,
+    noise: RowNoise,
+) -> torch.Tensor:
+    spec = _plan(SpecPlan, params)
+    return generate_speculative(net, prompt, prompt_mask, spec, tokens.mask_id, tokens.stop_ids, noise)
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """A decoder as the strategies name it (`strategy.Strategy.decoder`): its settings' class, fed exactly
+    its strategy's parts, and the call."""
+
+    plan: type
+    run: Decode
+
+
+DECODERS: dict[str, Decoder] = {
+    "reference": Decoder(ReferencePlan, _reference),
+    "fast": Decoder(FastPlan, _fast),
+    "dream": Decoder(DreamPlan, _dream),
+    "rnd1": Decoder(RND1Plan, _rnd1),
+    "block": Decoder(BlockPlan, _block),
+    "block-cached": Decoder(BlockPlan, _block_cached),
+    "seeded": Decoder(SeededPlan, _seeded),
+    "ar": Decoder(ARPlan, _ar),
+    "speculative": Decoder(SpecPlan, _speculative),
 }
 
 
-def get_strategy(name: str) -> Strategy:
-    try:
-        return STRATEGIES[name]
-    except KeyError:
-        raise UsageError(f"unknown decoding strategy {name!r} (choose {', '.join(sorted(STRATEGIES))})") from None
+def _decoder(name: str) -> Decoder:
+    if name not in STRATEGIES:
+        raise UsageError(f"unknown decoding strategy {name!r} (choose {', '.join(sorted(STRATEGIES))})")
+    return DECODERS[STRATEGIES[name].decoder]
+
+
+def plan_for(params: GenerationParams) -> Any:
+    """The settings its strategy's decoder receives."""
+    return _plan(_decoder(params.strategy).plan, params)
+
+
+def get_strategy(name: str) -> Decode:
+    """The decoder of the strategy `name`; an unknown name is a user error."""
+    return _decoder(name).run

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelError
+from ..strategy import STRATEGIES
 
 CHILD = "from celeris_cli.measure.memory import child; child()"
 
@@ -82,7 +83,7 @@ def child() -> None:
     noise = RowNoise(list(range(B)), torch.device("cpu"))
     t0 = time.perf_counter()
     spread = spec.get("prompt_spread", 0) + 1  # rows up to `spread` tokens shorter: they end at different blocks
-    if params.strategy == "block-fast":  # as the engine runs it: the running set, every row admitted at once
+    if STRATEGIES[params.strategy].running == "block":  # as the engine runs it: a running set, all rows at once
         from ..decode.running import BlockRequest, BlockScheduler
         from ..decode.strategies import plan_of
 

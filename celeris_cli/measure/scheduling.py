@@ -21,6 +21,7 @@ from ..decode.sampling import Draws, stream_seed
 from ..decode.strategies import Net, plan_of
 from ..engine import Engine
 from ..errors import UsageError
+from ..strategy import STRATEGIES
 from .bench import hardware
 from .evaluate import EvalSet
 
@@ -132,7 +133,7 @@ def sampling_cost(
     settings are the model's defaults for a poem opening (its shipped sampling) under `settings`."""
     prompt = EvalSet.load().poems[0]["prompt"]
     params = engine.params_for(prompt, engine.params(settings or {}))
-    if params.strategy != "block-fast":
+    if STRATEGIES[params.strategy].running != "block":
         return []  # the block decoders' commit step; the fast decoder's is not measured here
     plan, mask = plan_of(params), engine.tokenizer.mask_id
     W = params.block_length

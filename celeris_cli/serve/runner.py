@@ -24,9 +24,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..decode.strategies import BY_BLOCK
 from ..spool.backend import Prepared, Preparer
 from ..spool.formats import Request
+from ..strategy import STRATEGIES
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class Runner:
         encoded = [ids for _, ids, _ in texts_ids_seeds]
         seeds = [seed for _, _, seed in texts_ids_seeds]
         hook = None
-        if params.strategy in BY_BLOCK and any(row.on_text for row in rows):
+        if STRATEGIES[params.strategy].streams_blocks and any(row.on_text for row in rows):
 
             def hook(b: int, ids: list[int]) -> None:
                 on_text = rows[b].on_text
