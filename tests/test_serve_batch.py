@@ -82,10 +82,10 @@ def test_a_batch_not_yet_claimed_is_cancelled_at_once(queue: Queue) -> None:
     """Before the daemon runs: the batch waits in the inbox (`validating`), and a cancel takes it out."""
     file_id = queue.upload([line(f"c{i}", p, i) for i, p in enumerate(PROMPTS[:3])])
     batch = queue.client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
-    assert batch.status == "validating" and (queue.root / "batch_inputs" / f"{batch.id}.jsonl").exists()
+    assert batch.status == "validating" and (queue.root / "batch_inputs" / f"{batch.id}.0000.jsonl").exists()
     cancelled = queue.client.batches.cancel(batch.id)
     assert cancelled.status == "cancelled" and cancelled.request_counts.total == 3  # type: ignore[union-attr]
-    assert not (queue.root / "batch_inputs" / f"{batch.id}.jsonl").exists()
+    assert not (queue.root / "batch_inputs" / f"{batch.id}.0000.jsonl").exists()
     with pytest.raises(openai.BadRequestError):
         queue.client.batches.cancel(batch.id)
 
@@ -98,7 +98,8 @@ def test_a_batch_claimed_when_cancelled_ends_cancelled_with_what_it_answered(que
     batch = queue.client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
     work = queue.root / "batch_inputs" / ".work"
     work.mkdir(exist_ok=True)
-    os.rename(queue.root / "batch_inputs" / f"{batch.id}.jsonl", work / f"00000001.{batch.id}.jsonl")
+    part = f"{batch.id}.0000.jsonl"  # its one part (parts.py)
+    os.rename(queue.root / "batch_inputs" / part, work / f"00000001.{part}")
     assert queue.client.batches.retrieve(batch.id).status == "in_progress"
     assert queue.client.batches.cancel(batch.id).status == "cancelling"
     queue.start_watch()
@@ -197,7 +198,7 @@ def test_a_200_line_batch_survives_sigkill_of_the_server_and_its_daemon(queue: Q
     out = queue.lines(done.output_file_id)
     errors = queue.lines(done.error_file_id)
     assert [x["custom_id"] for x in out] == [f"q{i}" for i in range(195)]  # each once, in input order
-    assert sorted(str(x["custom_id"]) for x in errors) == ["None", "bad-long", "bad-missing", "bad-n", "bad-param"]
+    assert sorted(str(x["custom_id"]) for x in errors) == ["bad-long", "bad-missing", "bad-n", "bad-param", "line-51"]
     assert {x["error"]["code"] for x in errors} == {"invalid_json", "bad_param", "missing_prompt", "prompt_too_long"}
 
     assert reference.wait(timeout=300) == 1  # 1: some requests failed
