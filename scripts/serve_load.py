@@ -1,8 +1,12 @@
 """Load figure for `celeris serve`: N concurrent clients against a real server on the embedded model, then
-`celeris batch` on the same requests, in one run. Prints requests/s, output tokens/s, p50/p99 latency, and
-the server's output tokens/s as a share of `celeris batch`'s (its decode time, the model's load excluded).
+`celeris batch` on the same requests, in one run. Prints requests/s, output tokens/s, p50/p99 latency, the
+server's resident memory (RSS) after its warm-up request and after the load (and its peak), and the
+server's output tokens/s as a share of `celeris batch`'s (its decode time, the model's load excluded).
 
     python scripts/serve_load.py --clients 32 --requests 256 --max-tokens 32
+    python scripts/serve_load.py --clients 4 --requests 8 --max-tokens 8 --no-batch   # the server alone
+
+Every size is bounded (`LIMITS`) before anything is sized by it.
 
 Each request is a completion with its own seed; the server decodes waiting requests together. Everything
 runs on this machine, against 127.0.0.1 only, and stops by itself.
@@ -26,6 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+LIMITS = {"clients": 256, "requests": 10_000, "max_tokens": 512, "batch_size": 256, "threads": 256}
 PROMPTS = ["The quick brown fox", "床前明月光，", "Shall I compare thee", "白日依山尽，", "To be, or not to be"]
 
 
@@ -40,6 +45,23 @@ def post(url: str, body: dict) -> dict:
     req.add_header("Content-Type", "application/json")
     with urllib.request.urlopen(req, timeout=600) as r:
         return dict(json.loads(r.read()))
+
+
+def rss_mb(pid: int) -> tuple[float, float]:
+    """(resident, peak resident) MiB of a process, from /proc (Linux); (nan, nan) elsewhere."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return float("nan"), float("nan")
+    kb = dict(re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", status, re.M))
+    return int(kb.get("VmRSS", 0)) / 1024, int(kb.get("VmHWM", 0)) / 1024
+
+
+def bounded(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name, most in LIMITS.items():
+        value = getattr(args, name)
+        if value is not None and not 1 <= value <= most:
+            ap.error(f"--{name.replace('_', '-')} must be 1..{most}, got {value}")
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
@@ -64,7 +86,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="torch threads of both (OMP_NUM_THREADS)")
+    ap.add_argument("--no-batch", action="store_true", help="the server alone, without `celeris batch` after it")
     args = ap.parse_args()
+    bounded(ap, args)
     env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
     bodies = [
         {"prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}", "max_tokens": args.max_tokens, "seed": i}
@@ -79,6 +103,7 @@ def main() -> None:
     try:
         wait_ready(url, server)
         post(url + "/v1/completions", {"prompt": "warm up", "max_tokens": 8})
+        rss_before = rss_mb(server.pid)[0]
         latencies: list[float] = []
         tokens = [0]
         next_i = [0]
@@ -106,10 +131,33 @@ def main() -> None:
         wall = time.perf_counter() - t0
         metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
         rows = {k: float(v) for k, v in re.findall(r"^celeris_serve_batch_rows_(sum|count) (\S+)$", metrics, re.M)}
+        rss_after, rss_peak = rss_mb(server.pid)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
 
+    lat = sorted(latencies)
+    p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))]
+    serve_tps = tokens[0] / wall
+    load = os.getloadavg()[0]
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}, load average {load:.1f}")
+    print(f"model {args.model} ({args.dtype}), {args.requests} requests, max_tokens {args.max_tokens}, ", end="")
+    print(f"batch size {args.batch_size}, torch threads {args.threads or 'default'}")
+    print(
+        f"serve, {args.clients} clients: {len(lat) / wall:.2f} requests/s, {serve_tps:.1f} output tok/s, "
+        f"p50 {statistics.median(lat):.2f} s, p99 {p99:.2f} s ({wall:.1f} s)"
+    )
+    print(f"serve's engine batches: {rows['count']:.0f}, {rows['sum'] / rows['count']:.1f} rows on average")
+    print(
+        f"serve's RSS: {rss_before:.0f} MiB after warm-up, {rss_after:.0f} MiB after the load (peak {rss_peak:.0f} MiB)"
+    )
+    if not args.no_batch:
+        batch_tps = compare(celeris, common, bodies, env)
+        print(f"serve / batch throughput: {serve_tps / batch_tps:.0%}")
+
+
+def compare(celeris: list[str], common: list[str], bodies: list[dict], env: dict[str, str]) -> float:
+    """`celeris batch` on the same requests; prints and returns its output tokens/s."""
     with tempfile.TemporaryDirectory() as tmp:
         src, out = Path(tmp) / "requests.jsonl", Path(tmp) / "results.jsonl"
         lines = [
@@ -126,20 +174,8 @@ def main() -> None:
         batch_wall = float(m.group(1))
         batch_tokens = sum(json.loads(x)["response"]["body"]["usage"]["completion_tokens"] for x in out.open())
 
-    lat = sorted(latencies)
-    p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))]
-    serve_tps, batch_tps = tokens[0] / wall, batch_tokens / batch_wall
-    load = os.getloadavg()[0]
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}, load average {load:.1f}")
-    print(f"model {args.model} ({args.dtype}), {args.requests} requests, max_tokens {args.max_tokens}, ", end="")
-    print(f"batch size {args.batch_size}, torch threads {args.threads or 'default'}")
-    print(
-        f"serve, {args.clients} clients: {len(lat) / wall:.2f} requests/s, {serve_tps:.1f} output tok/s, "
-        f"p50 {statistics.median(lat):.2f} s, p99 {p99:.2f} s ({wall:.1f} s)"
-    )
-    print(f"serve's engine batches: {rows['count']:.0f}, {rows['sum'] / rows['count']:.1f} rows on average")
     print(f"celeris batch, same requests: {batch_tokens / batch_wall:.1f} output tok/s ({batch_wall:.1f} s)")
-    print(f"serve / batch throughput: {serve_tps / batch_tps:.0%}")
+    return batch_tokens / batch_wall
 
 
 if __name__ == "__main__":
