@@ -34,7 +34,8 @@ from typing import Any
 
 from ..spool.config import BatchConfig
 from ..spool.ledger import read_jsonl
-from .batch_format import error_lines, failures_of, journal_counts, output_lines, request_lines
+from .batch_format import failures_of, journal_counts, request_lines
+from .batch_output import assemble
 from .batch_view import batch_object
 from .files import FileStore, derived_file_id
 from .parts import OPEN, OUTSTANDING, QUEUED, input_lines, journal_of, locate, part_bytes, plan, results_of
@@ -185,7 +186,8 @@ class BatchStore:
             return self.view(meta)
 
     def page(self, owner: str | None, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
-        mine = [m for m in self.index.values() if m.get("owner") == owner]
+        with self.lock:  # batches are created meanwhile
+            mine = [m for m in self.index.values() if m.get("owner") == owner]
         ordered = sorted(mine, key=lambda m: (m["created_at"], m["id"]), reverse=True)
         if after is not None:
             ids = [m["id"] for m in ordered]
@@ -235,7 +237,12 @@ class BatchStore:
         lines = meta.get("failed_lines") or []
         if not lines:
             raise APIError(400, f"batch {batch_id} has no failed line to retry", param=None)
-        data = input_lines(self._input(batch_id).read_bytes(), lines)
+        kept = self._input(batch_id)
+        if not kept.exists():  # a record from before inputs were kept: its input file, if it is still there
+            if self.files.get(meta["input_file_id"]) is None:
+                raise APIError(400, f"the input of batch {batch_id} was deleted; nothing to retry", param=None)
+            kept = self.files.path(meta["input_file_id"])
+        data = input_lines(kept.read_bytes(), lines)
         try:
             new = self.files.add_bytes(data, f"{batch_id}_retry.jsonl", "batch", owner=owner)
         except OSError as e:
@@ -308,21 +315,7 @@ class BatchStore:
         and error files (the same ids and bytes if this is done again after a crash)."""
         now = int(time.time())
         meta.setdefault("in_progress_at", now)
-        chat = meta["endpoint"] == "/v1/chat/completions"
-        out: list[dict[str, Any]] = []
-        errors: list[dict[str, Any]] = []
-        problems: list[dict[str, Any]] = []
-        for part in meta["parts"]:
-            name, offset = part["name"], part["offset"]
-            if part["state"] == "done":
-                out += output_lines(
-                    meta["id"], results_of(self.f, name), chat, self.model, meta["finalizing_at"], offset
-                )
-                errors += error_lines(meta["id"], failures_of(self.f.logs / "failed.jsonl", name), offset)
-            elif part["state"] == "quarantined":
-                problems += part.get("errors") or [{"code": "quarantined", "message": f"the queue refused {name}"}]
-            elif part["state"] == "lost":
-                problems.append({"code": "lost", "message": f"the queue no longer holds {name}"})
+        out, errors, problems, failed_lines = assemble(meta, self.f, self.model)
         if out:
             meta["output_file_id"] = self._write(meta, "output", out)
         if errors:
@@ -330,7 +323,7 @@ class BatchStore:
         if problems:
             data = [{**p, "param": None, "line": None} for p in problems]
             meta["errors"] = {"object": "list", "data": data}
-        meta["failed_lines"] = sorted(self._failed_lines(meta))
+        meta["failed_lines"] = failed_lines
         meta.update(completed=len(out), failed=len(errors))
         if meta["status"] == "cancelling":
             meta.update(status="cancelled", cancelled_at=now)
@@ -338,14 +331,6 @@ class BatchStore:
             meta.update(status="failed", failed_at=now)
         else:
             meta.update(status="completed", completed_at=now)
-
-    def _failed_lines(self, meta: dict[str, Any]) -> list[int]:
-        lines = []
-        for part in meta["parts"]:
-            if part["state"] == "done":
-                recs = failures_of(self.f.logs / "failed.jsonl", part["name"])
-                lines += [part["offset"] + int(r["source"]["line"]) for r in recs if r["source"].get("line")]
-        return lines
 
     def _write(self, meta: dict[str, Any], role: str, lines: list[dict[str, Any]]) -> str:
         file_id = derived_file_id(meta["id"], role)

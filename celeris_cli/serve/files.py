@@ -72,7 +72,9 @@ class FileStore:
     ) -> tuple[list[dict[str, Any]], bool]:
         """One page of the key's files, newest first unless `order` is `asc`, after the file `after`
         (an id not listed gives an empty page); and whether more follow."""
-        mine = [m for m in self.index.values() if m.get("owner") == owner and purpose in (None, m["purpose"])]
+        with self.lock:  # uploads add to the index meanwhile
+            metas = list(self.index.values())
+        mine = [m for m in metas if m.get("owner") == owner and purpose in (None, m["purpose"])]
         ordered = sorted(mine, key=lambda m: (m["created_at"], m["id"]), reverse=order != "asc")
         if after is not None:
             ids = [m["id"] for m in ordered]
