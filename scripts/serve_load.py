@@ -5,6 +5,11 @@ server's output tokens/s as a share of `celeris batch`'s (its decode time, the m
 
     python scripts/serve_load.py --clients 32 --requests 256 --max-tokens 32
     python scripts/serve_load.py --clients 4 --requests 8 --max-tokens 8 --no-batch   # the server alone
+    python scripts/serve_load.py --batch-api --requests 160 --max-tokens 16             # one Batch API job
+
+`--batch-api` sends the requests as one batch through `/v1/files` and `/v1/batches` instead, to a
+`celeris serve --queue` with its `celeris watch` daemon on a queue in a temporary folder, and prints the
+batch's wall time from create to `completed`, its requests/s and output tokens/s, and the server's RSS.
 
 Every size is bounded (`LIMITS`) before anything is sized by it.
 
@@ -87,6 +92,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="torch threads of both (OMP_NUM_THREADS)")
     ap.add_argument("--no-batch", action="store_true", help="the server alone, without `celeris batch` after it")
+    ap.add_argument("--batch-api", action="store_true", help="one Batch API job through serve --queue and watch")
     args = ap.parse_args()
     bounded(ap, args)
     env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
@@ -97,6 +103,12 @@ def main() -> None:
     celeris = [sys.executable, "-m", "celeris_cli"]
     common = ["--model", args.model, "--device", "cpu", "--dtype", args.dtype, "--batch-size", str(args.batch_size)]
 
+    if args.batch_api:
+        serve_tps = batch_api(args, celeris, bodies, env)
+        if not args.no_batch:
+            batch_tps = compare(celeris, common, bodies, env)
+            print(f"Batch API / batch throughput: {serve_tps / batch_tps:.0%}")
+        return
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([*celeris, "serve", "--port", str(port), *common], stderr=subprocess.DEVNULL, env=env)
@@ -154,6 +166,74 @@ def main() -> None:
     if not args.no_batch:
         batch_tps = compare(celeris, common, bodies, env)
         print(f"serve / batch throughput: {serve_tps / batch_tps:.0%}")
+
+
+def batch_api(args: argparse.Namespace, celeris: list[str], bodies: list[dict], env: dict[str, str]) -> float:
+    """One batch of `bodies` through a `celeris serve --queue` and its daemon; prints and returns its output
+    tokens/s (create to `completed`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "configs").mkdir()
+        config = root / "configs" / "batch.yaml"
+        cfg = {"root": "..", "model": args.model, "device": "cpu", "dtype": args.dtype, "batch_size": args.batch_size}
+        config.write_text(json.dumps({**cfg, "threads": args.threads or 1}))  # JSON is YAML
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env}
+        server = subprocess.Popen([*celeris, "serve", "--port", str(port), "--queue", str(config)], **quiet)
+        daemon = subprocess.Popen([*celeris, "watch", str(config)], **quiet)
+        try:
+            wait_ready(url, server)
+            rss_before = rss_mb(server.pid)[0]
+            lines = [
+                {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": b}
+                for i, b in enumerate(bodies)
+            ]
+            data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+            file_id = upload(url + "/v1/files", data)["id"]
+            t0 = time.perf_counter()
+            body = {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"}
+            batch = post(url + "/v1/batches", body)
+            polls = 0
+            while batch["status"] not in ("completed", "failed", "cancelled"):
+                time.sleep(0.5)
+                polls += 1
+                if polls > 7200:
+                    sys.exit("the batch did not finish in an hour")
+                batch = json.loads(urllib.request.urlopen(f"{url}/v1/batches/{batch['id']}", timeout=30).read())
+            wall = time.perf_counter() - t0
+            rss_after, rss_peak = rss_mb(server.pid)
+            out = urllib.request.urlopen(f"{url}/v1/files/{batch['output_file_id']}/content", timeout=60).read()
+            tokens = sum(json.loads(x)["response"]["body"]["usage"]["completion_tokens"] for x in out.splitlines())
+        finally:
+            for proc in (server, daemon):
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=120)
+    counts = batch["request_counts"]
+    print(f"model {args.model} ({args.dtype}), {args.requests} requests, max_tokens {args.max_tokens}, ", end="")
+    print(f"batch size {args.batch_size}, torch threads {args.threads or 1}, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"Batch API, one batch: {batch['status']} {counts['completed']}/{counts['total']} in {wall:.1f} s, "
+        f"{counts['completed'] / wall:.2f} requests/s, {tokens / wall:.1f} output tok/s"
+    )
+    print(f"serve's RSS: {rss_before:.0f} MiB at start, {rss_after:.0f} MiB after the batch (peak {rss_peak:.0f} MiB)")
+    return tokens / wall
+
+
+def upload(url: str, data: bytes) -> dict:
+    boundary = "celerisload"
+    body = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="load.jsonl"\r\n\r\n'
+        ).encode()
+        + data
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    req = urllib.request.Request(url, data=body, method="POST")
+    req.add_header("Content-Type", f"multipart/form-data; boundary={boundary}")
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return dict(json.loads(r.read()))
 
 
 def compare(celeris: list[str], common: list[str], bodies: list[dict], env: dict[str, str]) -> float:

@@ -133,6 +133,22 @@ def test_a_chat_batch_answers_in_chat_objects_and_lists_bad_lines_in_its_error_f
     assert health["daemon_pid"] == queue.watch.proc.pid and health["state"] in ("idle", "busy", "decoding")
 
 
+def test_a_cancel_mid_batch_keeps_what_was_answered_and_never_decodes_the_rest(queue: Queue) -> None:
+    """160 lines through the real daemon (batch_size 16: parts of 32, two in the queue at once), cancelled
+    once the first answers are in: the lines not yet claimed are never decoded, the batch is `cancelled`
+    soon, and its output holds exactly the answered lines, each once."""
+    queue.start_watch()
+    file_id = queue.upload([line(f"x{i}", PROMPTS[i % 5], i) for i in range(160)])
+    batch = queue.client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+    wait_for(lambda: queue.client.batches.retrieve(batch.id).request_counts.completed > 0, every=0.2)  # type: ignore[union-attr]
+    assert queue.client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    done = queue.wait(batch.id, "cancelled")
+    answered = [x["custom_id"] for x in queue.lines(done.output_file_id)]
+    assert 0 < len(answered) <= 64 and done.request_counts.completed == len(answered)  # type: ignore[union-attr]
+    assert answered == [f"x{i}" for i in range(len(answered))]  # whole parts, in input order, each once
+    assert not list((queue.root / "batch_inputs").glob(f"{batch.id}.*"))
+
+
 def test_files_are_fetched_listed_and_deleted_by_opaque_id(queue: Queue) -> None:
     data = (line("f0", "The quick", 0) + "\n").encode()
     f = queue.client.files.create(file=("mine.jsonl", io.BytesIO(data)), purpose="batch")
