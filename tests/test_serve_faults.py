@@ -14,6 +14,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -242,6 +243,15 @@ def test_parts_go_to_the_queue_as_parts_finish_and_answer_in_input_order(app: Ap
     assert out == expected[:34] + expected[35:]
     (err,) = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
     assert err["custom_id"] == "o34" and err["error"]["code"] == "poison"
+
+
+def test_a_part_is_published_settled_so_the_queue_claims_it_at_once(app: App) -> None:
+    """A part appears whole (a rename): it must not wait out the queue's settle time, or a fast device
+    would idle between parts."""
+    batch = start_batch(app.client(), [batch_line(f"s{i}") for i in range(40)])
+    settle_s = load_config(app.config).settle_s
+    for name in app.daemon.pending(batch.id):
+        assert time.time() - (app.daemon.inbox / name).stat().st_mtime >= settle_s
 
 
 # -- retry of failed lines (row 12) ----------------------------------------------------------------

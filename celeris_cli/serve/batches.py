@@ -354,7 +354,9 @@ class BatchStore:
     def _publish(self, meta: dict[str, Any], part: dict[str, Any]) -> None:
         kept = self._input(meta["id"])
         data = (kept if kept.exists() else self.files.path(meta["input_file_id"])).read_bytes()
-        write_private(self.f.inputs / part["name"], part_bytes(data, part))
+        # whole when it appears (a rename), so dated past the queue's settle time: claimed at once
+        settled = time.time() - self.cfg.settle_s - 1
+        write_private(self.f.inputs / part["name"], part_bytes(data, part), mtime=settled)
 
     def _save(self, meta: dict[str, Any]) -> None:
         text = json.dumps(meta)

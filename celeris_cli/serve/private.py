@@ -37,12 +37,13 @@ def _temp(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
-def write_private(path: Path, data: bytes, sync_dir: bool = True) -> None:
-    """Replace `path` with `data` (mode 0600): readers see the old file or the new one, never a part."""
-    copy_private(path, None, data, sync_dir)
+def write_private(path: Path, data: bytes, mtime: float | None = None) -> None:
+    """Replace `path` with `data` (mode 0600): readers see the old file or the new one, never a part.
+    `mtime`: the time it says it was last written (set before the rename)."""
+    copy_private(path, None, data, mtime)
 
 
-def copy_private(path: Path, source: IO[bytes] | None, data: bytes = b"", sync_dir: bool = True) -> int:
+def copy_private(path: Path, source: IO[bytes] | None, data: bytes = b"", mtime: float | None = None) -> int:
     """Write `source` (or `data`) to `path`, mode 0600, durably; returns the bytes written. On an error
     the temp file is removed and the error raised."""
     tmp = _temp(path)
@@ -56,12 +57,13 @@ def copy_private(path: Path, source: IO[bytes] | None, data: bytes = b"", sync_d
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()
+        if mtime is not None:
+            os.utime(tmp, (mtime, mtime))
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    if sync_dir:
-        fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return size
 
 
