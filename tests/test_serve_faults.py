@@ -81,13 +81,16 @@ def test_a_key_sees_only_its_own_files_and_batches(keyed: App) -> None:
 
 # -- state files (row 6) ---------------------------------------------------------------------------
 def test_uploads_outputs_and_records_are_private(app: App) -> None:
-    os.umask(0o022)
-    client = app.client()
-    batch = start_batch(client, [batch_line("p0"), batch_line("p1")])
-    d = app.daemon
-    d.publish(d.claim(d.pending(batch.id)[0]))
-    app.batches.advance(batch.id)
-    done = client.batches.retrieve(batch.id)
+    old = os.umask(0o022)  # the usual umask, which would leave them 0644
+    try:
+        client = app.client()
+        batch = start_batch(client, [batch_line("p0"), batch_line("p1")])
+        d = app.daemon
+        d.publish(d.claim(d.pending(batch.id)[0]))
+        app.batches.advance(batch.id)
+        done = client.batches.retrieve(batch.id)
+    finally:
+        os.umask(old)
     assert done.status == "completed" and done.output_file_id
     serve = app.root / "serve"
     for folder in (serve / "files", serve / "batches"):
