@@ -90,7 +90,7 @@ class BatchStore:
                             except KeyError:  # a record from before parts, whose input was deleted
                                 part["state"] = "lost"
 
-    def start(self, every_s: float = 0.5) -> None:
+    def start(self, every_s: float = 0.2) -> None:
         """Follow the queue in the background: feed parts, write output files, keep the records."""
         try:
             self.recover()
