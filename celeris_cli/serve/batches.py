@@ -106,7 +106,7 @@ class BatchStore:
 
     def _follow(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
-            for batch_id in list(self.index):
+            for batch_id in [i for i, m in list(self.index.items()) if m["status"] not in TERMINAL]:
                 try:
                     self.advance(batch_id)
                 except Exception as e:  # noqa: BLE001 - a bad batch (or a full disk) must not stop the others
