@@ -82,10 +82,10 @@ def test_a_batch_not_yet_claimed_is_cancelled_at_once(queue: Queue) -> None:
     """Before the daemon runs: the batch waits in the inbox (`validating`), and a cancel takes it out."""
     file_id = queue.upload([line(f"c{i}", p, i) for i, p in enumerate(PROMPTS[:3])])
     batch = queue.client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
-    assert batch.status == "validating" and (queue.root / "batch_inputs" / f"{batch.id}.jsonl").exists()
+    assert batch.status == "validating" and (queue.root / "batch_inputs" / f"{batch.id}.0000.jsonl").exists()
     cancelled = queue.client.batches.cancel(batch.id)
     assert cancelled.status == "cancelled" and cancelled.request_counts.total == 3  # type: ignore[union-attr]
-    assert not (queue.root / "batch_inputs" / f"{batch.id}.jsonl").exists()
+    assert not (queue.root / "batch_inputs" / f"{batch.id}.0000.jsonl").exists()
     with pytest.raises(openai.BadRequestError):
         queue.client.batches.cancel(batch.id)
 
@@ -98,7 +98,8 @@ def test_a_batch_claimed_when_cancelled_ends_cancelled_with_what_it_answered(que
     batch = queue.client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
     work = queue.root / "batch_inputs" / ".work"
     work.mkdir(exist_ok=True)
-    os.rename(queue.root / "batch_inputs" / f"{batch.id}.jsonl", work / f"00000001.{batch.id}.jsonl")
+    part = f"{batch.id}.0000.jsonl"  # its one part (parts.py)
+    os.rename(queue.root / "batch_inputs" / part, work / f"00000001.{part}")
     assert queue.client.batches.retrieve(batch.id).status == "in_progress"
     assert queue.client.batches.cancel(batch.id).status == "cancelling"
     queue.start_watch()
@@ -130,6 +131,22 @@ def test_a_chat_batch_answers_in_chat_objects_and_lists_bad_lines_in_its_error_f
     health = queue.server.get("/health")["queue"]  # the daemon beside the server, by its heartbeat
     assert queue.watch is not None and queue.watch.proc is not None
     assert health["daemon_pid"] == queue.watch.proc.pid and health["state"] in ("idle", "busy", "decoding")
+
+
+def test_a_cancel_mid_batch_keeps_what_was_answered_and_never_decodes_the_rest(queue: Queue) -> None:
+    """160 lines through the real daemon (batch_size 16: parts of 32, two in the queue at once), cancelled
+    once the first answers are in: the lines not yet claimed are never decoded, the batch is `cancelled`
+    soon, and its output holds exactly the answered lines, each once."""
+    queue.start_watch()
+    file_id = queue.upload([line(f"x{i}", PROMPTS[i % 5], i) for i in range(160)])
+    batch = queue.client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+    wait_for(lambda: queue.client.batches.retrieve(batch.id).request_counts.completed > 0, every=0.2)  # type: ignore[union-attr]
+    assert queue.client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    done = queue.wait(batch.id, "cancelled")
+    answered = [x["custom_id"] for x in queue.lines(done.output_file_id)]
+    assert 0 < len(answered) <= 64 and done.request_counts.completed == len(answered)  # type: ignore[union-attr]
+    assert answered == [f"x{i}" for i in range(len(answered))]  # whole parts, in input order, each once
+    assert not list((queue.root / "batch_inputs").glob(f"{batch.id}.*"))
 
 
 def test_files_are_fetched_listed_and_deleted_by_opaque_id(queue: Queue) -> None:
@@ -197,7 +214,7 @@ def test_a_200_line_batch_survives_sigkill_of_the_server_and_its_daemon(queue: Q
     out = queue.lines(done.output_file_id)
     errors = queue.lines(done.error_file_id)
     assert [x["custom_id"] for x in out] == [f"q{i}" for i in range(195)]  # each once, in input order
-    assert sorted(str(x["custom_id"]) for x in errors) == ["None", "bad-long", "bad-missing", "bad-n", "bad-param"]
+    assert sorted(str(x["custom_id"]) for x in errors) == ["bad-long", "bad-missing", "bad-n", "bad-param", "line-51"]
     assert {x["error"]["code"] for x in errors} == {"invalid_json", "bad_param", "missing_prompt", "prompt_too_long"}
 
     assert reference.wait(timeout=300) == 1  # 1: some requests failed

@@ -55,9 +55,12 @@ def serve(
     Binds 127.0.0.1 by default. Keys come from --api-key-file, never the command line. With --queue, batch
     jobs go through the queue's inbox and survive restarts of the server and of its daemon."""
     try:
+        from ..serve.private import key_file_warning
         from ..serve.settings import Keys, Limits, check_exposure
 
         keys = Keys.from_file(api_key_file) if api_key_file is not None else Keys()
+        if api_key_file is not None and (warning := key_file_warning(api_key_file)):
+            typer.echo(warning, err=True)
         check_exposure(host, keys, insecure_no_auth)
         limits = Limits(max_body_bytes, max_file_bytes, max_tokens, max_batch_lines, max_concurrent, batch_size)
         _check_port(host, port)

@@ -30,13 +30,17 @@ def _line(batch_id: str, line: Any, custom_id: Any, response: Any, error: Any) -
     }
 
 
-def output_lines(batch_id: str, results: Path, chat: bool, model: str, created: int) -> list[dict[str, Any]]:
-    """The queue's results file (its own shape: `{"id": "FILE:LINE", "custom_id", "response": {"body": {"text",
-    "finish_reason", "usage", ...}}}`) as OpenAI output lines, in input order."""
+def output_lines(
+    batch_id: str, results: Path, chat: bool, model: str, created: int, offset: int = 0
+) -> list[dict[str, Any]]:
+    """The queue's results file of a part (its own shape: `{"id": "FILE:LINE", "custom_id", "response":
+    {"body": {"text", "finish_reason", "usage", ...}}}`) as OpenAI output lines, in input order; `offset`
+    is the number of input lines before the part."""
     out = []
     build = chat_completion if chat else completion
     for rec in read_jsonl(results):
-        line = str(rec.get("id", "")).rpartition(":")[2]
+        local = str(rec.get("id", "")).rpartition(":")[2]
+        line = offset + int(local) if local.isdigit() else local
         body = rec["response"]["body"]
         obj = build(
             f"{'chatcmpl' if chat else 'cmpl'}-{stable_id(batch_id, line)}",
@@ -51,13 +55,16 @@ def output_lines(batch_id: str, results: Path, chat: bool, model: str, created: 
     return out
 
 
-def error_lines(batch_id: str, failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Failure records as OpenAI error lines; a line without a custom_id says its line number."""
+def error_lines(batch_id: str, failures: list[dict[str, Any]], offset: int = 0) -> list[dict[str, Any]]:
+    """Failure records of a part as OpenAI error lines; a line the queue could not read an id from (not
+    JSON, say) is `line-N`, as the queue names a line without one, and its message says the line."""
     out = []
     for r in failures:
-        line = r["source"]["line"]
-        message = r["message"] if r.get("custom_id") is not None else f"line {line}: {r['message']}"
-        out.append(_line(batch_id, line, r.get("custom_id"), None, {"code": r["code"], "message": message}))
+        line = offset + int(r["source"]["line"])
+        custom_id = r.get("custom_id")
+        message = r["message"] if custom_id is not None else f"line {line}: {r['message']}"
+        error = {"code": r["code"], "message": message}
+        out.append(_line(batch_id, line, custom_id if custom_id is not None else f"line-{line}", None, error))
     return out
 
 
@@ -72,32 +79,45 @@ def failures_of(failed_log: Path, name: str) -> list[dict[str, Any]]:
 
 
 def journal_counts(path: Path) -> tuple[int, int]:
-    """(results, failures) the queue's journal of a claim has decided so far."""
-    done = failed = 0
+    """(results, failures) the queue's journal of a claim has decided so far, counted by line: the queue
+    writes a line's outcome again each time a blocked publish is retried (`spool/finish.py`,
+    `blocked_or_raise`), and on a clean stop, so a line is counted once, as its last outcome says."""
+    decided: dict[int, bool] = {}
     for rec in read_jsonl(path):
         for o in rec.get("outcomes", []):
-            if "body" in o:
-                done += 1
-            else:
-                failed += 1
-    return done, failed
+            if isinstance(o, dict) and isinstance(o.get("line"), int):
+                decided[o["line"]] = "body" in o
+    done = sum(decided.values())
+    return done, len(decided) - done
 
 
 def request_lines(data: bytes, endpoint: str) -> int:
-    """The number of request lines; a line that names another endpoint is a 400 (a line that is not a
-    request at all is the queue's to record, in the error file)."""
+    """The number of request lines; a line that names another endpoint, or repeats a custom_id, is a 400
+    (a line that is not a request at all is the queue's to record, in the error file). The queue finds a
+    repeated id only within one file, and a batch reaches it in parts (`parts.py`), so it is found here."""
     total = 0
+    ids: set[str] = set()
     for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue
         total += 1
         try:
             obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             continue
-        url = obj.get("url") if isinstance(obj, dict) else None
+        if not isinstance(obj, dict):
+            continue
+        url = obj.get("url")
         if url is not None and url != endpoint:
             raise APIError(
                 400, f"line {number}: url {url!r} is not the batch's endpoint {endpoint}", param="input_file_id"
             )
+        custom_id = obj.get("custom_id", obj.get("id", f"line-{number}"))
+        if str(custom_id) in ids:
+            raise APIError(
+                400,
+                f"line {number}: custom_id {str(custom_id)[:80]!r} appears earlier in the file",
+                param="input_file_id",
+            )
+        ids.add(str(custom_id))
     return total

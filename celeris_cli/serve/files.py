@@ -1,23 +1,24 @@
 """Uploaded and produced files (`/v1/files`), kept under the server's state folder.
 
 `files/<id>.json` is a file's metadata and `files/<id>.data` its bytes, each written to a temp name,
-fsynced and renamed (data first, so a metadata file always has its data). Ids are random and opaque; a
-request's id is only ever looked up in the index loaded from those files, never joined to a path.
+fsynced and renamed (data first, so a metadata file always has its data), mode 0600 in a 0700 folder. Ids
+are random and opaque; a request's id is only ever looked up in the index loaded from those files, never
+joined to a path. A file belongs to the API key that uploaded it (`owner`, a hash of the key; None on a
+server without keys): the routes show it to that key only.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
-import shutil
 import threading
 import time
 from pathlib import Path
 from typing import IO, Any
 
-from ..spool.fsutil import atomic_write, fsync_dir
+from ..spool.fsutil import fsync_dir
+from .private import copy_private, private_folder, write_private
 
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
 PURPOSES = ("batch", "batch_output")
@@ -37,8 +38,7 @@ def file_object(meta: dict[str, Any]) -> dict[str, Any]:
 
 class FileStore:
     def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = private_folder(folder)
         self.lock = threading.Lock()
         self.index: dict[str, dict[str, Any]] = {}
         for meta_path in folder.glob("file-*.json"):
@@ -62,35 +62,54 @@ class FileStore:
         """The bytes of a file known to the index."""
         return self._data(self.index[file_id]["id"])
 
-    def listing(self) -> list[dict[str, Any]]:
-        return sorted(self.index.values(), key=lambda m: (m["created_at"], m["id"]))
+    def owned(self, file_id: str, owner: str | None) -> dict[str, Any] | None:
+        """The file, if the key `owner` may see it."""
+        meta = self.get(file_id)
+        return meta if meta is not None and meta.get("owner") == owner else None
 
-    def add_stream(self, source: IO[bytes], filename: str, purpose: str, file_id: str | None = None) -> dict[str, Any]:
+    def page(
+        self, owner: str | None, after: str | None, limit: int, order: str = "desc", purpose: str | None = None
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """One page of the key's files, newest first unless `order` is `asc`, after the file `after`
+        (an id not listed gives an empty page); and whether more follow."""
+        with self.lock:  # uploads add to the index meanwhile
+            metas = list(self.index.values())
+        mine = [m for m in metas if m.get("owner") == owner and purpose in (None, m["purpose"])]
+        ordered = sorted(mine, key=lambda m: (m["created_at"], m["id"]), reverse=order != "asc")
+        if after is not None:
+            ids = [m["id"] for m in ordered]
+            ordered = ordered[ids.index(after) + 1 :] if after in ids else []
+        return ordered[:limit], len(ordered) > limit
+
+    def add_stream(
+        self, source: IO[bytes], filename: str, purpose: str, file_id: str | None = None, owner: str | None = None
+    ) -> dict[str, Any]:
         """Copy an upload in, durably; returns its metadata."""
         file_id = file_id or new_file_id()
-        data = self._data(file_id)
-        tmp = data.with_name(f".{data.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                shutil.copyfileobj(source, f, 1 << 20)
-                f.flush()
-                os.fsync(f.fileno())
-                size = f.tell()
-            os.replace(tmp, data)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(self.folder)
-        return self._record(file_id, filename, purpose, size)
+        size = copy_private(self._data(file_id), source)
+        return self._record(file_id, filename, purpose, size, owner)
 
-    def add_bytes(self, content: bytes, filename: str, purpose: str, file_id: str | None = None) -> dict[str, Any]:
+    def add_bytes(
+        self, content: bytes, filename: str, purpose: str, file_id: str | None = None, owner: str | None = None
+    ) -> dict[str, Any]:
         file_id = file_id or new_file_id()
-        atomic_write(self._data(file_id), content)
-        return self._record(file_id, filename, purpose, len(content))
+        write_private(self._data(file_id), content)
+        return self._record(file_id, filename, purpose, len(content), owner)
 
-    def _record(self, file_id: str, filename: str, purpose: str, size: int) -> dict[str, Any]:
-        meta = {"id": file_id, "bytes": size, "created_at": int(time.time()), "filename": filename, "purpose": purpose}
-        atomic_write(self.folder / f"{file_id}.json", json.dumps(meta).encode())
+    def _record(self, file_id: str, filename: str, purpose: str, size: int, owner: str | None) -> dict[str, Any]:
+        meta = {
+            "id": file_id,
+            "bytes": size,
+            "created_at": int(time.time()),
+            "filename": filename,
+            "purpose": purpose,
+            "owner": owner,
+        }
+        try:
+            write_private(self.folder / f"{file_id}.json", json.dumps(meta).encode())
+        except OSError:
+            self._data(file_id).unlink(missing_ok=True)  # no data file without its metadata
+            raise
         with self.lock:
             self.index[file_id] = meta
         return meta
