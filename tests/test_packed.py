@@ -55,3 +55,35 @@ def test_two_rows_over_one_cache_write_their_own_slots_and_nothing_else(tiny_mod
         assert torch.allclose(ck[3, :, :9], fa[0], atol=1e-6) and torch.allclose(ck[1, :, :14], fb[0], atol=1e-6)
         assert not ck[0].any() and not ck[2].any() and not ck[3, :, 9:].any() and not ck[1, :, 14:].any()
         assert not cv[0].any() and not cv[2].any()
+
+
+def test_rows_of_one_shape_share_an_attention_call_and_get_exactly_what_each_gets_apart(tiny_model: Path) -> None:
+    """Three rows of one width over the same number of keys in consecutive slots are one attention call
+    (`packed._groups`: one kernel launch on CUDA, not one per row); a fourth of another width is its own.
+    Each row's hidden states are bit for bit those of the same packed forward run one row at a time."""
+    from celeris_cli.arch import packed
+
+    model = load_engine(tiny_model, device="cpu", dtype="float32").model
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(10, 200, (1, n), generator=g) for n in (8, 8, 8, 5)]
+    kv = model.hidden(rows[0], torch.arange(8)[None], None, None, 0, True)[1]
+    k = kv[0][0]
+
+    def run(groups: list[list[int]]) -> torch.Tensor:
+        cache = KVCache.empty(len(kv), 4, k.shape[1], 8, k.shape[3], k.dtype, torch.device("cpu"))
+        out = []
+        for members in groups:
+            segments, at = [], 0
+            for i in members:
+                n = rows[i].shape[1]
+                segments.append(Segment(at, at + n, cache, i, 0, n))
+                at += n
+            ids = torch.cat([rows[i] for i in members], 1)
+            pos = torch.cat([torch.arange(rows[i].shape[1]) for i in members])[None]
+            with torch.no_grad():
+                out.append(model.hidden(ids, pos, None, packed_layers(segments, len(kv)), 0, False)[0][0])
+        return torch.cat(out)
+
+    together = [Segment(0, 8, None, 0), Segment(8, 16, None, 1), Segment(16, 24, None, 2), Segment(24, 29)]
+    assert [len(grp) for grp in packed._groups(together)] == [3, 1]
+    assert torch.equal(run([[0, 1, 2, 3]]), run([[0], [1], [2], [3]]))

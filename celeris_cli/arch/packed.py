@@ -62,17 +62,44 @@ class PackedLayer:
             ck[w.slots, :, w.at] = k[0, :, w.tokens].transpose(0, 1).to(ck.dtype)
             cv[w.slots, :, w.at] = v[0, :, w.tokens].transpose(0, 1).to(cv.dtype)
         y = q.new_empty(1, H, N, v.shape[-1], dtype=torch.float32 if up else dtype)
-        for s in self.segments:
-            if s.cache is not None:
-                ck, cv = s.cache.layers[self.layer]
-                ks, vs = ck[s.slot : s.slot + 1, :, : s.keys], cv[s.slot : s.slot + 1, :, : s.keys]
+        for group in _groups(self.segments):  # one call per run of rows of one shape, each over its own keys
+            first, n = group[0], len(group)
+            lo, hi, width = first.begin, group[-1].end, first.end - first.begin
+            qs = q[0, :, lo:hi].unflatten(1, (n, width)).transpose(0, 1)  # (n, H, width, D)
+            if first.cache is not None:
+                ck, cv = first.cache.layers[self.layer]
+                ks, vs = (
+                    ck[first.slot : first.slot + n, :, : first.keys],
+                    cv[first.slot : first.slot + n, :, : first.keys],
+                )
             else:
-                ks, vs = k[:, :, s.begin : s.end], v[:, :, s.begin : s.end]
-            qs = q[:, :, s.begin : s.end]
+                ks = k[0, :, lo:hi].unflatten(1, (n, width)).transpose(0, 1)
+                vs = v[0, :, lo:hi].unflatten(1, (n, width)).transpose(0, 1)
             if up:
                 qs, ks, vs = qs.float(), ks.float(), vs.float()
-            y[:, :, s.begin : s.end] = F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=gqa)  # (n, H, width, Dv)
+            y[0, :, lo:hi] = out.transpose(0, 1).flatten(1, 2)
         return y.to(dtype).transpose(1, 2).reshape(1, N, -1)
+
+
+def _groups(segments: list[Segment]) -> list[list[Segment]]:
+    """The segments in runs that one attention call serves (on CUDA, one kernel launch instead of one per
+    row): consecutive in the packed sequence, of one width, and over the same number of keys in consecutive
+    slots of one cache (or each over its own fresh keys). A row's keys stay exactly its own."""
+    groups: list[list[Segment]] = []
+    for s in segments:
+        if groups:
+            last = groups[-1][-1]
+            if (
+                s.begin == last.end
+                and s.end - s.begin == last.end - last.begin
+                and s.cache is last.cache
+                and (s.cache is None or (s.slot == last.slot + 1 and s.keys == last.keys))
+            ):
+                groups[-1].append(s)
+                continue
+        groups.append([s])
+    return groups
 
 
 @dataclass(frozen=True)
