@@ -557,6 +557,23 @@ class LiveRun:
             self.scheduler.pieces = torch.tensor(pieces, device=self.engine.device, dtype=torch.long)
         self.scheduler.add([self.engine._request(key, ids, params, seed)])
 
+    def cancel(self, key: int) -> None:
+        """Drop a row whose caller no longer wants it (a client that left); `answers` never yields it. A row
+        still waiting leaves the scheduler's waiting deque and never decodes. A row in flight in block
+        diffusion's running set leaves its lane at once, freeing its slot (the lane's `drop`, as a finished
+        row leaves); in the fast strategy's (`waves`) it decodes on to its end beside the others and its
+        answer is discarded. Call it between two answers, from the thread that runs `answers`."""
+        if self.rows.pop(key, None) is None or self.scheduler is None:
+            return
+        scheduler = self.scheduler
+        kept = [r for r in scheduler.waiting if r.key != key]
+        if len(kept) < len(scheduler.waiting):
+            scheduler.waiting.clear()
+            scheduler.waiting.extend(kept)  # type: ignore[arg-type]
+        elif isinstance(scheduler, BlockScheduler):
+            for lane in scheduler.lanes.values():
+                lane.drop({id(r) for r in lane.rows if r.req.key == key})
+
     @property
     def pending(self) -> int:
         """Rows added and not yet answered."""
@@ -571,6 +588,8 @@ class LiveRun:
             reset_peak(self.engine.device)
             try:
                 for key, out, forwards in _running(scheduler.run(), deterministic):
+                    if key not in self.rows:  # cancelled in flight (`cancel`): its answer is discarded
+                        continue
                     prompt, ids, params, seed, t0 = self.rows.pop(key)
                     peak = round(read_peak(self.engine.device) / 2**20, 1)
                     wall = time.perf_counter() - t0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
@@ -98,7 +99,10 @@ def batch_routes(state: ServeState) -> APIRouter:
     @router.post("/v1/batches")
     async def create(request: Request) -> dict[str, Any]:
         body: BatchCreate = await read_body(request, BatchCreate)
-        return store().create(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
+        batches = store()  # the file's lines are parsed and fsynced: off the event loop
+        return await asyncio.to_thread(
+            batches.create, body.input_file_id, body.endpoint, body.completion_window, body.metadata
+        )
 
     @router.get("/v1/batches")
     def list_batches(after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict[str, Any]:
