@@ -209,3 +209,48 @@ def test_models_created_is_fixed_and_metrics_count_every_route(server: Server) -
     assert 'celeris_serve_requests_total{route="other",status="415"}' in metrics
     assert 'celeris_serve_requests_total{route="/v1/models",status="200"}' in metrics
     assert server.get("/health")["threads"] == 2  # --threads
+
+
+class _Broken:
+    """A runner whose every request fails inside the route: an error no route turns into an answer."""
+
+    depth = 0
+
+    def prepare(self, *args: Any) -> Any:
+        raise RuntimeError("simulated bug")
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_unexpected_error_is_a_500_that_closes_the_connection_and_the_next_request_is_answered() -> None:
+    import uvicorn
+
+    from celeris_cli.serve.app import create_app
+    from celeris_cli.serve.settings import Keys, Limits
+    from celeris_cli.serve.state import ServeState
+
+    from .serve_helpers import free_port, wait_for
+
+    state = ServeState(_Broken(), "broken", Limits(), Keys())  # type: ignore[arg-type]
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, timeout=30)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)  # one client, reconnecting as told
+        conn.request("POST", "/v1/completions", body=b'{"prompt": "x"}', headers=JSON)
+        r = conn.getresponse()
+        body = json.loads(r.read())
+        assert (
+            r.status == 500 and body["error"]["type"] == "server_error" and "simulated" not in body["error"]["message"]
+        )
+        assert r.getheader("connection") == "close"
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+        assert 'route="/v1/completions",status="500"' in state.metrics.text().decode()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
