@@ -128,6 +128,8 @@ def test_malformed_values_are_400s_naming_the_field(server: Server) -> None:
     chat = b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 4}'
     status, body = post(server, chat, "/v1/chat/completions")
     assert status == 400 and body["error"]["param"] == "messages.0.content"
+    status, body = post(server, b'{"prompt": "x", "max_tokens": 4, "\\ud800": 1}')  # the key itself
+    assert status == 400 and "a key of the body" in body["error"]["message"]
     for stop, why in (("", "empty"), (["a", "b", "c", "d", "e"], "at most 4")):
         status, body = post(server, {"prompt": "x", "max_tokens": 4, "stop": stop})
         assert status == 400 and body["error"]["param"] == "stop" and why in body["error"]["message"], body

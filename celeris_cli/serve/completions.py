@@ -73,8 +73,8 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"] if not _member(p))
-        raise APIError(400, f"{param}: {err['msg']}", param=param) from None
+        param = ".".join(str(p) for p in err["loc"] if not _member(p)) or None  # None: a key itself is bad
+        raise APIError(400, f"{param or 'a key of the body'}: {err['msg']}", param=param) from None
     except RecursionError:  # nesting under json's limit can still pass pydantic's
         raise APIError(400, "the body is nested too deeply") from None
 

@@ -68,7 +68,14 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        # the message and param may quote the client's text (a key): a lone surrogate there must not make the
+        # answer unencodable
+        message, param = (_printable(x) for x in (self.message, self.param))
+        return {"error": {"message": message, "type": self.type, "param": param, "code": self.code}}
+
+
+def _printable(text: str | None) -> Any:
+    return text if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class StreamOptions(BaseModel):
