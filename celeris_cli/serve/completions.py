@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from ..errors import CelerisError, PromptTooLong, TooLarge
+from ..errors import CelerisError, PromptTooLong
 from ..spool.backend import Prepared
 from .runner import Answer
 from .schema import (
@@ -192,9 +192,7 @@ def _usage(a: Answer) -> dict[str, int]:
 def answer_error(e: BaseException) -> APIError:
     """A decoding failure as the client sees it: a request too large for the device's memory is the
     client's to make smaller (4xx, naming what to lower), as the queue answers it; anything else is ours."""
-    if isinstance(e, TooLarge):
-        return APIError(400, str(e), code=e.code)
-    if isinstance(e, CelerisError):
+    if isinstance(e, CelerisError):  # TooLarge's code is `too_large`, as in the queue's failure records
         return APIError(400, str(e), code=e.code)
     return APIError(500, f"decoding failed ({type(e).__name__}); see the server's log", "server_error")
 
