@@ -156,6 +156,25 @@ def test_a_row_whose_client_left_in_flight_leaves_the_running_set(gated: tuple[R
     assert runner.submit([kept])[0].result(60).text == alone.text  # its mate leaving changed nothing
 
 
+def test_a_row_whose_client_left_while_it_waited_in_the_running_set_never_decodes(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = Gate(engine.model)
+    monkeypatch.setattr(engine, "model", gate)
+    runner = Runner(engine, {"gen_length": 16}, max_batch=1)  # one row in flight, the other waits in the set
+    try:
+        first, gone = runner.submit([runner.prepare(req("The quick")), runner.prepare(req("床前明月光，"))])
+        assert gate.started.wait(30)
+        assert gone.running()  # taken into the running set, waiting there
+        assert runner.drop(gone)
+        gate.release.set()
+        assert first.result(60).text is not None
+        assert not gate.seen(only_in(engine, "床前明月光，", "The quick")) and not gone.done()
+    finally:
+        gate.release.set()
+        runner.close()
+
+
 def test_a_static_batch_out_of_memory_alone_is_too_large_naming_what_to_lower(gated: tuple[Runner, Gate]) -> None:
     from celeris_cli.errors import TooLarge
 
