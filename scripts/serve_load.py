@@ -1,6 +1,7 @@
 """Load figure for `celeris serve`: N concurrent clients against a real server on the embedded model, then
-`celeris batch` on the same requests, in one run. Prints requests/s, output tokens/s, p50/p99 latency, and
-the server's output tokens/s as a share of `celeris batch`'s (its decode time, the model's load excluded).
+`celeris batch` on the same requests, in one run. Prints requests/s, output tokens/s, p50/p99 latency, the
+server's resident memory before and after the load, and the server's output tokens/s as a share of
+`celeris batch`'s (its decode time, the model's load excluded).
 
     python scripts/serve_load.py --clients 32 --requests 256 --max-tokens 32
 
@@ -42,6 +43,15 @@ def post(url: str, body: dict) -> dict:
         return dict(json.loads(r.read()))
 
 
+def rss_mib(pid: int) -> float:
+    """A process's resident memory (Linux's /proc; nan elsewhere)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text(encoding="utf-8")
+    except OSError:
+        return float("nan")
+    return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")) / 1024
+
+
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -79,6 +89,7 @@ def main() -> None:
     try:
         wait_ready(url, server)
         post(url + "/v1/completions", {"prompt": "warm up", "max_tokens": 8})
+        rss_before = rss_mib(server.pid)
         latencies: list[float] = []
         tokens = [0]
         next_i = [0]
@@ -104,6 +115,7 @@ def main() -> None:
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
+        rss_after = rss_mib(server.pid)
         metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
         rows = {k: float(v) for k, v in re.findall(r"^celeris_serve_batch_rows_(sum|count) (\S+)$", metrics, re.M)}
     finally:
@@ -138,6 +150,7 @@ def main() -> None:
         f"p50 {statistics.median(lat):.2f} s, p99 {p99:.2f} s ({wall:.1f} s)"
     )
     print(f"serve's engine batches: {rows['count']:.0f}, {rows['sum'] / rows['count']:.1f} rows on average")
+    print(f"serve's resident memory: {rss_before:.0f} MiB after warm-up, {rss_after:.0f} MiB after the load")
     print(f"celeris batch, same requests: {batch_tokens / batch_wall:.1f} output tok/s ({batch_wall:.1f} s)")
     print(f"serve / batch throughput: {serve_tps / batch_tps:.0%}")
 
