@@ -198,8 +198,10 @@ class Engine:
         max_batch: int,
         refill: bool = True,
         on_block: OnBlock | None = None,
+        before_round: Callable[[], None] | None = None,
     ) -> tuple[RunningSet[Any], Net]:
-        """The running set for rows with these settings (one kind: `_running_kind`)."""
+        """The running set for rows with these settings (one kind: `_running_kind`); `before_round` is
+        called as each of its rounds begins."""
         kinds = {_running_kind(p) for p in params}
         assert len(kinds) == 1 and None not in kinds, "one running set decodes rows of one kind"
         special = self._special(max(params, key=lambda p: p.subword_min_p))  # word pieces if any row needs them
@@ -207,9 +209,9 @@ class Engine:
         if kinds == {"waves"}:
             assert on_block is None, "the fast strategy commits no blocks to report"
             wave = (net, special.mask_id, special.stop_ids, max_batch, self.device, special.word_pieces)
-            return waves.WaveScheduler(*wave, refill=refill), net
+            return waves.WaveScheduler(*wave, refill=refill, before_round=before_round), net
         args = (net, special.mask_id, special.stop_ids, special.pad_id, max_batch, self.device, special.word_pieces)
-        return BlockScheduler(*args, refill=refill, on_block=on_block), net
+        return BlockScheduler(*args, refill=refill, on_block=on_block, before_round=before_round), net
 
     @staticmethod
     def _request(key: int, ids: list[int], params: GenerationParams, seed: int) -> Any:
@@ -505,6 +507,7 @@ class LiveRun:
         self.deterministic: bool | None = None
         self.rows: dict[int, _Pending] = {}  # by key, as added
         self.on_block: OnBlock | None = None  # (key, generated ids so far) as each row's block is committed
+        self.before_round: Callable[[], None] | None = None  # called as each round begins (rows may be cancelled)
 
     def accepts(self, params: GenerationParams) -> bool:
         """Whether a row with these final settings can join: block diffusion or the fast strategy, without
@@ -546,7 +549,11 @@ class LiveRun:
     def _fresh(self, params: GenerationParams) -> None:
         self.kind = _running_kind(params)
         on_block = self.on_block if self.kind == "block" else None  # the fast strategy streams no blocks
-        self.scheduler, self.net = self.engine._scheduler([params], self.width, self.refill, on_block)
+        self.scheduler, self.net = self.engine._scheduler([params], self.width, self.refill, on_block, self._round)
+
+    def _round(self) -> None:
+        if self.before_round is not None:
+            self.before_round()
 
     def _enqueue(self, keys: Sequence[int]) -> None:
         assert self.scheduler is not None
@@ -557,6 +564,14 @@ class LiveRun:
                 self.scheduler.use_word_pieces(self.engine._special(row.params).word_pieces)
             requests.append(self.engine._request(key, row.ids, row.params, row.seed))
         self.scheduler.add(requests)
+
+    def cancel(self, key: int) -> None:
+        """Drop a row whose caller no longer wants it (a client that left); `answers` never yields it. A row
+        waiting leaves at once and never decodes; one in flight leaves its running set as the next round
+        begins, its slot freed (`RunningSet.drop`). Call it from the thread that runs `answers`: between two
+        answers, or from `before_round`, called as each round of the running set begins."""
+        if self.rows.pop(key, None) is not None and self.scheduler is not None:
+            self.scheduler.drop([key])
 
     @property
     def pending(self) -> int:
@@ -572,6 +587,8 @@ class LiveRun:
             reset_peak(self.engine.device)
             try:
                 for key, out, forwards in _running(scheduler.run(), deterministic):
+                    if key not in self.rows:  # cancelled in flight (`cancel`): its answer is discarded
+                        continue
                     row, t0 = self.rows[key].row, self.rows.pop(key).added
                     peak = round(read_peak(self.engine.device) / 2**20, 1)
                     wall = time.perf_counter() - t0

@@ -28,6 +28,12 @@ CacheMode = Literal["none", "prefix", "dual"]
 Confidence = Literal["prob", "margin", "lead", "entropy"]
 DreamAlg = Literal["maskgit_plus", "topk_margin", "entropy", "origin"]
 MAX_SEED = 2**63 - 1
+# The ceiling of every length and count a user gives (tokens, steps, block length, top-k...): above any
+# model's context, and checked before anything is sized by the value (a list per block of a 10^9-token
+# canvas once grew a server to 22 GB before the context check could refuse it).
+MAX_SIZE = 1 << 20
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1000
 
 
 @dataclass(frozen=True)
@@ -48,17 +54,24 @@ def _finite(lo: float, hi: float = math.inf, hi_open: bool = False) -> Callable[
     return lambda v: math.isfinite(v) and lo <= v and (v < hi if hi_open else v <= hi)
 
 
-POSITIVE = "a positive integer"
+POSITIVE = f"a positive integer, at most {MAX_SIZE}"
+COUNT = f"an integer in 0..{MAX_SIZE}"
+
+
+def _size(lo: int) -> Callable[[Any], bool]:
+    return lambda v: lo <= v <= MAX_SIZE
+
+
 KNOBS: dict[str, Knob] = {
     # schedule
-    "gen_length": Knob(int, 64, lambda v: v >= 1, POSITIVE, help="Tokens to generate (the canvas)."),
+    "gen_length": Knob(int, 64, _size(1), POSITIVE, help="Tokens to generate (the canvas)."),
     "block_length": Knob(
-        int, 32, lambda v: v >= 1, POSITIVE, help="Block size: blocks are decoded left to right (at most gen-length)."
+        int, 32, _size(1), POSITIVE, help="Block size: blocks are decoded left to right (at most gen-length)."
     ),
     "denoise_steps": Knob(
         int,
         64,
-        lambda v: v >= 1,
+        _size(1),
         POSITIVE,
         help="Denoising steps in total over the answer, on every model. They are spread over the blocks: equal "
         "shares, the remainder to the first blocks, at least one step per block and at most one per token "
@@ -90,8 +103,8 @@ KNOBS: dict[str, Knob] = {
     "top_k": Knob(
         int,
         0,
-        lambda v: v >= 0,
-        "an integer >= 0 (0 = off)",
+        _size(0),
+        f"{COUNT} (0 = off)",
         help="When sampling, keep the k likeliest tokens (0 = off).",
     ),
     # ordering
@@ -131,8 +144,8 @@ KNOBS: dict[str, Knob] = {
     "suffix_window": Knob(
         int,
         0,
-        lambda v: v >= 0,
-        "an integer >= 0 (0 = the whole canvas)",
+        _size(0),
+        f"{COUNT} (0 = the whole canvas)",
         help="The model sees at most N masked positions past the active block (0 = the whole canvas).",
     ),
     # shaping (the fast and block decoders): rules on the logits that look at the answer as a whole
@@ -144,7 +157,7 @@ KNOBS: dict[str, Knob] = {
         help="Subtract X from the logit of every token already in the answer.",
     ),
     "min_tokens": Knob(
-        int, 0, lambda v: v >= 0, "an integer >= 0 (0 = off)", help="No end of text among the answer's first N tokens."
+        int, 0, _size(0), f"{COUNT} (0 = off)", help="No end of text among the answer's first N tokens."
     ),
     "subword_min_p": Knob(
         float,
@@ -172,7 +185,7 @@ KNOBS: dict[str, Knob] = {
     "block_steps": Knob(
         int,
         32,
-        lambda v: v >= 1,
+        _size(1),
         POSITIVE,
         help="Denoising steps of each block (LLaDA2's `steps`), instead of --denoise-steps in total.",
     ),
@@ -198,8 +211,8 @@ KNOBS: dict[str, Knob] = {
     "max_post_edit_steps": Knob(
         int,
         0,
-        lambda v: v >= 0,
-        "an integer >= 0",
+        _size(0),
+        COUNT,
         help="Token editing: forwards a block may take after its last mask is filled, while they still edit.",
     ),
     # RND1's own decoding (`decode.rnd1`): how a token is chosen and which positions unmask
@@ -246,8 +259,8 @@ KNOBS: dict[str, Knob] = {
     "stop": Knob(
         tuple,
         (),
-        lambda v: len(v) <= 16 and all(isinstance(s, str) and s for s in v),
-        "at most 16 non-empty strings",
+        lambda v: len(v) <= MAX_STOPS and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in v),
+        f"at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters",
         help="Cut the answer before this string; repeat for several.",
     ),
 }
@@ -652,7 +665,7 @@ class GenerationParams:
         if self.remasking == "sequential" and self.threshold < 1:
             fixes["threshold"] = 1.0
         blocks = (
-            len(self.schedule.block_spans)
+            -(-self.gen_length // min(self.block_length, self.gen_length))  # len(block_spans), not built
             if "denoise_steps" in honoured(self.strategy) and "block_length" in honoured(self.strategy)
             else 1
         )
@@ -765,16 +778,25 @@ def _coerce(key: str, value: Any) -> tuple[str, Any]:
         try:
             value = float(value)
         except OverflowError:
-            raise UsageError(f"{key} must be {knob.meaning}, got an integer of {len(str(value))} digits") from None
+            raise UsageError(f"{key} must be {knob.meaning}, got {_shown(value)}") from None
     if knob.kind is tuple and isinstance(value, (str, list)):
         value = (value,) if isinstance(value, str) else tuple(value)
     if not isinstance(value, knob.kind) or (isinstance(value, bool) and knob.kind is not bool):
-        raise UsageError(f"{key} must be {_TYPE_NAMES[knob.kind]}, got {value!r}")
+        raise UsageError(f"{key} must be {_TYPE_NAMES[knob.kind]}, got {_shown(value)}")
     if knob.choices and value not in knob.choices:
-        raise UsageError(f"{key}: unknown value {value!r} (choose {', '.join(knob.choices)})")
+        raise UsageError(f"{key}: unknown value {_shown(value)} (choose {', '.join(knob.choices)})")
     if not knob.rule(value):
-        raise UsageError(f"{key} must be {knob.meaning}, got {value!r}")
+        raise UsageError(f"{key} must be {knob.meaning}, got {_shown(value)}")
     return name, value
+
+
+def _shown(value: Any) -> str:
+    """A value for an error message, cut short: a 5,000-digit integer or a long list is not echoed whole
+    (and repr of an integer past Python's digit limit would itself raise)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # Settings per script of the prompt, in a model folder's generation_config.json under this key. A preset

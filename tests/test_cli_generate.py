@@ -172,8 +172,9 @@ def test_min_p_out_of_range_is_a_clear_error(tiny_model: Path, value: str) -> No
 @pytest.mark.parametrize(
     ("args", "named"),
     [
-        (["--denoise-steps", "100000000"], "--denoise-steps 100000000 exceeds gen_length"),
-        (["--steps", "100000000"], "--denoise-steps 100000000 exceeds"),
+        (["--denoise-steps", "100000"], "--denoise-steps 100000 exceeds gen_length"),
+        (["--steps", "100000"], "--denoise-steps 100000 exceeds"),
+        (["--gen-length", "100000000"], "--gen-length must be a positive integer, at most 1048576"),
         (["--temperature", "inf"], "--temperature must be"),
         (["-t", "-1"], "--temperature must be"),
         (["--seed", "18446744073709551616"], "--seed must be"),

@@ -112,3 +112,25 @@ def test_out_of_memory_with_several_rows_in_flight_narrows_and_blames_no_row(
     prompts = [*SHORT[:3], LONG]
     engine.model = fake.model  # type: ignore[assignment]
     assert {k: r.text for k, r in got.items()} == {k: _text(engine, p, params, k) for k, p in enumerate(prompts)}
+
+
+def test_a_row_cancelled_in_flight_leaves_as_the_next_round_begins(kind_engine: Any) -> None:
+    """A caller that no longer wants a row (a client that hung up) cancels it from `before_round`: the row
+    leaves its running set at once, its slot freed, and is never answered; its batch mate answers as alone."""
+    kind, engine = kind_engine
+    params = engine.params({**KINDS[kind], "temperature": 1.0})
+    live = engine.live(max_batch=2)
+    seen: list[list[int]] = []
+
+    def hook() -> None:
+        seen.append(sorted(live.scheduler.in_flight_keys()))  # type: ignore[union-attr]
+        if len(seen) == 3:
+            live.cancel(0)
+
+    live.before_round = hook
+    live.add(0, LONG, engine.encode_prompt(LONG), params, 0)
+    live.add(1, SHORT[1], engine.encode_prompt(SHORT[1]), params, 1)
+    got = dict(live.answers())
+    assert seen[2] == [0, 1] and all(0 not in keys for keys in seen[3:])
+    assert list(got) == [1] and got[1].text == _text(engine, SHORT[1], params, 1)  # type: ignore[union-attr]
+    assert not live.pending

@@ -41,6 +41,7 @@ class Gate:
         self.started = threading.Event()
         self.release = threading.Event()
         self.fail_on: int | None = None
+        self.oom = False  # every forward runs out of memory
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["model"], name)
@@ -51,6 +52,8 @@ class Gate:
         assert self.release.wait(60)
         if self.fail_on is not None and bool((ids == self.fail_on).any()):
             raise RuntimeError("simulated failure")
+        if self.oom:
+            raise torch.OutOfMemoryError("simulated: out of memory")
         return self.model.hidden(ids, *args, **kwargs)
 
     def seen(self, token: int) -> bool:
@@ -135,6 +138,56 @@ def test_a_row_that_fails_in_the_running_set_fails_alone(gated: tuple[Runner, Ga
         futures[1].result(60)
 
 
+def test_a_row_whose_client_left_in_flight_leaves_the_running_set(gated: tuple[Runner, Gate]) -> None:
+    """--max-concurrent counts a client that hung up as gone: its row must stop taking a place in every
+    forward too (`Runner.drop` -> `LiveRun.cancel`), not decode on to its end."""
+    runner, gate = gated
+    short, gone, kept = (runner.prepare(req(p, gen_length=n)) for p, n in (("A", 8), ("The quick", 64), ("To be", 64)))
+    futures = runner.submit([short, gone, kept])
+    assert gate.started.wait(30)
+    assert futures[1].running()  # in the running set, in flight
+    answered_at: list[int] = []
+    futures[0].add_done_callback(lambda _: answered_at.append(len(gate.calls)))
+    assert runner.drop(futures[1])
+    gate.release.set()
+    alone = futures[2].result(60)
+    assert max(ids.shape[0] for ids in gate.calls[answered_at[0] :]) == 1  # only `kept` after the next answer
+    assert not futures[1].done()  # never answered
+    assert runner.submit([kept])[0].result(60).text == alone.text  # its mate leaving changed nothing
+
+
+def test_a_row_whose_client_left_while_it_waited_in_the_running_set_never_decodes(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = Gate(engine.model)
+    monkeypatch.setattr(engine, "model", gate)
+    runner = Runner(engine, {"gen_length": 16}, max_batch=1)  # one row in flight, the other waits in the set
+    try:
+        first, gone = runner.submit([runner.prepare(req("The quick")), runner.prepare(req("床前明月光，"))])
+        assert gate.started.wait(30)
+        assert gone.running()  # taken into the running set, waiting there
+        assert runner.drop(gone)
+        gate.release.set()
+        assert first.result(60).text is not None
+        assert not gate.seen(only_in(engine, "床前明月光，", "The quick")) and not gone.done()
+    finally:
+        gate.release.set()
+        runner.close()
+
+
+def test_a_static_batch_out_of_memory_alone_is_too_large_naming_what_to_lower(gated: tuple[Runner, Gate]) -> None:
+    from celeris_cli.errors import TooLarge
+
+    runner, gate = gated
+    gate.oom = True
+    rows = [runner.prepare(req(p, cfg_scale=1.5, strategy="block")) for p in ("The quick", "To be, or not")]
+    futures = runner.submit(rows)  # guidance: a static batch, halved, then each row alone
+    gate.release.set()
+    for f in futures:
+        with pytest.raises(TooLarge, match="lower gen_length"):
+            f.result(60)
+
+
 def test_guidance_rows_decode_in_static_batches_and_answer_as_alone(gated: tuple[Runner, Gate]) -> None:
     runner, gate = gated
     gate.release.set()
@@ -191,17 +244,18 @@ def app_server(gated: tuple[Runner, Gate]) -> Iterator[tuple[Any, str, Gate]]:
     thread.join(timeout=30)
 
 
-def _post(url: str, body: bytes) -> tuple[int, Any]:
+def _post(url: str, body: bytes) -> tuple[int, Any, dict[str, str]]:
     import json
     import urllib.error
     import urllib.request
 
     r = urllib.request.Request(url + "/v1/completions", data=body, method="POST")
+    r.add_header("Content-Type", "application/json")
     try:
         with urllib.request.urlopen(r, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
+            return resp.status, json.loads(resp.read()), {k.lower(): v for k, v in resp.headers.items()}
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        return e.code, json.loads(e.read()), {k.lower(): v for k, v in e.headers.items()}
 
 
 def test_requests_over_the_concurrency_limit_get_429(app_server: tuple[Any, str, Gate]) -> None:
@@ -214,12 +268,21 @@ def test_requests_over_the_concurrency_limit_get_429(app_server: tuple[Any, str,
     for t in threads:
         t.start()
     wait_for(lambda: state.in_flight == 2, timeout=30)
-    status, body = _post(url, b'{"prompt": "one too many"}')
+    status, body, headers = _post(url, b'{"prompt": "one too many"}')
     assert status == 429 and body["error"]["type"] == "rate_limit_error"
+    assert headers["retry-after"] == "1"
     gate.release.set()
     for t in threads:
         t.join()
     assert results == [200, 200]
+
+
+def test_a_request_too_large_for_memory_is_a_400_too_large(app_server: tuple[Any, str, Gate]) -> None:
+    _, url, gate = app_server
+    gate.oom = True
+    gate.release.set()
+    status, body, _ = _post(url, b'{"prompt": "The quick", "cfg_scale": 1.5, "strategy": "block"}')
+    assert status == 400 and body["error"]["code"] == "too_large" and "lower" in body["error"]["message"]
 
 
 def test_a_client_that_disconnects_frees_its_row(app_server: tuple[Any, str, Gate], engine: Engine) -> None:
@@ -230,7 +293,7 @@ def test_a_client_that_disconnects_frees_its_row(app_server: tuple[Any, str, Gat
     port = int(url.rsplit(":", 1)[1])
     body = b'{"prompt": "To be, or not"}'
     with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
         s.sendall(b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         wait_for(lambda: state.in_flight == 2, timeout=30)
     wait_for(lambda: state.metrics.dropped._value.get() == 1, timeout=30)

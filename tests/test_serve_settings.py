@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,28 @@ def test_with_a_queue_the_model_comes_from_its_config(tmp_path: Path) -> None:
     config = make_queue(tmp_path)
     r = celeris("serve", "--queue", str(config), "--model", "celeris-tiny", "--port", "1")
     assert r.returncode == 2 and r.stderr.startswith("Error: --model: with --queue") and r.stdout == ""
+
+
+def test_the_default_threads_leave_a_cpu_to_the_http_side_or_follow_omp(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celeris_cli.cli.serve import default_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads() is None  # torch reads it itself
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert default_threads() == 7
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert default_threads() == 1
+
+
+def test_host_and_origin_names_allowed_beside_loopback() -> None:
+    from celeris_cli.serve.guard import ANY_HOST, allowed_hosts, hostname
+
+    assert allowed_hosts("myhost.lan") == {"myhost.lan"} and allowed_hosts("0.0.0.0") == {ANY_HOST}
+    assert allowed_hosts("::") == {ANY_HOST} and allowed_hosts("[::1]") == {"::1"}
+    assert [hostname(h) for h in ("[::1]:8000", "LocalHost:80", "127.0.0.1", "::1")] == [
+        "::1",
+        "localhost",
+        "127.0.0.1",
+        "::1",
+    ]

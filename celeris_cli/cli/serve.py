@@ -49,12 +49,22 @@ def serve(
     max_batch_lines: int = typer.Option(
         50_000, "--max-batch-lines", min=1, metavar="N", help="Most request lines in an uploaded batch file."
     ),
+    threads: int = typer.Option(
+        None,
+        "--threads",
+        min=1,
+        max=1024,
+        metavar="N",
+        help="torch threads decoding (as the queue's `threads:`); default: the CPUs this process may use, less "
+        "one for the HTTP side, or OMP_NUM_THREADS when set.",
+    ),
 ) -> None:
     """Serve the OpenAI API (completions, chat, streaming, files, batches) on one loaded model.
 
     Binds 127.0.0.1 by default. Keys come from --api-key-file, never the command line. With --queue, batch
     jobs go through the queue's inbox and survive restarts of the server and of its daemon."""
     try:
+        from ..serve.guard import allowed_hosts
         from ..serve.private import key_file_warning
         from ..serve.settings import Keys, Limits, check_exposure
 
@@ -64,7 +74,8 @@ def serve(
         check_exposure(host, keys, insecure_no_auth)
         limits = Limits(max_body_bytes, max_file_bytes, max_tokens, max_batch_lines, max_concurrent, batch_size)
         _check_port(host, port)
-        state = _build(model, queue, device, dtype, keys, limits)
+        state = _build(model, queue, device, dtype, keys, limits, threads)
+        state.hosts = allowed_hosts(host)
     except CelerisError as e:
         fail(e)
     import uvicorn
@@ -83,6 +94,7 @@ def _build(
     dtype: DtypeOpt | None,
     keys: Any,
     limits: Any,
+    threads: int | None,
 ) -> Any:
     from ..engine import load_engine
     from ..serve.files import FileStore
@@ -100,13 +112,19 @@ def _build(
             if value is not None:
                 raise UsageError(f"{flag}: with --queue the model and its device come from {queue}")
         create_missing(cfg.folders)
-        engine = load_engine(cfg.model, cfg.device, cfg.dtype, cfg.threads)
+        engine = load_engine(cfg.model, cfg.device, cfg.dtype, threads or cfg.threads or default_threads())
         generation = cfg.generation
     else:
-        engine = load_engine(model, (device or DeviceOpt.auto).value, (dtype or DtypeOpt.auto).value)
+        device_name, dtype_name = (device or DeviceOpt.auto).value, (dtype or DtypeOpt.auto).value
+        engine = load_engine(model, device_name, dtype_name, threads or default_threads())
     model_id = engine.model_dir.name if engine.model_dir is not None else "celeris"
     runner = Runner(engine, generation, limits.batch_size)
     state = ServeState(runner, model_id, limits, keys, files=None, queue=cfg)
+    import torch
+
+    state.threads = torch.get_num_threads()
+    if engine.model_dir is not None:  # /v1/models' `created`: when the model was made, not when asked
+        state.created = int((engine.model_dir / "config.json").stat().st_mtime)
     runner.on_batch = state.metrics.batch_rows.observe
     if cfg is not None:
         from ..serve.batches import BatchStore
@@ -115,6 +133,18 @@ def _build(
         state.files = FileStore(folder / "files")
         state.batches = BatchStore(folder / "batches", cfg, state.files, model_id)
     return state
+
+
+def default_threads() -> int | None:
+    """torch threads when --threads is not given: the CPUs this process may run on, less one for the event
+    loop and tokenizing, so decoding does not fight the HTTP side for cores; None (torch's own choice,
+    which reads it) when OMP_NUM_THREADS is set."""
+    import os
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus - 1)
 
 
 def _check_port(host: str, port: int) -> None:

@@ -24,7 +24,7 @@ unconditional view would need a second cache per row: `supports` says which requ
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -110,8 +110,9 @@ class BlockScheduler(RunningSet[BlockRequest]):
         word_pieces: frozenset[int] = frozenset(),
         refill: bool = True,
         on_block: OnBlock | None = None,
+        before_round: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(width, device, word_pieces, refill)
+        super().__init__(width, device, word_pieces, refill, before_round)
         self.net, self.mask_id, self.pad_id, self.on_block = net, mask_id, pad_id, on_block
         self.stop = torch.tensor(sorted(stop_ids), device=device)
         self.lanes: dict[int, Lane] = {}  # by block width
@@ -119,6 +120,10 @@ class BlockScheduler(RunningSet[BlockRequest]):
 
     def in_flight_keys(self) -> list[int]:
         return [r.req.key for lane in self.lanes.values() for r in lane.rows]
+
+    def _drop_in_flight(self, keys: set[int]) -> None:
+        for lane in self.lanes.values():
+            lane.drop({id(r) for r in lane.rows if r.req.key in keys})
 
     # -- the loop ------------------------------------------------------------------------------------
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches

@@ -11,7 +11,7 @@ not have. Nothing outside writes its attributes.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -103,13 +103,22 @@ class RunningSet(Generic[R]):
     only when none is in flight: `bench workload mixed`'s comparison). A kind says which keys are in flight
     and runs its rounds (`run`)."""
 
-    def __init__(self, width: int, device: torch.device, word_pieces: frozenset[int], refill: bool) -> None:
+    def __init__(
+        self,
+        width: int,
+        device: torch.device,
+        word_pieces: frozenset[int],
+        refill: bool,
+        before_round: Callable[[], None] | None = None,
+    ) -> None:
         self._width = max(1, width)
         self.device = device
         self.refill = refill
         self.pieces = torch.tensor(sorted(word_pieces), device=device, dtype=torch.long)
         self.waiting: deque[R] = deque()
         self.occupancy = Occupancy()
+        self.before_round = before_round  # called as each round begins (where a caller drops rows)
+        self._leaving: set[int] = set()
 
     @property
     def width(self) -> int:
@@ -130,6 +139,17 @@ class RunningSet(Generic[R]):
         """The keys of the rows admitted and not yet handed back."""
         raise NotImplementedError
 
+    def drop(self, keys: Iterable[int]) -> None:
+        """Rows whose callers no longer want them (a client that left): waiting ones leave at once, those in
+        flight as the next round begins, their slots freed; none is handed back."""
+        gone = set(keys)
+        self.waiting = deque(r for r in self.waiting if r.key not in gone)
+        self._leaving |= gone
+
+    def _drop_in_flight(self, keys: set[int]) -> None:
+        """The kind's rows in flight under these keys leave (their lanes' `drop`)."""
+        raise NotImplementedError
+
     @property
     def in_flight(self) -> int:
         return len(self.in_flight_keys())
@@ -141,7 +161,13 @@ class RunningSet(Generic[R]):
 
     def admit(self) -> list[R]:
         """The requests that join this round: while fewer than `width` rows are in flight (static batches:
-        only when none is), the first waiting; the round is counted with them."""
+        only when none is), the first waiting; the round is counted with them. Rows dropped since the last
+        round leave first."""
+        if self.before_round is not None:
+            self.before_round()
+        if self._leaving:
+            self._drop_in_flight(self._leaving)
+            self._leaving = set()
         joining: list[R] = []
         n = self.in_flight
         if self.refill or n == 0:

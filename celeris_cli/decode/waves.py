@@ -29,7 +29,7 @@ the same loop, for `bench workload mixed`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,8 +136,9 @@ class WaveScheduler(RunningSet[FastRequest]):
         device: torch.device,
         word_pieces: frozenset[int] = frozenset(),
         refill: bool = True,
+        before_round: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(width, device, word_pieces, refill)
+        super().__init__(width, device, word_pieces, refill, before_round)
         self.net = net
         self.mask_id = mask_id
         self.stop = torch.tensor(sorted(stop_ids), device=device, dtype=torch.long)
@@ -149,6 +150,11 @@ class WaveScheduler(RunningSet[FastRequest]):
     def in_flight_keys(self) -> list[int]:
         """Rows admitted and not yet handed back."""
         return [r.req.key for r in self.fresh] + [r.req.key for lane in self.lanes.values() for r in lane.rows]
+
+    def _drop_in_flight(self, keys: set[int]) -> None:
+        self.fresh = [r for r in self.fresh if r.req.key not in keys]
+        for lane in self.lanes.values():
+            lane.drop({id(r) for r in lane.rows if r.req.key in keys})
 
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
     def run(self, requests: Iterable[FastRequest] = ()) -> Iterator[tuple[int, list[int], int]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,6 +16,7 @@ from ..spool.folders import HEARTBEAT
 from ..spool.status import read_heartbeat
 from .batch_routes import batch_routes, file_routes
 from .completions import completion_routes
+from .guard import Guard
 from .schema import APIError
 from .state import ServeState
 
@@ -106,6 +106,7 @@ def create_app(state: ServeState) -> FastAPI:
     def health() -> dict[str, Any]:
         """Open without a key, for load balancers: the model, the waiting rows, and the queue's daemon."""
         out: dict[str, Any] = {"status": "ok", "model": state.model_id, "waiting": state.runner.depth}
+        out["threads"] = state.threads
         if state.queue is not None:
             # the heartbeat only, judged by its pid: probing the queue's flock, even shared, could make a
             # daemon starting at that instant find its lock held and exit
@@ -115,9 +116,7 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        route = getattr(request.scope.get("route"), "path", "other")  # the template: ids never become labels
-        state.metrics.requests.labels(route, str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -132,16 +131,12 @@ def create_app(state: ServeState) -> FastAPI:
         )
         return JSONResponse(err.body(), status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def crashed(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error on %s", request.url.path)
-        return JSONResponse(
-            APIError(500, "internal error; see the server's log", "server_error").body(), status_code=500
-        )
-
+    # any other exception is a 500 from `Guard` (outermost): a handler for Exception here would answer and
+    # then raise it again, and the server would reset the client's keep-alive connection
     app.add_middleware(BodyLimit, state=state)
+    app.add_middleware(Guard, state=state)
     return app
 
 
 def _model(state: ServeState) -> dict[str, Any]:
-    return {"id": state.model_id, "object": "model", "created": int(time.time()), "owned_by": "celeris"}
+    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "celeris"}

@@ -21,28 +21,72 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from ..errors import CelerisError, PromptTooLong
+from ..spool.backend import Prepared
 from .runner import Answer
-from .schema import APIError, ChatBody, CompletionBody, chat_completion, chunk, completion, new_id, to_request, usage
+from .schema import (
+    APIError,
+    ChatBody,
+    CompletionBody,
+    Prompt,
+    chat_completion,
+    chunk,
+    completion,
+    new_id,
+    to_requests,
+    usage,
+)
 from .state import ServeState
 
 log = logging.getLogger(__name__)
 
 
-async def read_body(request: Request, model: type[BaseModel]) -> Any:
-    """A JSON body validated by `model`; errors in OpenAI's shape, naming the key."""
-    raw = await request.body()
+MAX_DIGITS = 40  # an integer longer than this is no setting's value (a seed has at most 19 digits)
+
+
+class _HugeInt:
+    """An integer too long to be any setting's value, kept unconverted: the model's check then names the
+    field (`seed: Input should be a valid integer`) instead of int() raising on 5,000 digits."""
+
+    def __init__(self, digits: str) -> None:
+        self.digits = len(digits)
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+def _int(digits: str) -> int | _HugeInt:
+    return int(digits) if len(digits) <= MAX_DIGITS else _HugeInt(digits)
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """A JSON body validated by `model`; errors in OpenAI's shape, naming the key. Runs off the event loop
+    (`read_body`): a megabyte of JSON and its validation take a while."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_int=_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"])
-        raise APIError(400, f"{param}: {err['msg']}", param=param) from None
+        param = ".".join(str(p) for p in err["loc"] if not _member(p)) or None  # None: a key itself is bad
+        raise APIError(400, f"{param or 'a key of the body'}: {err['msg']}", param=param) from None
+    except RecursionError:  # nesting under json's limit can still pass pydantic's
+        raise APIError(400, "the body is nested too deeply") from None
+
+
+def _member(part: int | str) -> bool:
+    """Whether a part of pydantic's error location names a member of a union (`str`, `list[int]`,
+    `function-after[_utf8(), str]`), not a key."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+
+
+async def read_body(request: Request, model: type[BaseModel]) -> Any:
+    return await asyncio.to_thread(parse_body, await request.body(), model)
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> str:
@@ -77,58 +121,96 @@ async def _answer(state: ServeState, request: Request, body: CompletionBody | Ch
             "model_not_found",
         )
     rid = new_id("chatcmpl" if chat else "cmpl")
-    try:
-        prepared = state.runner.prepare(to_request(body, rid))
-    except PromptTooLong as e:
-        raise APIError(400, str(e), param="messages" if chat else "prompt", code="context_length_exceeded") from None
-    except CelerisError as e:
-        raise APIError(400, str(e)) from None
-    params = prepared.group
-    if params.gen_length > state.limits.max_tokens:
+    prompts = to_requests(body, rid, state.limits.max_tokens)  # bounds first: nothing sized yet
+    if body.stream and len(prompts) > 1:
+        raise APIError(400, "stream: a streamed completion takes one prompt", param="stream")
+    busy(state, len(prompts))
+    prepared = await asyncio.to_thread(_prepare, state, prompts, chat)  # tokenizing a long prompt takes a while
+    params = prepared[0].group
+    if params.gen_length > state.limits.max_tokens:  # the config's default length, no request key
         key = "max_completion_tokens" if chat and "max_completion_tokens" in body.model_fields_set else "max_tokens"
         raise APIError(
             400, f"{key} {params.gen_length} is over this server's limit of {state.limits.max_tokens}", param=key
         )
-    if state.in_flight >= state.limits.max_concurrent:
+    busy(state, len(prompts))  # again: others may have come in while this one was prepared
+    route = request.url.path
+    t0 = time.perf_counter()
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _stream(state, prepared[0], rid, chat, include_usage, route, t0)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+    state.begin(len(prepared))
+    try:
+        futures = state.runner.submit(prepared)
+        answers = await _wait(state, request, futures)
+    finally:
+        state.end(len(prepared))
+    if answers is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    for answer in answers:
+        state.count(route, answer, time.perf_counter() - t0)
+    use = usage(sum(a.prompt_tokens for a in answers), sum(a.completion_tokens for a in answers))
+    if chat:
+        return JSONResponse(chat_completion(rid, state.model_id, answers[0].text, answers[0].finish_reason, use))
+    first, *more = answers
+    rest = [(a.text, a.finish_reason) for a in more]
+    return JSONResponse(completion(rid, state.model_id, first.text, first.finish_reason, use, more=rest))
+
+
+def busy(state: ServeState, n: int) -> None:
+    """429 (with Retry-After) when `n` more requests would pass --max-concurrent."""
+    if n > state.limits.max_concurrent:
+        raise APIError(400, f"prompt: {n} prompts, over this server's --max-concurrent", param="prompt")
+    if state.in_flight + n > state.limits.max_concurrent:
         raise APIError(
             429,
             f"{state.in_flight} requests are in flight, the most this server takes; retry later",
             "rate_limit_error",
             code="too_many_requests",
+            headers={"Retry-After": "1"},
         )
-    route = request.url.path
-    t0 = time.perf_counter()
-    if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _stream(state, prepared, rid, chat, include_usage, route, t0)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-store"})
-    state.begin()
-    try:
-        future = state.runner.submit([prepared])[0]
-        answer = await _wait(state, request, future)
-    finally:
-        state.end()
-    if answer is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    state.count(route, 200, answer, time.perf_counter() - t0)
-    build = chat_completion if chat else completion
-    return JSONResponse(build(rid, state.model_id, answer.text, answer.finish_reason, _usage(answer)))
+
+
+def _prepare(state: ServeState, prompts: list[Prompt], chat: bool) -> list[Prepared]:
+    """Each prompt validated and tokenized (in a worker thread); a 400 naming the prompt at fault."""
+    out = []
+    for request, ids in prompts:
+        try:
+            out.append(state.runner.prepare(request, ids))
+        except PromptTooLong as e:
+            param = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{request.line}"
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+        except CelerisError as e:
+            raise APIError(400, str(e), code=e.code) from None
+    return out
 
 
 def _usage(a: Answer) -> dict[str, int]:
     return usage(a.prompt_tokens, a.completion_tokens)
 
 
-async def _wait(state: ServeState, request: Request, future: Future[Answer]) -> Answer | None:
-    """The answer; None when the client disconnected first (its row is dropped if not yet decoding)."""
-    wrapped = asyncio.wrap_future(future)
+def answer_error(e: BaseException) -> APIError:
+    """A decoding failure as the client sees it: a request too large for the device's memory is the
+    client's to make smaller (4xx, naming what to lower), as the queue answers it; anything else is ours."""
+    if isinstance(e, CelerisError):  # TooLarge's code is `too_large`, as in the queue's failure records
+        return APIError(400, str(e), code=e.code)
+    return APIError(500, f"decoding failed ({type(e).__name__}); see the server's log", "server_error")
+
+
+async def _wait(state: ServeState, request: Request, futures: list[Future[Answer]]) -> list[Answer] | None:
+    """The answers; None when the client disconnected first (its rows are dropped, waiting or decoding)."""
+    wrapped = [asyncio.wrap_future(f) for f in futures]
     while True:
-        done, _ = await asyncio.wait({wrapped}, timeout=0.25)
-        if done:
-            return wrapped.result()
+        _, pending = await asyncio.wait(wrapped, timeout=0.25)
+        if not pending:
+            failed = next((w.exception() for w in wrapped if w.exception() is not None), None)
+            if failed is not None:
+                raise answer_error(failed)
+            return [w.result() for w in wrapped]
         if await request.is_disconnected():
-            if future.cancel():
-                state.metrics.dropped.inc()
+            for future in futures:
+                if state.runner.drop(future):
+                    state.metrics.dropped.inc()
             return None
 
 
@@ -170,10 +252,10 @@ async def _stream(
         try:
             answer = wrapped.result()
         except Exception as e:  # noqa: BLE001 - the stream has started: report the failure in it
-            err = APIError(500, f"{type(e).__name__}: {e}", "server_error")
-            yield f"data: {json.dumps(err.body())}\n\n"
+            if not isinstance(e, CelerisError):
+                log.warning("decoding failed: %s: %s", type(e).__name__, e)
+            yield f"data: {json.dumps(answer_error(e).body())}\n\n"
             yield "data: [DONE]\n\n"
-            state.metrics.requests.labels(route, "500").inc()
             return
         if not answer.text.startswith(sent):  # held_back keeps this from happening; say so if it ever does
             log.warning(
@@ -192,8 +274,8 @@ async def _stream(
             last |= {"model": state.model_id, "choices": [], "usage": _usage(answer)}
             yield f"data: {json.dumps(last)}\n\n"
         yield "data: [DONE]\n\n"
-        state.count(route, 200, answer, time.perf_counter() - t0)
+        state.count(route, answer, time.perf_counter() - t0)
     finally:
-        if future.cancel():  # the client left before its row was decoded
+        if not future.done() and state.runner.drop(future):  # the client left before its answer
             state.metrics.dropped.inc()
         state.end()

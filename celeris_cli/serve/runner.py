@@ -24,6 +24,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..backoff import run_backing_off
+from ..errors import UsageError
+from ..params import check_fits, script_of
 from ..spool.backend import Prepared, Preparer
 from ..spool.formats import Request
 from ..strategy import STRATEGIES
@@ -56,10 +59,12 @@ class Runner:
         self.preparer = Preparer(engine.tokenizer, engine.max_length, self.base, engine.arch, engine.by_script)
         self.max_batch = max_batch
         self.waiting: queue.Queue[Row | None] = queue.Queue()
+        self.leaving: queue.Queue[Future[Answer]] = queue.Queue()  # rows whose client left (`drop`)
         # rows decoded together (metrics): each static batch's, and the running set's rows in flight as each
         # of its rows finishes
         self.on_batch: Callable[[int], None] | None = None
         self.live = engine.live(max_batch)
+        self.live.before_round = self._leave  # a client that left frees its row at the next round
         self.live.on_block = self._on_block
         self.running: dict[int, Row] = {}  # rows in the running set, by key
         self.keys = itertools.count()
@@ -68,9 +73,26 @@ class Runner:
         self._thread.start()
 
     # -- the interface the routes use ----------------------------------------------------------------
-    def prepare(self, request: Request) -> Prepared:
-        """Validate a request and encode its prompt; raises CelerisError (a 400) for one that can never run."""
-        return self.preparer.prepare(request)
+    def prepare(self, request: Request, ids: list[int] | None = None) -> Prepared:
+        """Validate a request and encode its prompt (or take its token `ids` as given); raises CelerisError
+        (a 400) for one that can never run. Called off the event loop: a long prompt takes a while."""
+        if ids is None:
+            return self.preparer.prepare(request)
+        tok, p = self.engine.tokenizer, self.preparer
+        size = tok.backend.size()
+        bad = next((t for t in ids if t >= size or t == tok.mask_id), None)
+        if bad is not None:
+            raise UsageError(f"prompt: token id {bad} is not a token of this model's vocabulary (0..{size - 1})")
+        params = p.base.with_(**request.params)
+        if p.arch is not None:
+            p.arch.check_strategy(params.strategy)
+        if params.subword_min_p > 0:
+            tok.require_word_pieces()
+        text = tok.decode(ids)
+        preset = p.by_script.get(script_of(text) or "")
+        params = params.under(preset) if preset else params  # as the queue's Preparer applies it
+        check_fits(len(ids), params.gen_length, p.max_length)
+        return Prepared(request, params.batch_key(), len(ids) + params.gen_length, (text, list(ids), params.seed))
 
     def submit(self, rows: list[Prepared]) -> list[Future[Answer]]:
         """Queue rows for decoding. Cancelling a future before its batch starts drops the row."""
@@ -85,6 +107,17 @@ class Runner:
         queued = Row(row, on_text=on_text)
         self.waiting.put(queued)
         return queued.future
+
+    def drop(self, future: Future[Answer]) -> bool:
+        """Free the row of a client that left: one not yet taken is dropped at once; one in the running set
+        (waiting there or in flight) is dropped by the worker before its next answer (`LiveRun.cancel`),
+        and its future is never resolved. False: the row is answered, or decoding in a static batch."""
+        if future.cancel():
+            return True
+        if future.done():
+            return False
+        self.leaving.put(future)
+        return True
 
     @property
     def depth(self) -> int:
@@ -109,7 +142,9 @@ class Runner:
                 self._decode_live()
 
     def _arrived(self) -> list[Row]:
-        """The rows waiting now (none blocks); the stop sentinel ends the loop once the running set is done."""
+        """The rows waiting now (none blocks); the stop sentinel ends the loop once the running set is done.
+        Rows whose client left are taken out of the running set first."""
+        self._leave()
         rows: list[Row] = []
         while True:
             try:
@@ -140,11 +175,22 @@ class Runner:
             for i in range(0, len(group), self.max_batch):
                 self._run(group[i : i + self.max_batch])
 
+    def _leave(self) -> None:
+        gone: set[int] = set()
+        while True:
+            try:
+                gone.add(id(self.leaving.get_nowait()))
+            except queue.Empty:
+                break
+        for key in [k for k, row in self.running.items() if id(row.future) in gone]:
+            self.live.cancel(key)
+            del self.running[key]
+
     def _decode_live(self) -> None:
         """Answers as rows finish; rows that arrive meanwhile join between two answers."""
         try:
             for key, result in self.live.answers():
-                row = self.running.pop(key)
+                row = self.running.pop(key)  # (a row dropped by `_leave` is never answered)
                 beside = self.live.scheduler.in_flight if self.live.scheduler is not None else 1  # itself too
                 if self.on_batch is not None:
                     self.on_batch(beside)
@@ -168,8 +214,17 @@ class Runner:
             row.on_text(self.engine.finish(ids, params.stop, encoded)[0])
 
     def _run(self, rows: list[Row]) -> None:
+        """A static batch, backing off on out of memory as the queue does (`backoff`): halved down to one
+        row, and a row that does not fit alone answered with `TooLarge` (a 400 naming what to lower)."""
+        params, memory = rows[0].prepared.group, self.engine.memory
         try:
-            answers = self._decode(rows)
+            outcomes = run_backing_off(
+                self._decode,
+                rows,
+                lambda group: memory.need([row.prepared.payload[1] for row in group], params),
+                memory.budget,
+                release=memory.release,
+            )
         except Exception as e:  # noqa: BLE001 - one request's failure must not sink its batch mates
             if len(rows) > 1:
                 mid = len(rows) // 2
@@ -179,8 +234,12 @@ class Runner:
             log.warning("decoding failed: %s: %s", type(e).__name__, e)
             rows[0].future.set_exception(e)
             return
-        for row, answer in zip(rows, answers):
-            row.future.set_result(answer)
+        for row, outcome in zip(rows, outcomes):
+            if outcome.error is not None:
+                row.future.set_exception(outcome.error)
+            else:
+                assert outcome.value is not None
+                row.future.set_result(outcome.value)
 
     def _decode(self, rows: list[Row]) -> list[Answer]:
         params = rows[0].prepared.group  # final: the row's preset was applied as it was prepared

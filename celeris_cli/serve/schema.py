@@ -10,13 +10,41 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from ..errors import UsageError
-from ..params import check_values
+from ..params import MAX_SIZE, MAX_STOP_CHARS, check_values
 from ..spool.formats import OPENAI_PARAMS, Request
+
+MAX_PROMPTS = 2048  # prompts in one completion request (OpenAI's cap)
+MAX_STOPS = 4  # stop strings in one request (OpenAI's cap)
+
+
+def _utf8(text: str) -> str:
+    """JSON may spell a lone surrogate (\\ud800); it is no text and cannot be encoded: a 400 naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("holds a lone surrogate (not valid Unicode text)") from None
+    return text
+
+
+def _stops(stop: str | list[str] | None) -> str | list[str] | None:
+    many = [stop] if isinstance(stop, str) else stop or []
+    if len(many) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(many)}")
+    if any(not s for s in many):
+        raise ValueError("a stop string may not be empty")
+    return stop
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+Size = Annotated[int, Field(ge=1, le=MAX_SIZE)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_SIZE)]
+Stop = Annotated[str, AfterValidator(_utf8), Field(max_length=MAX_STOP_CHARS)]
 
 ErrorType = Literal[
     "invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error", "server_error"
@@ -33,12 +61,21 @@ class APIError(Exception):
         type: ErrorType = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        # the message and param may quote the client's text (a key): a lone surrogate there must not make the
+        # answer unencodable
+        message, param = (_printable(x) for x in (self.message, self.param))
+        return {"error": {"message": message, "type": self.type, "param": param, "code": self.code}}
+
+
+def _printable(text: str | None) -> Any:
+    return text if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class StreamOptions(BaseModel):
@@ -46,11 +83,25 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class TextPart(BaseModel):
+    """One part of a message's content as agent SDKs send it: `{"type": "text", "text": ...}`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: Text
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: str
-    content: str
-    name: str | None = None
+    role: Text
+    content: Text | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_PROMPTS)]
+    name: Text | None = None
+
+    def text(self) -> dict[str, Any]:
+        """The message as the queue takes it: text parts joined by newlines (as vLLM joins them)."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        return out | ({"name": self.name} if self.name is not None else {})
 
 
 class _Body(BaseModel):
@@ -58,17 +109,17 @@ class _Body(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Size | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     presence_penalty: float | None = None  # Celeris's own knob of that name: >= 0, on the fast and block decoders
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Annotated[Stop | list[Stop] | None, AfterValidator(_stops)] = None
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # OpenAI keys Celeris cannot honour, accepted only at the value that asks for nothing
     n: Literal[1] = 1
     logprobs: Literal[False] | None = None
@@ -77,15 +128,21 @@ class _Body(BaseModel):
 
 
 class CompletionBody(_Body):
-    prompt: str
+    # text, several texts (one choice each), token ids, or several lists of token ids
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
     suffix: None = None
 
 
 class ChatBody(_Body):
-    messages: list[Message]
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[Message], Field(max_length=MAX_PROMPTS)]
+    max_completion_tokens: Size | None = None
     top_logprobs: Literal[0] | None = None
 
 
@@ -100,9 +157,13 @@ _OWN |= {
 }  # metadata: ignored, as the queue does
 
 
-def to_request(body: CompletionBody | ChatBody, request_id: str) -> Request:
-    """The queue's Request for a body: OpenAI keys mapped to settings, other keys checked one by one as
-    Celeris settings (a 400 naming the first unknown one)."""
+Prompt = tuple[Request, list[int] | None]  # a request, and its prompt's token ids when given as ids
+
+
+def to_requests(body: CompletionBody | ChatBody, request_id: str, max_tokens: int) -> list[Prompt]:
+    """The queue's Requests for a body, one per prompt: OpenAI keys mapped to settings, other keys checked
+    one by one as Celeris settings (a 400 naming the first unknown one), and the answer's length checked
+    against this server's `max_tokens` before anything is sized by it."""
     given = body.model_dump(exclude_unset=True, exclude_none=True)
     if given.get("logit_bias"):
         raise APIError(400, "logit_bias is not supported by celeris", param="logit_bias")
@@ -120,15 +181,29 @@ def to_request(body: CompletionBody | ChatBody, request_id: str) -> Request:
             check_values({name: value})
         except UsageError as e:
             raise APIError(400, str(e).replace(name, key), param=key) from None
+        if name == "gen_length" and value > max_tokens:
+            raise APIError(400, f"{key} {value} is over this server's limit of {max_tokens}", param=key)
         params[name] = value
     if isinstance(body, ChatBody):
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        return Request(request_id, 0, messages=messages, params=params)
-    if not body.prompt.strip():
-        raise APIError(400, "prompt is empty", param="prompt")
-    return Request(request_id, 0, prompt=body.prompt, params=params)
+        messages = [m.text() for m in body.messages]
+        return [(Request(request_id, 0, messages=messages, params=params), None)]
+    prompts: list[Any] = body.prompt if isinstance(body.prompt, list) and not _ids(body.prompt) else [body.prompt]
+    out: list[Prompt] = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, list):  # token ids: the text they spell stands for the prompt's script
+            out.append((Request(request_id, i, prompt="", params=params), list(prompt)))
+        elif not prompt.strip():
+            raise APIError(400, "prompt is empty", param="prompt" if len(prompts) == 1 else f"prompt.{i}")
+        else:
+            out.append((Request(request_id, i, prompt=prompt, params=params), None))
+    return out
+
+
+def _ids(prompt: list[Any]) -> bool:
+    """Whether a list prompt is one prompt of token ids (not several prompts)."""
+    return bool(prompt) and isinstance(prompt[0], int)
 
 
 def new_id(prefix: str) -> str:
@@ -144,14 +219,24 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion(
-    id: str, model: str, text: str, finish_reason: str, use: dict[str, int], created: int | None = None
+    id: str,
+    model: str,
+    text: str,
+    finish_reason: str,
+    use: dict[str, int],
+    created: int | None = None,
+    more: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
+    """A text completion; `more`: the (text, finish reason) of each further prompt, choices 1, 2, ..."""
     return {
         "id": id,
         "object": "text_completion",
         "created": created if created is not None else int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [
+            {"index": i, "text": t, "finish_reason": reason, "logprobs": None}
+            for i, (t, reason) in enumerate([(text, finish_reason), *more])
+        ],
         "usage": use,
     }
 

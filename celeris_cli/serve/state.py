@@ -23,17 +23,20 @@ class ServeState:
     queue: Any = None  # the queue's BatchConfig, for /health
     metrics: ServeMetrics = field(default_factory=ServeMetrics)
     in_flight: int = 0  # completion requests waiting or decoding (changed on the event loop only)
+    created: int = 0  # /v1/models' `created`: the model folder's time, the same on every request
+    threads: int = 0  # torch threads decoding (--threads), shown by /health
+    hosts: frozenset[str] = frozenset()  # Host and Origin names accepted beside loopback (`guard.Guard`)
 
-    def begin(self) -> None:
-        self.in_flight += 1
+    def begin(self, n: int = 1) -> None:
+        self.in_flight += n
         self.metrics.in_flight.set(self.in_flight)
 
-    def end(self) -> None:
-        self.in_flight -= 1
+    def end(self, n: int = 1) -> None:
+        self.in_flight -= n
         self.metrics.in_flight.set(self.in_flight)
 
-    def count(self, route: str, status: int, answer: Answer, seconds: float) -> None:
-        self.metrics.requests.labels(route, str(status)).inc()
+    def count(self, route: str, answer: Answer, seconds: float) -> None:
+        """An answer's figures (the request itself is counted by its status, in `guard.Guard`)."""
         self.metrics.latency.labels(route).observe(seconds)
         self.metrics.output_tokens.inc(answer.completion_tokens)
         self.metrics.prompt_tokens.inc(answer.prompt_tokens)
