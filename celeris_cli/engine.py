@@ -635,10 +635,11 @@ def _lane_of(params: GenerationParams) -> tuple[Any, ...]:
 
 def _running_kind(params: GenerationParams) -> str | None:
     """Which running set decodes rows with these settings: "block" (`decode.running`), "waves"
-    (`decode.waves`), or None (static batches): its strategy's row kind (`strategy.Strategy.running`),
-    unless guidance keeps it out (`runset.supports`)."""
+    (`decode.waves`), or None (static batches): its strategy's row kind (`strategy.Strategy.running`).
+    Block rows under guidance keep their unconditional view in a second slot (their lane's shadow); the
+    fast decoder's do not yet, so guidance keeps them out (`runset.supports`)."""
     kind = STRATEGIES[params.strategy].running
-    if kind == "block" and supports(plan_of(params)):
+    if kind == "block":
         return kind
     if kind == "waves" and supports(fast_plan_of(params)):
         return kind

@@ -643,8 +643,9 @@ class GenerationParams:
             )
         if strategy.running == "block" and self.cfg_scale > 0 and self.part("editing").active:
             raise UsageError(
-                f"{name('edit_threshold')} with {name('cfg_scale')}: the block-fast strategy edits tokens in its "
-                "running set, which guidance does not use; use the block strategy for both"
+                f"{name('edit_threshold')} with {name('cfg_scale')}: the block-fast strategy does not edit tokens "
+                "under guidance (its running set's edits read the conditional view only); use the block strategy "
+                "for both"
             )
         if self.subword_min_p > 0 and self.temperature == 0 and "subword_min_p" in self.explicit:
             raise UsageError(

@@ -123,10 +123,29 @@ def test_llada2_rows_joining_mid_run_answer_as_alone() -> None:
     assert _running(engine, rows, max_batch=2) == [_alone(engine, p, s, seed) for p, s, seed in rows]
 
 
-def test_guidance_rows_decode_in_static_batches(block_engine: Engine) -> None:
-    params = block_engine.params({"cfg_scale": 1.0, "gen_length": 8})
-    assert not block_engine.continuous(params)
-    assert block_engine.continuous(block_engine.params({"gen_length": 8}))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_guided_rows_join_the_running_set_beside_others_and_answer_as_alone(
+    block_engine: Engine, temperature: float
+) -> None:
+    """Guidance's unconditional view is a second slot per row (its lane's shadow, the prompt masked): guided
+    rows of several widths and lengths, prompts with whole blocks to prefill among them, join mid-run beside
+    unguided rows and answer as the guided decoder (`generate_block_cached`) gives them alone."""
+    assert block_engine.continuous(block_engine.params({"cfg_scale": 1.0, "gen_length": 8}))
+    rows = []
+    for i, prompt in enumerate(PROMPTS * 2):
+        settings = {
+            "temperature": temperature,
+            "gen_length": 8 + 4 * i,
+            "block_length": 4 if i % 3 == 0 else 8,
+            "cfg_scale": [0.0, 1.0, 2.5][i % 3],
+            "seed": i,
+        }
+        rows.append((prompt, block_engine.params(settings), i))
+    running = _running(block_engine, rows, max_batch=3)
+    alone = [_alone(block_engine, p, s, seed) for p, s, seed in rows]
+    assert running == alone
+    unguided = [_alone(block_engine, p, s.with_(cfg_scale=0.0), seed) for p, s, seed in rows]
+    assert sum(a != u for a, u in zip(alone, unguided)) >= 3  # guidance changed these answers
 
 
 def test_layer_cache_writes_each_row_at_its_own_start() -> None:

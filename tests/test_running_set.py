@@ -22,13 +22,14 @@ LONG = "春眠不觉晓，处处闻啼鸟。夜来风雨声，花落知多少。
 KINDS = {  # the settings of each kind of row (`engine._running_kind`), with every row's block in one lane
     "block": {"strategy": "block-fast", "gen_length": 16, "block_length": 8},
     "waves": {"strategy": "fast", "gen_length": 16, "block_length": 8, "early_exit": False},
+    "guided": {"strategy": "block-fast", "gen_length": 16, "block_length": 8, "cfg_scale": 1.5},  # two slots a row
 }
 
 
 @pytest.fixture(scope="module", params=sorted(KINDS))
 def kind_engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path) -> Any:
     kind = request.param
-    folder = make_model(tmp_path_factory.mktemp(kind) / "m", tiny_tokenizer, seed=5, block_causal=kind == "block")
+    folder = make_model(tmp_path_factory.mktemp(kind) / "m", tiny_tokenizer, seed=5, block_causal=kind != "waves")
     return kind, load_engine(folder, device="cpu", dtype="float32")
 
 

@@ -12,14 +12,15 @@ run in their own lane's forward in the same round. So no window is ever padded, 
 the same shape beside any batch mates as alone: only the number of rows changes, which the kernels'
 per-row results do not depend on in float32 (the property the static batches have always had).
 
-Every block-diffusion decode without guidance runs here: a batch alone is a running set admitted at once,
-and `refill=False` gives static batches for comparison.
+Every block-diffusion decode with an exact cache (`block-fast`) runs here, guided or not: a batch alone is a
+running set admitted at once, and `refill=False` gives static batches for comparison.
 
 A row's answer is what it would be alone: its noise comes from its own stream at its own (block, step)
 (`RowNoise`), its schedule is its own (`Blocks`), and the commit step runs per group of rows that share
 their settings and block width, on their own unpadded blocks. So requests with different samplers,
-shaping, steps, lengths and block widths share one running set; only guidance keeps a request out (its second,
-unconditional view would need a second cache per row: `supports` says which requests can run here).
+shaping, steps, lengths, block widths and guidance share one running set. A guided row's second view,
+the unconditional one (its prompt masked), has a slot in a second cache beside its lane (the lane's shadow),
+prefilled and stepped in the same round as its first, as `generate_block_cached` runs both views.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ..arch.kv import KVCache
 from ..params import Blocks
 from .block import BlockNet, BlockPlan, OnBlock, block_mask, commit_step, top_choice
 from .reference import finished_rows
-from .runset import Lane, RunningSet, supports
+from .runset import Lane, RunningSet
 from .sampling import Draws, stream_seed
 
 
@@ -84,6 +85,17 @@ class _Row:
         """The positions of its slot written so far: up to the end of its current block."""
         return self.start + self.width
 
+    @property
+    def guided(self) -> bool:
+        """Under guidance: an unconditional view beside it, in a slot of its lane's shadow."""
+        return bool(self.req.plan.guidance.cfg_scale > 0)
+
+    def unconditional(self, lo: int, hi: int, mask_id: int) -> torch.Tensor:
+        """Its canvas [lo, hi) as guidance's unconditional view shows it: the prompt masked."""
+        ids = self.x[lo:hi].clone()
+        ids[: max(0, self.gen - lo)] = mask_id
+        return ids
+
     def answer(self) -> list[int]:
         """The generated part: gen_length ids (the canvas always runs past them)."""
         return self.x[self.gen : self.gen + self.req.plan.blocks.gen_length].tolist()
@@ -116,14 +128,21 @@ class BlockScheduler(RunningSet[BlockRequest]):
         self.net, self.mask_id, self.pad_id, self.on_block = net, mask_id, pad_id, on_block
         self.stop = torch.tensor(sorted(stop_ids), device=device)
         self.lanes: dict[int, Lane] = {}  # by block width
+        self.shadows: dict[int, Lane] = {}  # by block width: guided rows' unconditional views, their own cache
         self.sizes: dict[int, tuple[int, int]] = {}  # by block width: (slots, length) of its cache
 
     def in_flight_keys(self) -> list[int]:
         return [r.req.key for lane in self.lanes.values() for r in lane.rows]
 
     def _drop_in_flight(self, keys: set[int]) -> None:
-        for lane in self.lanes.values():
-            lane.drop({id(r) for r in lane.rows if r.req.key in keys})
+        for W, lane in self.lanes.items():
+            self._drop(W, {id(r) for r in lane.rows if r.req.key in keys})
+
+    def _drop(self, W: int, gone: set[int]) -> None:
+        """Rows whose id() is in `gone` leave their lane of width W, and its shadow."""
+        self.lanes[W].drop(gone)
+        if W in self.shadows:
+            self.shadows[W].drop(gone)
 
     # -- the loop ------------------------------------------------------------------------------------
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
@@ -147,7 +166,6 @@ class BlockScheduler(RunningSet[BlockRequest]):
         super().add(new)
 
     def _admit(self, req: BlockRequest) -> None:
-        assert supports(req.plan), "guidance runs in static batches"
         blocks = req.plan.blocks
         P, W = len(req.prompt), blocks.block_length
         end = _end(req)
@@ -155,39 +173,37 @@ class BlockScheduler(RunningSet[BlockRequest]):
         x[:P] = torch.tensor(req.prompt, device=self.device)
         transfers = [blocks.transfers(n, m) for n, m in zip(blocks.steps_for(P), blocks.masked(P))]
         row = _Row(req, x, transfers, first=P // W, block=P // W, commit=replace(req.plan, blocks=_NO_BLOCKS))
-        if W not in self.lanes:
-            rows, length = self.sizes.get(W, (self.width, end))
-            self.lanes[W] = Lane(self._allocate(rows, max(length, end)))
-        lane = self.lanes[W]
-        lane.ensure(end, min(self.sizes.get(W, (0, 0))[0], self.width))
-        slot = lane.join(row, end, self.width)
-        s0 = row.first * W
-        if s0 > 0:  # the prompt's whole blocks, into the row's slot
-            real = torch.ones(1, s0, dtype=torch.bool, device=self.device)
-            pos = torch.arange(s0, device=self.device)[None]
-            self.net.hidden(x[None, :s0], pos, block_mask(real, 0, s0, s0, W), lane.cache.view(slot, s0), 0, False)
-            row.forwards += 1
-            self.occupancy.prefills += 1
-            self.occupancy.positions += s0
+        views = [(self.lanes, x)]
+        if row.guided:  # its unconditional view: a slot of the lane's shadow, the prompt masked
+            views.append((self.shadows, row.unconditional(0, end, self.mask_id)))
+        for lanes, ids in views:
+            if W not in lanes:
+                rows, length = self.sizes.get(W, (self.width, end))
+                lanes[W] = Lane(self._allocate(rows, max(length, end)))
+            lane = lanes[W]
+            lane.ensure(end, min(self.sizes.get(W, (0, 0))[0], self.width))
+            slot = lane.join(row, end, self.width)
+            s0 = row.first * W
+            if s0 > 0:  # the prompt's whole blocks, into the row's slot
+                real = torch.ones(1, s0, dtype=torch.bool, device=self.device)
+                pos = torch.arange(s0, device=self.device)[None]
+                mask = block_mask(real, 0, s0, s0, W)
+                self.net.hidden(ids[None, :s0], pos, mask, lane.cache.view(slot, s0), 0, False)
+                row.forwards += 1
+                self.occupancy.prefills += 1
+                self.occupancy.positions += s0
 
     def _round(self, lane: Lane) -> list[_Row]:
         """One forward over the lane's rows, each its own window at its own place, then each stepping row's
         commit; returns the rows that are done."""
-        rows, n = lane.rows, len(lane.rows)
+        rows = lane.rows
         W = rows[0].width
-        starts = torch.tensor([r.start for r in rows], device=self.device)
-        L = int(starts.max()) + W
-        lane.ensure(L)
-        ids = torch.stack([r.x[r.start : r.start + W] for r in rows])
-        positions = starts[:, None] + torch.arange(W, device=self.device)[None, :]
-        key_mask = (torch.arange(L, device=self.device)[None, :] < (starts + W)[:, None])[:, None, None, :]
-        cache = lane.cache.view(slice(0, n), L, exact=True)  # a row's attention over its own keys only
-        h, _ = self.net.hidden(ids, positions, key_mask, cache, starts, False)
-        self.occupancy.forwards += 1
-        self.occupancy.rows += n
-        self.occupancy.positions += n * W
-        for r in rows:
-            r.forwards += 1
+        h = self._forward(lane, [r.x[r.start : r.start + W] for r in rows])
+        shadow = self.shadows.get(W)
+        unconditional: dict[int, torch.Tensor] = {}  # guided rows' hidden states of their unconditional view
+        if shadow is not None and shadow.rows:
+            hu = self._forward(shadow, [r.unconditional(r.start, r.start + W, self.mask_id) for r in shadow.rows])
+            unconditional = {id(r): hu[b] for b, r in enumerate(shadow.rows)}
         stepping = [b for b, r in enumerate(rows) if not r.storing]
         for r in rows:
             if r.storing:  # its block's final keys and values are in place: on to the next block
@@ -198,7 +214,10 @@ class BlockScheduler(RunningSet[BlockRequest]):
         for b in stepping:
             groups.setdefault(rows[b].commit, []).append(b)
         for plan, members in groups.items():
-            self._commit([rows[b] for b in members], h[members], plan)
+            hs = [h[members]]
+            if plan.guidance.cfg_scale > 0:
+                hs.append(torch.stack([unconditional[id(rows[b])] for b in members]))
+            self._commit([rows[b] for b in members], hs, plan)
         done = []
         for b, finished in zip(stepping, self._finished([rows[b] for b in stepping])):
             r = rows[b]
@@ -228,16 +247,36 @@ class BlockScheduler(RunningSet[BlockRequest]):
                 r.storing = True
         return done
 
-    def _commit(self, rows: list[_Row], h: torch.Tensor, plan: BlockPlan) -> None:
-        """commit_step for rows sharing their settings and width, on their own blocks (b, W)."""
+    def _forward(self, lane: Lane, windows: list[torch.Tensor]) -> torch.Tensor:
+        """One forward over a lane's rows (these ids: each its block-wide window at its own place), over
+        the lane's cache; returns the hidden states (n, W, d)."""
+        rows, n = lane.rows, len(lane.rows)
+        W = rows[0].width
+        starts = torch.tensor([r.start for r in rows], device=self.device)
+        L = int(starts.max()) + W
+        lane.ensure(L)
+        positions = starts[:, None] + torch.arange(W, device=self.device)[None, :]
+        key_mask = (torch.arange(L, device=self.device)[None, :] < (starts + W)[:, None])[:, None, None, :]
+        cache = lane.cache.view(slice(0, n), L, exact=True)  # a row's attention over its own keys only
+        h, _ = self.net.hidden(torch.stack(windows), positions, key_mask, cache, starts, False)
+        self.occupancy.forwards += 1
+        self.occupancy.rows += n
+        self.occupancy.positions += n * W
+        for r in rows:
+            r.forwards += 1
+        return h
+
+    def _commit(self, rows: list[_Row], hs: list[torch.Tensor], plan: BlockPlan) -> None:
+        """commit_step for rows sharing their settings and width, on their own blocks (b, W), from their
+        hidden states in each view (under guidance, the unconditional view's too)."""
         W = rows[0].width
         block = torch.stack([r.x[r.start : r.start + W] for r in rows])
         k = torch.tensor([_transfer(r) for r in rows], dtype=torch.long, device=self.device)
         draws = Draws([stream_seed(r.req.seed, r.block, r.step) for r in rows], self.device)
         answer = self._answer(rows, plan)
-        out = commit_step(block, [h], self.net, plan, k, self.mask_id, draws, answer, self.stop, self.pieces)
+        out = commit_step(block, hs, self.net, plan, k, self.mask_id, draws, answer, self.stop, self.pieces)
         if plan.editing.active:  # LLaDA2.1: from the same forward, rewrite decided answer tokens the model doubts
-            p, x0 = top_choice(self.net, h)
+            p, x0 = top_choice(self.net, hs[0])
             cols = torch.stack([torch.arange(r.start, r.start + W, device=self.device) for r in rows])
             answer_pos = cols >= torch.tensor([r.gen for r in rows], device=self.device)[:, None]
             edit = (block != self.mask_id) & answer_pos & (x0 != block) & (p > plan.editing.edit_threshold)
@@ -278,7 +317,7 @@ class BlockScheduler(RunningSet[BlockRequest]):
         for r in done:
             yield r.req.key, r.answer(), r.forwards
         if done:
-            lane.drop({id(r) for r in done})
+            self._drop(done[0].width, {id(r) for r in done})
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     def _allocate(self, rows: int, length: int) -> KVCache:
