@@ -6,12 +6,14 @@ process whenever it is decoded is still found. And a stop says what it kept."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from .spool_helpers import claimed, drop, failures, make_queue, outputs
-from .test_spool_process import run, spawn, wait_for
+from .test_spool_process import REPO, run, spawn, wait_for
 
 LINES = "".join(f"valid {i}\n" for i in range(6))
 
@@ -83,3 +85,20 @@ def test_a_row_that_kills_the_process_whenever_it_decodes_is_poison_and_the_rest
     assert [r["custom_id"] for r in out] == ["line-1", "line-2", "line-4", "line-5", "line-6"]
     [rec] = failures(tmp_path)
     assert rec["code"] == "poison" and rec["custom_id"] == "line-3"
+
+
+def test_watch_says_when_it_is_up_and_watching_before_any_batch(tmp_path: Path) -> None:
+    config = make_queue(tmp_path)  # the embedded model, an empty inbox: no batch will come
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    heartbeat = tmp_path / "logs" / "heartbeat.json"
+    with open(tmp_path / "stderr.txt", "w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "celeris_cli", "watch", str(config)], env=env, stderr=err)
+    try:
+        wait_for(lambda: heartbeat.exists() and json.loads(heartbeat.read_text())["pid"] == p.pid, timeout=120)
+        said = (tmp_path / "stderr.txt").read_text()  # the loop is running: the line came before it
+        assert said == f"celeris watch: watching {tmp_path / 'batch_inputs'} (model embedded default, pid {p.pid})\n"
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+    said = (tmp_path / "stderr.txt").read_text().splitlines()
+    assert p.returncode == 0 and said[-1].startswith("celeris watch: stopped on SIGTERM (0 files"), said
