@@ -58,9 +58,15 @@ def test_a_machine_restart_is_no_evidence(tmp_path: Path) -> None:
     assert st.evidence == {2: 1}
 
 
-def test_deaths_before_anything_is_tried_are_counted_in_a_row(tmp_path: Path) -> None:
-    st = claims(tmp_path, [], [], [])
-    assert st.idle_deaths == 3 and st.suspects is None
+def test_deaths_while_a_resumed_file_is_read_or_prepared_are_counted_in_a_row(tmp_path: Path) -> None:
+    st = claims(tmp_path, [], [], [])  # the first claim may have been decoding (it journals nothing); then two
+    assert st.idle_deaths == 2 and st.suspects is None  # resumed claims died before their requests were ready
     (tmp_path / "b").mkdir()
-    st = claims(tmp_path / "b", [], [{"stopped": []}], [])
+    st = claims(tmp_path / "b", [], [], [{"stopped": []}], [])
     assert st.idle_deaths == 2  # a stop neither counts nor breaks the row
+
+
+def test_a_resumed_file_that_was_waiting_for_its_turn_at_a_death_is_not_blamed(tmp_path: Path) -> None:
+    waiting = [{"prepared": True}]  # read and prepared; none of its lines in flight when the process died
+    st = claims(tmp_path, [{"try": [1, 2]}], waiting, waiting, waiting, waiting, waiting, waiting)
+    assert st.idle_deaths == 0 and st.evidence == {} and st.suspects == {1, 2}

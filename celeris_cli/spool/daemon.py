@@ -254,11 +254,13 @@ class Spool:
         budget = self.cfg.batch_size * 8 if budget is None else budget  # bounds memory and latency
         jobs = []
         taken = 0
+        resumed = []
         for job in [j for j in self.claimed.values() if j.resumed]:
             loaded = self.load(job)
             job.resumed = False
             if loaded:  # not quarantined, gone, or waiting for room to be quarantined
                 jobs.append(job)
+                resumed.append(job)
                 taken += len(job.requests)
         for path in paths:
             if self.stopping or taken >= budget:
@@ -276,6 +278,8 @@ class Spool:
                     jobs.append(new)
                     taken += len(new.requests)
         work = [item for job in jobs for item in self.prepare(job, job.requests)]
+        for job in resumed:  # a death from now on finds it waiting for its turn, not being read (`journal`)
+            job.journal.append({"prepared": True})
         return work + self.complete([job for job in jobs if job.pending == 0 and job.seq in self.claimed])
 
     def drain(self, work: list[Item]) -> None:

@@ -6,13 +6,16 @@
 - `{"try": [lines]}`: these lines are about to be decoded; `"suspect": true` when it is a suspect's test
   (one suspect line decoded alone, nothing else in flight);
 - `{"outcomes": [{"line", "body"} | {"line", "failure"}]}`: a finished batch, decided once for good;
+- `{"prepared": true}`: a resumed claim's requests are read and prepared (it waits for its turn);
 - `{"stopped": [lines]}`: a clean stop (SIGTERM, SIGINT, grace expired), with the lines that were in flight.
 
 On resume, decided lines are never decoded again. What ended each earlier claim is read from the journal:
 a stop (a `stopped` record) or a machine restart (the next claim has another boot id) says nothing about
 a request; a death (no `stopped` record, same boot) does. After a death the lines it had in flight are
 suspects, decoded one at a time; a suspect that was being tested alone when the process died again has
-one more piece of evidence against it (`evidence`), and `poison` decides at `max_claims` of them.
+one more piece of evidence against it (`evidence`), and `poison` decides at `max_claims` of them. A
+resumed claim that died with none of its lines in flight was waiting for its turn: no evidence either,
+unless it died before its requests were prepared (reading or preparing them killed the process).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class JournalState:
     outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
     evidence: dict[int, int] = field(default_factory=dict)  # line -> deaths while it was tested alone
     suspects: set[int] | None = field(default_factory=set)  # lines to decode one at a time; None: every line
-    idle_deaths: int = 0  # deaths in a row, before this claim, that decided nothing and tried nothing
+    idle_deaths: int = 0  # resumed claims in a row that died reading or preparing the file
 
 
 @dataclass
@@ -54,6 +57,7 @@ class _Claim:
     tried: set[int] = field(default_factory=set)
     tested: set[int] = field(default_factory=set)  # lines of suspect tests
     any_try: bool = False
+    prepared: bool = False
     stopped: bool = False
     progress: bool = False
 
@@ -103,6 +107,8 @@ class Journal:
                     claims[-1].tested |= lines
             elif "stopped" in rec:
                 claims[-1].stopped = True
+            elif "prepared" in rec:
+                claims[-1].prepared = True
         for i, claim in enumerate(claims):
             after = claims[i + 1].boot if i + 1 < len(claims) else boot
             restarted = claim.boot is not None and after is not None and claim.boot != after
@@ -112,10 +118,12 @@ class Journal:
                 st.evidence[line] = st.evidence.get(line, 0) + 1
             if claim.any_try:
                 st.suspects = claim.tried | (st.suspects or set())
-            else:
-                st.suspects = None  # died without saying what was in flight: every remaining line is suspect
-            blind = not claim.any_try and not claim.progress
-            st.idle_deaths = st.idle_deaths + 1 if blind else 0
+            elif i == 0:  # a first claim journals nothing for a file decoded in one batch: it may have been
+                st.suspects = None  # in flight; every remaining line is suspect
+            elif not claim.prepared and not claim.progress:
+                st.idle_deaths += 1  # died reading or preparing this file
+                continue
+            st.idle_deaths = 0 if claim.any_try or claim.progress else st.idle_deaths
         if st.suspects is not None:
             st.suspects -= set(st.outcomes)
         st.claims = number + 1

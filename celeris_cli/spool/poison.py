@@ -6,9 +6,9 @@ evidence only against a suspect that was being tested alone when it came (after 
 requests that were in flight are suspects, decoded one at a time). A request with `max_claims` such
 deaths gets a `poison` failure record, decided for good, and the rest of the file is served. So the
 daemon killed while ordinary batches decode costs nothing but time, and a request that really kills the
-process is found after `max_claims + 1` deaths. A file whose claims died `2 * max_claims` times in a row
-before anything of it was tried or decided (a death outside decoding) has all its remaining requests
-recorded as poison.
+process is found after `max_claims + 1` deaths. A file whose resumed claims died `2 * max_claims` times in
+a row while its requests were read or prepared (a death outside decoding) has all its remaining requests
+recorded as poison; a claim that was only waiting for its turn when the process died counts for nothing.
 """
 
 from __future__ import annotations
