@@ -5,6 +5,7 @@ Used by the crash, signal and lock tests as a real subprocess.
 --fail-on: a batch holding a prompt with TEXT raises (an out-of-memory stand-in);
 --die-on: the process SIGKILLs itself on such a batch (a segfault or OOM-killer stand-in);
 --hang-on: such a batch never returns; --count-file: every decoded custom_id is appended there;
+--hooks: what `celeris watch` says on stderr (up and watching; what a stop whose grace ran out kept);
 --short-writes P: each os.write of more than one byte writes only half of it with probability P, and
 returns that count without raising, as a filling filesystem does.
 """
@@ -76,7 +77,12 @@ def main(argv: list[str]) -> int:
         _opt(argv, "--count-file"),
         fail_on=_opt(argv, "--fail-on"),
     )
-    spool = Spool(cfg, lambda: backend)
+    if "--hooks" in argv:
+        from celeris_cli.cli.queue import _expired, _watching
+
+        spool = Spool(cfg, lambda: backend, on_watching=_watching, on_expired=_expired)
+    else:
+        spool = Spool(cfg, lambda: backend)
     if "--no-watchdog" in argv:
         spool._watch = lambda: None  # type: ignore[method-assign]
     try:

@@ -113,26 +113,26 @@ def test_a_request_that_kills_the_daemon_is_quarantined_as_poison_and_the_rest_s
     assert rec["code"] == "poison" and rec["custom_id"] == "line-6"
 
 
-def test_a_request_that_outlives_every_sigterm_is_quarantined_as_poison(tmp_path: Path) -> None:
+def test_stops_never_poison_a_request_that_outlives_them_and_request_timeout_s_fails_it(tmp_path: Path) -> None:
     config = make_queue(tmp_path, batch_size=4, max_claims=2, shutdown_grace_s=0.3)
     drop(tmp_path, "h.txt", "fine\nhang here\n")
     heartbeat = tmp_path / "logs" / "heartbeat.json"
-    for _ in range(5):
+    for _ in range(4):  # twice max_claims: a stop is the operator's doing, not evidence against a request
         p = spawn(config, "--hang-on", "hang")
-        done = tmp_path / "batch_processed" / "h.txt"
 
-        def decoding_or_done(p: subprocess.Popen[str] = p, done: Path = done) -> bool:
+        def decoding(p: subprocess.Popen[str] = p) -> bool:
             hb = json.loads(heartbeat.read_text()) if heartbeat.exists() else {}
-            return done.exists() or (hb.get("pid") == p.pid and hb.get("state") == "decoding")
+            return hb.get("pid") == p.pid and hb.get("state") == "decoding"
 
-        wait_for(decoding_or_done)
+        wait_for(decoding)
         p.send_signal(signal.SIGTERM)
         p.communicate(timeout=30)
-        if done.exists():
-            break
+    assert failures(tmp_path) == [] and len(claimed(tmp_path)) == 1
+    config = make_queue(tmp_path, batch_size=4, max_claims=2, request_timeout_s=0.5)
+    assert run(config, "--once", "--hang-on", "hang").returncode == 1  # what fails a hang is its timeout
     assert [r["custom_id"] for r in outputs(tmp_path)["h.txt.results.jsonl"]] == ["line-1"]
     [rec] = failures(tmp_path)
-    assert rec["code"] == "poison" and rec["custom_id"] == "line-2"
+    assert rec["code"] == "timeout" and rec["custom_id"] == "line-2"
 
 
 def test_sigterm_keeps_finished_batches_and_a_restart_decodes_only_the_rest(tmp_path: Path) -> None:

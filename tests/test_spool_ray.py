@@ -296,10 +296,10 @@ def test_sigkill_of_the_daemon_mid_batch_on_ray_then_restart_loses_and_duplicate
         except ProcessLookupError:
             pass
     assert daemon.returncode == -signal.SIGKILL
-    journals = [json.loads(x) for j in (tmp_path / "batch_inputs" / ".work" / "journal").glob("*.jsonl")
+    journals = [(j.name, json.loads(x)) for j in (tmp_path / "batch_inputs" / ".work" / "journal").glob("*.jsonl")
                 for x in j.read_text().splitlines()]  # fmt: skip
-    tried = {line for rec in journals for line in rec.get("try", [])}
-    decided = {o["line"] for rec in journals for o in rec.get("outcomes", [])}
+    tried = {(j, line) for j, rec in journals for line in rec.get("try", [])}  # files take turns: key by file
+    decided = {(j, o["line"]) for j, rec in journals for o in rec.get("outcomes", [])}
     assert decided and tried - decided  # killed with batches done and batches still out on the actors
     again = celeris("watch", str(config), "--once", timeout=300)
     assert again.returncode == 0, again.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ def _load_batch_config(config: Path) -> Any:
     return load_config(config)
 
 
-def _spool(cfg: Any, progress: Any = None) -> Any:
+def _spool(cfg: Any, progress: Any = None, hooks: bool = False) -> Any:
+    """The queue's daemon; with `hooks`, it says on stderr when it is up and watching and what a stop whose
+    grace ran out kept claimed."""
     from ..spool.daemon import Spool
 
     def backend() -> Any:
@@ -32,7 +35,33 @@ def _spool(cfg: Any, progress: Any = None) -> Any:
             cfg.model, cfg.device, cfg.dtype, cfg.threads, cfg.generation, cfg.quantize, cfg.max_memory
         )
 
-    return Spool(cfg, backend, progress=progress)
+    if not hooks:
+        return Spool(cfg, backend, progress=progress)
+    return Spool(cfg, backend, progress=progress, on_watching=_watching, on_expired=_expired)
+
+
+def _watching(spool: Any) -> None:
+    resumed = f"; {plural(len(spool.claimed), 'claimed file')} to resume" if spool.claimed else ""
+    typer.echo(
+        f"celeris watch: watching {spool.f.inputs} (model {spool.cfg.model or 'embedded default'}, "
+        f"pid {os.getpid()}){resumed}",
+        err=True,
+    )
+
+
+def _expired(spool: Any, kept: Any) -> None:
+    """Said from the grace thread just before the process exits."""
+    import sys
+
+    in_flight = sum(k.in_flight for k in kept)
+    files = ", ".join(f"{k.file} ({k.in_flight} in flight)" for k in kept[:5]) + (", ..." if len(kept) > 5 else "")
+    typer.echo(
+        f"celeris watch: shutdown_grace_s ({spool.cfg.shutdown_grace_s:g} s) ran out; kept claimed "
+        f"{plural(len(kept), 'file')}" + (f": {files}" if kept else "") + f"; {plural(in_flight, 'request')} were in "
+        "flight. They resume on the next start (a stop never counts against a request).",
+        err=True,
+    )
+    sys.stderr.flush()
 
 
 def plural(n: int, word: str) -> str:
@@ -55,14 +84,13 @@ def _serve(
     """Run the queue; the exit code. With `locked_ok`, None when another instance holds the queue. With
     `exit_now`, a daemon stopped by a signal says so and leaves the process at once: everything is on
     disk by then, and the interpreter's teardown of torch alone takes seconds."""
-    import os
     import signal
     import sys
     import time
 
     from ..spool.fsutil import LockHeld
 
-    spool = _spool(cfg, None if quiet else lambda line: typer.echo(line, err=True))
+    spool = _spool(cfg, None if quiet else lambda line: typer.echo(line, err=True), hooks=exit_now)
     t0 = time.monotonic()
     try:
         code = int(spool.run(once=once))

@@ -76,7 +76,7 @@ class BatchConfig:
     max_file_requests: int = 100_000
     log_prompts: bool = False
     request_timeout_s: float | None = None  # a batch run past this fails (bisected down to one request)
-    max_claims: int = 3  # a request in flight this many times when the daemon died or stopped is poison
+    max_claims: int = 3  # a request the process died on this many times, decoded alone, is poison (`poison`)
     publish_retry_s: float = 1.0  # first back-off after the filesystem refused a publish (doubles, max 60)
     metrics_textfile: Path | None = None  # Prometheus text file, rewritten as the queue works
     late_window_s: float = 600.0  # a published file is watched this long for lines that arrive late

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from .pool import Done, Pool, as_pool
 from .publish import Publisher, line_failure, request_failure
 from .reading import Snapshot, read_claimed
 from .status import Heartbeat
+from .turns import Turns, is_test
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +53,34 @@ class RunCounts:
     failures: int = 0  # failure records of this run (a quarantined file has one)
 
 
+@dataclass(frozen=True)
+class Kept:
+    """A file a stop left claimed, with its requests that were in flight: it resumes on the next start."""
+
+    file: str
+    claim: int
+    in_flight: int
+
+
 class Spool:
     def __init__(
         self,
         cfg: BatchConfig,
         backend_factory: Callable[[], Backend | Pool],
         progress: Callable[[str], None] | None = None,
+        on_watching: Callable[[Spool], None] | None = None,
+        on_expired: Callable[[Spool, list[Kept]], None] | None = None,
     ) -> None:
+        """`progress` gets a line per batch; a daemon (not `once`) calls `on_watching` once it is up and
+        watching, before its first batch; `on_expired` gets the files kept claimed when a stop's grace ran
+        out, just before the process exits."""
         self.cfg = cfg
         self.f = cfg.folders
         self.backend_factory = backend_factory
         self.pool: Pool | None = None
         self.progress = progress
+        self.on_watching = on_watching
+        self.on_expired = on_expired
         self.events = EventLog(self.f.logs / "events.jsonl")
         self.lock = queue_lock(cfg)
         self.inbox = Inbox(self.f, cfg.settle_s, self.events)
@@ -105,7 +121,9 @@ class Spool:
                 for tmp in folder.glob(".*.tmp"):
                     tmp.unlink(missing_ok=True)
             # a bad model fails now
-            self.pool = as_pool(self.backend_factory(), self.cfg.request_timeout_s, self.cfg.batch_size)
+            self.pool = as_pool(
+                self.backend_factory(), self.cfg.request_timeout_s, self.cfg.batch_size, events=self.events
+            )
             for job in self.inbox.open(self.failures.max_claim):
                 self.claimed[job.seq] = job
         except BaseException:
@@ -141,6 +159,8 @@ class Spool:
         self.events("start", pid=os.getpid(), once=once)
         observer = None if once else self._watch()
         installed = signals.install(self._on_signal, self.cfg.shutdown_grace_s, self._grace_expired, self._signal_noted)
+        if not once and self.on_watching is not None:
+            self.on_watching(self)
         gave_up = False
         try:
             while not self.stopping:
@@ -200,15 +220,19 @@ class Spool:
 
     def _grace_expired(self) -> None:
         try:
-            self.stop_claims(self.in_flight)
+            kept = self.stop_claims(self.in_flight)
             done, failed = self.counts.results, self.counts.failures
             self.events("stop", pid=os.getpid(), done=done, failed=failed, reason="grace_expired")
             self.beat.write("stopped", self)
+            if self.on_expired is not None:
+                self.on_expired(self, kept)
         finally:
             os._exit(0)
 
-    def stop_claims(self, in_flight: list[Item]) -> None:
-        """A clean stop: claimed files stay in the work folder; their journals say what was in flight."""
+    def stop_claims(self, in_flight: list[Item]) -> list[Kept]:
+        """A clean stop: claimed files stay in the work folder; their journals say what was in flight (a
+        stop is no evidence against those requests: `poison`). Returns the files kept."""
+        kept = []
         for job in list(self.claimed.values()):
             if job.path.exists():
                 lines = sorted(p.request.line for j, p in in_flight if j is job)
@@ -216,7 +240,9 @@ class Spool:
                     job.journal.append({"outcomes": list(job.outcomes.values())})
                 job.journal.append({"stopped": lines})
                 self.events("kept_claimed", file=job.name, claim=job.seq, in_flight=len(lines))
+                kept.append(Kept(job.name, job.seq, len(lines)))
         self.claimed.clear()
+        return kept
 
     # -- processing --------------------------------------------------------------------------------
     def process(self, paths: list[Path]) -> None:
@@ -228,11 +254,13 @@ class Spool:
         budget = self.cfg.batch_size * 8 if budget is None else budget  # bounds memory and latency
         jobs = []
         taken = 0
+        resumed = []
         for job in [j for j in self.claimed.values() if j.resumed]:
             loaded = self.load(job)
             job.resumed = False
             if loaded:  # not quarantined, gone, or waiting for room to be quarantined
                 jobs.append(job)
+                resumed.append(job)
                 taken += len(job.requests)
         for path in paths:
             if self.stopping or taken >= budget:
@@ -250,36 +278,57 @@ class Spool:
                     jobs.append(new)
                     taken += len(new.requests)
         work = [item for job in jobs for item in self.prepare(job, job.requests)]
+        for job in resumed:  # a death from now on finds it waiting for its turn, not being read (`journal`)
+            job.journal.append({"prepared": True})
         return work + self.complete([job for job in jobs if job.pending == 0 and job.seq in self.claimed])
 
     def drain(self, work: list[Item]) -> None:
-        """Run `work`, up to `pool.slots` batches at once. While batches are in flight, a slot is free and
-        nothing else waits, files that arrived meanwhile are claimed and join them (the running set admits
-        their rows as others leave), up to one round's budget more, after which the loop's other duties
-        come first. On a stop nothing new starts (not even the halves of a failed batch) and the batches in
-        flight are finished."""
+        """Run `work`, up to `pool.slots` batches at once, in fair turns (`turns`). While batches are in
+        flight, files that arrive are claimed and take their turn beside the files already claimed, up to
+        one round's budget more, after which the loop's other duties come first. On a stop nothing new
+        starts (not even the halves of a failed batch) and the batches in flight are finished."""
         assert self.pool is not None
-        queue = deque(self.pack(work))
+        turns = Turns()
+        turns.add(self.pack(work))
         first = True
         more = self.cfg.batch_size * 8  # requests this drain may claim while it runs
-        while (queue and not self.stopping) or self.flight:
-            if self.flight and not queue and not self.stopping and len(self.flight) < self.pool.slots and more > 0:
-                ready, _ = self.inbox.scan()
-                if ready:
-                    new = self.take(ready, more)
-                    more -= max(len(new), 1)
-                    queue.extend(self.pack(new))
-            while queue and not self.stopping and len(self.flight) < self.pool.slots:
-                self.submit(queue.popleft())
+        while (turns and not self.stopping) or self.flight:
+            if not self.stopping and more > 0:
+                more -= self.arrivals(turns, more)
+            while not self.stopping and len(self.flight) < self.pool.slots and not self.testing:
+                batch = turns.next(idle=not self.flight)
+                if batch is None:
+                    break
+                self.submit(batch)
             if not self.flight:
                 break
             for done in self.pool.wait():
                 halves, new = self.finished(done)
-                queue.extendleft(reversed(halves))  # bisection first: it holds decided work back
-                queue.extend(self.pack(new))
+                turns.halves(halves)  # bisection first: it holds decided work back
+                turns.add(self.pack(new))
                 if first:
                     crashpoint("mid_batch")  # other batches may still be in flight
                     first = False
+
+    @property
+    def testing(self) -> bool:
+        """Whether a suspect's test is in flight: nothing starts beside it."""
+        return any(is_test(batch) for batch, _ in self.flight.values())
+
+    def arrivals(self, turns: Turns, more: int) -> int:
+        """Claim files that arrived while batches run, in arrival order: while fewer than a round of rows
+        wait to start, up to that round (they are packed together); beyond it, one file at a time, when no
+        claimed file is still waiting for its first turn. So a small file arriving behind big ones is
+        claimed within a turn or two. Returns the requests claimed."""
+        room = self.cfg.batch_size * 8 - turns.rows
+        if room <= 0 and turns.unstarted():
+            return 0
+        ready, _ = self.inbox.scan()
+        if not ready:
+            return 0
+        new = self.take(ready, min(more, room)) if room > 0 else self.take(ready[:1], 1)
+        turns.add(self.pack(new))
+        return max(len(new), 1)
 
     def pack(self, work: list[Item]) -> list[list[Item]]:
         return pack(work, self.cfg.batch_size, self.cfg.token_budget) if work else []
@@ -333,10 +382,11 @@ class Spool:
         assert self.pool is not None
         for job in {id(j): j for j, _ in batch}.values():
             mine = [p.request.line for j, p in batch if j is job]
+            test = is_test(batch)
             if needs_journal(
                 job, undecided_after=job.pending - len(mine), suspect=job.suspects is None or bool(job.suspects)
-            ):
-                job.journal.append({"try": mine})  # so a death here can be blamed on these lines
+            ):  # so a death here can be blamed on these lines; on a suspect only if it is tested alone
+                job.journal.append({"try": mine, "suspect": True} if test else {"try": mine})
         ticket = self.pool.submit([p for _, p in batch])
         self.flight[ticket] = (batch, time.perf_counter())
         self.events("submit", ticket=ticket, size=len(batch), in_flight=len(self.flight))

@@ -1,19 +1,26 @@
 """The journal of one claimed file: what is decided about its requests, kept across stops and crashes.
 
 `inputs/.work/journal/<claim>.jsonl`, appended and fsynced, one JSON object a line:
-- `{"claim": n}`: the file was resumed (claim n; the first claim writes nothing);
-- `{"try": [lines], "claim": n}`: these lines are about to be decoded;
+- `{"claim": n, "boot": id}`: the file was resumed (claim n, on that boot of the machine; the first claim
+  writes nothing);
+- `{"try": [lines]}`: these lines are about to be decoded; `"suspect": true` when it is a suspect's test
+  (one suspect line decoded alone, nothing else in flight);
 - `{"outcomes": [{"line", "body"} | {"line", "failure"}]}`: a finished batch, decided once for good;
-- `{"stopped": [lines], "claim": n}`: a clean stop, with the lines that were in flight.
+- `{"prepared": true}`: a resumed claim's requests are read and prepared (it waits for its turn);
+- `{"stopped": [lines]}`: a clean stop (SIGTERM, SIGINT, grace expired), with the lines that were in flight.
 
-On resume, decided lines are never decoded again. A line that was in flight when the daemon died or was
-stopped `max_claims` times is poison: it gets a failure record and the rest of the file is served.
+On resume, decided lines are never decoded again. What ended each earlier claim is read from the journal:
+a stop (a `stopped` record) or a machine restart (the next claim has another boot id) says nothing about
+a request; a death (no `stopped` record, same boot) does. After a death the lines it had in flight are
+suspects, decoded one at a time; a suspect that was being tested alone when the process died again has
+one more piece of evidence against it (`evidence`), and `poison` decides at `max_claims` of them. A
+resumed claim that died with none of its lines in flight was waiting for its turn: no evidence either,
+unless it died before its requests were prepared (reading or preparing them killed the process).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,15 +29,37 @@ from .fsutil import append_line
 from .ledger import dumps, read_jsonl
 
 log = logging.getLogger(__name__)
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str | None:
+    """This boot of the machine (Linux); None where the system does not say."""
+    try:
+        return BOOT_ID.read_text().strip() or None
+    except OSError:
+        return None
 
 
 @dataclass
 class JournalState:
     claims: int = 1  # this claim included
     outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
-    tries: dict[int, set[int]] = field(default_factory=dict)  # line -> claims in which it was in flight
-    suspects: set[int] | None = None  # lines to decode one at a time; None: any line may be suspect
-    idle_claims: int = 0  # claims in a row, before this one, that decided nothing
+    evidence: dict[int, int] = field(default_factory=dict)  # line -> deaths while it was tested alone
+    suspects: set[int] | None = field(default_factory=set)  # lines to decode one at a time; None: every line
+    idle_deaths: int = 0  # resumed claims in a row that died reading or preparing the file
+
+
+@dataclass
+class _Claim:
+    """What one earlier claim left in the journal."""
+
+    boot: str | None = None
+    tried: set[int] = field(default_factory=set)
+    tested: set[int] = field(default_factory=set)  # lines of suspect tests
+    any_try: bool = False
+    prepared: bool = False
+    stopped: bool = False
+    progress: bool = False
 
 
 class Journal:
@@ -55,48 +84,48 @@ class Journal:
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
 
-    def resume(self) -> JournalState:
-        """Read what earlier claims decided, and record this claim."""
+    def resume(self, boot: str | None = None) -> JournalState:
+        """Read what earlier claims decided and what ended each of them, and record this claim (on
+        `boot`, this machine's boot id by default)."""
+        boot = boot_id() if boot is None else boot
         st = JournalState()
-        claim = 1
-        progress = False
-        clean = False
-        tried_last: set[int] = set()
-        in_flight: set[int] = set()
-        any_try_last = False
+        number = 1
+        claims = [_Claim()]
         for rec in read_jsonl(self.path):
-            if "claim" in rec and len(rec) == 1:
-                st.idle_claims = 0 if progress else st.idle_claims + 1
-                claim, progress, clean = int(rec["claim"]), False, False
-                tried_last, in_flight, any_try_last = set(), set(), False
+            if "claim" in rec and not ({"try", "outcomes", "stopped"} & rec.keys()):
+                number = int(rec["claim"])
+                claims.append(_Claim(boot=rec.get("boot")))
             elif "outcomes" in rec:
                 for o in rec["outcomes"]:
                     st.outcomes[int(o["line"])] = o
-                progress = True
+                claims[-1].progress = True
             elif "try" in rec:
-                any_try_last = True
-                for line in rec["try"]:
-                    st.tries.setdefault(int(line), set()).add(claim)
-                    tried_last.add(int(line))
+                lines = {int(line) for line in rec["try"]}
+                claims[-1].any_try = True
+                claims[-1].tried |= lines
+                if rec.get("suspect") is True:
+                    claims[-1].tested |= lines
             elif "stopped" in rec:
-                clean = True
-                in_flight = {int(x) for x in rec["stopped"]}
-                for line in in_flight:
-                    st.tries.setdefault(line, set()).add(claim)
-        st.idle_claims = 0 if progress else st.idle_claims + 1
-        st.claims = claim + 1
-        if clean:
-            st.suspects = in_flight - set(st.outcomes)
-        elif any_try_last:
-            st.suspects = tried_last - set(st.outcomes)
-        else:
-            st.suspects = None  # died without saying what was in flight: every remaining line is suspect
-        self.append({"claim": st.claims})
+                claims[-1].stopped = True
+            elif "prepared" in rec:
+                claims[-1].prepared = True
+        for i, claim in enumerate(claims):
+            after = claims[i + 1].boot if i + 1 < len(claims) else boot
+            restarted = claim.boot is not None and after is not None and claim.boot != after
+            if claim.stopped or restarted:
+                continue  # a stop or a restart: no evidence, and the suspects stay what they were
+            for line in claim.tested - set(st.outcomes):
+                st.evidence[line] = st.evidence.get(line, 0) + 1
+            if claim.any_try:
+                st.suspects = claim.tried | (st.suspects or set())
+            elif i == 0:  # a first claim journals nothing for a file decoded in one batch: it may have been
+                st.suspects = None  # in flight; every remaining line is suspect
+            elif not claim.prepared and not claim.progress:
+                st.idle_deaths += 1  # died reading or preparing this file
+                continue
+            st.idle_deaths = 0 if claim.any_try or claim.progress else st.idle_deaths
+        if st.suspects is not None:
+            st.suspects -= set(st.outcomes)
+        st.claims = number + 1
+        self.append({"claim": st.claims, **({"boot": boot} if boot else {})})
         return st
-
-
-def try_counts(state: JournalState) -> dict[int, int]:
-    counts: dict[int, int] = defaultdict(int)
-    for line, claims in state.tries.items():
-        counts[line] = len(claims)
-    return counts

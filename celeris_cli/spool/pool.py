@@ -13,6 +13,7 @@ hands back the exception, and the daemon bisects or records it.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import Any, Protocol, runtime_checkable
 from .backend import Backend, EngineBackend, Prepared, body_of
 from .batching import Decided, deadline, describe, settle
 from .formats import Request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -90,12 +93,14 @@ class RunningPool:
     batch that is, the others staying in flight. A batch whose settings cannot join a running set
     (guidance, strategies other than block-fast and fast, another `deterministic`) decodes on its own, taking turns
     with the running set. If the running set raises (not out of memory: it narrows itself), each batch in it
-    decodes again on its own, so only the batch at fault fails (and the daemon halves it)."""
+    decodes again on its own, so only the batch at fault fails (and the daemon halves it); that fallback is
+    logged as a warning with the exception and recorded as a `running_set_failed` event."""
 
     slots = 3  # batches in flight: the next ones wait their turn inside the running set, so it stays full
 
-    def __init__(self, backend: EngineBackend, max_batch: int) -> None:
+    def __init__(self, backend: EngineBackend, max_batch: int, events: Callable[..., None] | None = None) -> None:
         self.backend = backend
+        self.events = events  # the queue's event log
         self.live = backend.engine.live(max_batch)
         self.tickets = itertools.count(1)
         self.keys = itertools.count()
@@ -157,9 +162,18 @@ class RunningPool:
                     error = self.failed.pop(ticket, None)
                     good = [b for b in bodies if b is not None]
                     done.append(Done(ticket, error=error) if error is not None else Done(ticket, bodies=good))
-        except Exception:  # the running set failed: each of its batches again on its own, to find the one at fault
+        except Exception as e:  # the running set failed: each of its batches again on its own, to find the one at fault
+            tickets = sorted(self.open)
+            log.warning(
+                "the running set failed (%s); decoding its %d batches again one at a time",
+                describe(e)[2],
+                len(tickets),
+                exc_info=True,
+            )
+            if self.events is not None:
+                self.events("running_set_failed", error=describe(e)[2], tickets=tickets)
             self.answers = None
-            self.alone.extend((ticket, self.batches[ticket]) for ticket in sorted(self.open))
+            self.alone.extend((ticket, self.batches[ticket]) for ticket in tickets)
             self.open.clear()
             self.batches.clear()
             self.rows.clear()
@@ -172,13 +186,20 @@ class RunningPool:
             self.answers = None
 
 
-def as_pool(engine: Backend | Pool, timeout_s: float | None, max_batch: int = 16, running: bool = True) -> Pool:
+def as_pool(
+    engine: Backend | Pool,
+    timeout_s: float | None,
+    max_batch: int = 16,
+    running: bool = True,
+    events: Callable[..., None] | None = None,
+) -> Pool:
     """The pool a backend runs batches on: itself if it is one (Ray), the engine's running set where nothing
-    asks for one batch at a time (`running`, a per-batch timeout), otherwise one batch at a time."""
+    asks for one batch at a time (`running`, a per-batch timeout), otherwise one batch at a time. `events`
+    records what the pool does that the daemon cannot see (the running set's fallback)."""
     if isinstance(engine, Pool):
         return engine
     if running and timeout_s is None and isinstance(engine, EngineBackend):
-        return RunningPool(engine, max_batch)
+        return RunningPool(engine, max_batch, events)
     return InlinePool(engine, timeout_s)
 
 
