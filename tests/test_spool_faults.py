@@ -193,3 +193,25 @@ def test_a_file_left_claimed_by_an_older_version_is_served_not_lost(tmp_path: Pa
     assert rc == 0
     texts = sorted(r["response"]["body"]["text"] for recs in outputs(tmp_path).values() for r in recs)
     assert texts == sorted(["dniheb tfel", "eman emas eht fo elif wen a"])
+
+
+def test_a_blocked_publish_journals_its_outcomes_once_however_often_it_is_retried(tmp_path: Path) -> None:
+    """Each retry of a publish the disk refuses used to journal every outcome again (100 records for a
+    20-line file after five retries), which a Batch API status read then counted as answers."""
+    from types import SimpleNamespace
+
+    from celeris_cli.spool.finish import Finisher
+
+    appended: list[dict[str, Any]] = []
+    job: Any = SimpleNamespace(
+        seq=7, name="f.txt", outcomes={i: {"line": i, "body": {}} for i in range(1, 21)},
+        journal=SimpleNamespace(append=appended.append),
+    )  # fmt: skip
+    finisher: Any = Finisher.__new__(Finisher)
+    finisher.deferred, finisher.f = {}, SimpleNamespace(outputs=tmp_path)
+    finisher.cfg = SimpleNamespace(publish_retry_s=0.01)
+    finisher.events = lambda *a, **k: None
+    for _ in range(5):
+        finisher.blocked_or_raise(job, OSError(errno.ENOSPC, "No space left on device"))
+    assert sum(len(rec["outcomes"]) for rec in appended) == 20
+    assert finisher.deferred[7].blocked == 5

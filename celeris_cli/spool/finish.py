@@ -221,7 +221,8 @@ class Finisher:
         blocked = (self.deferred[job.seq].blocked if job.seq in self.deferred else 0) + 1
         delay = min(MAX_BACKOFF_S, self.cfg.publish_retry_s * 2 ** (blocked - 1))
         self.deferred[job.seq] = Deferral(time.time() + delay, blocked)
-        job.journal.append({"outcomes": list(job.outcomes.values())})  # a restart publishes without decoding
+        if blocked == 1:  # once: a restart publishes without decoding (retries add nothing to the journal)
+            job.journal.append({"outcomes": list(job.outcomes.values())})
         code = errno.errorcode.get(e.errno or 0, str(e.errno))
         log.warning("cannot publish %s: %s (%s); retrying in %.1f s", job.name, e.strerror, code, delay)
         self.events("publish_blocked", file=job.name, claim=job.seq, errno=code, message=str(e), retry_in_s=delay)
