@@ -27,7 +27,7 @@ from .backoff import is_out_of_memory, largest_fitting, run_backing_off
 from .backoff import too_large as too_large_error
 from .decode import waves
 from .decode.running import BlockRequest, BlockScheduler
-from .decode.runset import Occupancy, RunningSet, supports
+from .decode.runset import Occupancy, RunningSet
 from .decode.sampling import RowNoise, request_seed
 from .decode.strategies import Net, OnBlock, SpecialTokens, fast_plan_of, get_strategy, plan_of
 from .device import resolve_device, resolve_dtype
@@ -636,14 +636,8 @@ def _lane_of(params: GenerationParams) -> tuple[Any, ...]:
 def _running_kind(params: GenerationParams) -> str | None:
     """Which running set decodes rows with these settings: "block" (`decode.running`), "waves"
     (`decode.waves`), or None (static batches): its strategy's row kind (`strategy.Strategy.running`).
-    Block rows under guidance keep their unconditional view in a second slot (their lane's shadow); the
-    fast decoder's do not yet, so guidance keeps them out (`runset.supports`)."""
-    kind = STRATEGIES[params.strategy].running
-    if kind == "block":
-        return kind
-    if kind == "waves" and supports(fast_plan_of(params)):
-        return kind
-    return None
+    Under guidance a row's unconditional view takes a second slot in either."""
+    return STRATEGIES[params.strategy].running
 
 
 def _running(rows: Iterator[tuple[int, list[int], int]], deterministic: bool) -> Iterator[tuple[int, list[int], int]]:

@@ -112,6 +112,24 @@ def test_shaping_confidence_and_early_exit_apply_per_row(llada: Engine) -> None:
     assert _running(llada, rows, max_batch=4) == [_alone(llada, p, s, seed) for p, s, seed in rows]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_guided_rows_take_a_second_slot_and_answer_as_the_static_guided_decoder_alone(
+    llada: Engine, temperature: float
+) -> None:
+    """Guidance's unconditional view (the prompt masked) is a second segment of the row in every tick, in
+    a lane of its own for each cache mode: guided and unguided rows of every cache mode, width and length
+    share the waves and answer as `generate_fast` gives them alone."""
+    rows = []
+    for i, p in enumerate(PROMPTS * 2):
+        settings = _settings(i, temperature) | {"cfg_scale": [0.0, 1.0, 2.0, 1.5][i % 4]}
+        rows.append((p, llada.params(settings), i))
+    running = _running(llada, rows, max_batch=3)
+    alone = [_alone(llada, p, s, seed) for p, s, seed in rows]
+    assert running == alone
+    unguided = [_alone(llada, p, s.with_(cfg_scale=0.0), seed) for p, s, seed in rows]
+    assert sum(a != u for a, u in zip(alone, unguided)) >= 3  # guidance changed these answers
+
+
 def test_min_tokens_holds_back_the_stop_each_row_would_commit_early_beside_other_rows(llada: Engine) -> None:
     """min_tokens on prompts that do stop early without it: each row's ban covers its own first answer
     positions (its block's offset in its answer, not its canvas), as it does alone."""
@@ -135,11 +153,10 @@ def test_static_batches_through_the_same_loop_give_the_same_answers(llada: Engin
     assert _running.admitted_beside == [0, 1, 0, 1, 0, 1]  # type: ignore[attr-defined]  # a batch at a time
 
 
-def test_the_engine_runs_fast_rows_through_the_waves_and_never_guidance(llada: Engine) -> None:
+def test_the_engine_runs_fast_rows_through_the_waves_guided_or_not(llada: Engine) -> None:
     fast = llada.params({"strategy": "fast", "gen_length": 16})
     assert llada.continuous(fast)
-    guided = llada.params({"strategy": "fast", "gen_length": 16, "cfg_scale": 1.0})
-    assert not llada.continuous(guided)
+    assert llada.continuous(llada.params({"strategy": "fast", "gen_length": 16, "cfg_scale": 1.0}))
     assert not llada.continuous(llada.params({"strategy": "reference", "gen_length": 16}))
     prompts = PROMPTS
     encoded = [llada.encode_prompt(p) for p in prompts]
@@ -185,7 +202,7 @@ def test_a_rows_logits_are_bit_for_bit_those_it_has_alone_beside_wider_rows(llad
 
     def spy(self: waves.WaveScheduler, stepped: list[Any]) -> None:
         for part in stepped:
-            seen[(part.row.req.key, part.row.block, part.row.step)] = self.net.head(part.hidden).clone()
+            seen[(part.row.req.key, part.row.block, part.row.step)] = self.net.head(part.hidden[0]).clone()
         commit(self, stepped)
 
     base = {"strategy": "fast", "temperature": 0.0, "early_exit": False, "denoise_steps": 8}
@@ -261,7 +278,7 @@ def test_rows_added_to_a_live_run_while_it_runs_answer_as_the_static_decoder_alo
     alone = [llada.finish(_alone(llada, p, s, seed), s.stop, llada.encode_prompt(p))[0] for p, s, seed in rows]
     assert [got[k] for k in range(len(rows))] == alone
     assert any(joined_while_running)
-    assert not live.accepts(llada.params({"strategy": "fast", "cfg_scale": 1.0}))  # guidance: static batches
+    assert live.accepts(llada.params({"strategy": "fast", "cfg_scale": 1.0}))  # guidance: a second slot a row
 
 
 def test_a_live_run_of_fast_rows_out_of_memory_narrows_and_a_row_too_large_alone_fails_alone(llada: Engine) -> None:

@@ -20,12 +20,6 @@ import torch
 from ..arch.kv import KVCache
 
 
-def supports(plan: Any) -> bool:
-    """Whether a request with these settings (a block or a fast plan) can join a running set: guidance
-    cannot, its unconditional view would need a second cache per row."""
-    return bool(plan.guidance.cfg_scale == 0)
-
-
 @dataclass
 class Occupancy:
     """What the running set did: its decoding forwards (steps and stores), rows per such forward, and

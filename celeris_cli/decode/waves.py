@@ -17,8 +17,9 @@ Each tick advances every row by one step, in one forward of every row in flight 
 - every row then commits, per group of rows sharing their settings; a row whose block is done leaves its
   lane for the next tick's refreshes, a finished row (early exit, or its last block) is handed back, and
   its place goes to the next waiting request at once.
-Rows with different samplers, thresholds, shaping, steps, lengths, block widths and cache modes share the
-running set; only guidance keeps a request out (its unconditional view would need a second cache per row).
+Rows with different samplers, thresholds, shaping, steps, lengths, block widths, cache modes and guidance
+share the running set: a guided row's unconditional view (its prompt masked) is a second segment of its own
+in every tick, with a slot in a lane of its own (view 1), as `generate_fast` runs its second view.
 
 A row's forwards are those it would take alone, its attention over exactly its own keys (SDPA's float32
 result for a row changes with the number of keys even where the extra ones are masked), so its answer does
@@ -39,7 +40,7 @@ from ..arch.kv import DeferredKVCache, KVCache
 from ..arch.packed import Segment, packed_layers
 from .fast import FastPlan, commit_step
 from .reference import finished_rows, num_transfer_tokens
-from .runset import Lane, RunningSet, supports
+from .runset import Lane, RunningSet
 from .sampling import Draws, shaper, stream_seed
 from .strategies import Net
 
@@ -62,6 +63,7 @@ class FastRequest:
 class _Row:
     req: FastRequest
     x: torch.Tensor  # (P + G,) the row's canvas: prompt, then its answer
+    mask: int  # the mask token's id
     block: int = 0  # index into its schedule's blocks
     step: int = 0  # within the block
     forwards: int = 0
@@ -96,16 +98,30 @@ class _Row:
     def mode(self) -> str:
         return self.req.plan.parallel.cache
 
-    @property
-    def lane(self) -> tuple[str, int]:
+    def lane(self, view: int) -> tuple[str, int, int]:
+        """The lane of one of its views: cache mode, block width, view (0: its canvas; 1: guidance's
+        unconditional view, its prompt masked)."""
         s, e = self.span
-        return self.mode, e - s
+        return self.mode, e - s, view
+
+    @property
+    def views(self) -> range:
+        """Its views: its canvas, and under guidance the unconditional one (each a slot of its own)."""
+        return range(2 if self.req.plan.guidance.cfg_scale > 0 else 1)
+
+    def canvas(self, view: int) -> torch.Tensor:
+        """The canvas one of its views shows the model: its own, or with the prompt masked (view 1)."""
+        if view == 0:
+            return self.x
+        un = self.x.clone()
+        un[: self.P] = self.mask
+        return un
 
     @property
     def commit(self) -> tuple[Any, ...]:
         """What its commit step reads besides its block (rows sharing it commit together)."""
         p = self.req.plan
-        return p.sampling, p.ordering, p.parallel, p.shaping, self.lane[1]
+        return p.sampling, p.ordering, p.parallel, p.shaping, p.guidance, self.span[1] - self.span[0]
 
     @property
     def last_block(self) -> bool:
@@ -119,7 +135,7 @@ class _Stepped:
 
     row: _Row
     block: torch.Tensor  # (T,)
-    hidden: torch.Tensor  # (masked, d)
+    hidden: list[torch.Tensor]  # per view: (masked, d)
 
 
 class WaveScheduler(RunningSet[FastRequest]):
@@ -142,14 +158,15 @@ class WaveScheduler(RunningSet[FastRequest]):
         self.net = net
         self.mask_id = mask_id
         self.stop = torch.tensor(sorted(stop_ids), device=device, dtype=torch.long)
-        self.lanes: dict[tuple[str, int], Lane] = {}
+        self.lanes: dict[tuple[str, int, int], Lane] = {}  # by cache mode, block width and view
         self.fresh: list[_Row] = []  # rows whose block starts next tick (a refresh forward), or with no cache
         model: Any = getattr(net, "model", net)
         self.n_layers = len(model.parts()[1])  # what a packed forward passes, one per layer
 
     def in_flight_keys(self) -> list[int]:
         """Rows admitted and not yet handed back."""
-        return [r.req.key for r in self.fresh] + [r.req.key for lane in self.lanes.values() for r in lane.rows]
+        held = [r.req.key for key, lane in self.lanes.items() if key[2] == 0 for r in lane.rows]
+        return [r.req.key for r in self.fresh] + held
 
     def _drop_in_flight(self, keys: set[int]) -> None:
         self.fresh = [r for r in self.fresh if r.req.key not in keys]
@@ -171,11 +188,10 @@ class WaveScheduler(RunningSet[FastRequest]):
                     yield r.req.key, r.x[r.P :].tolist(), r.forwards
 
     def _admit(self, req: FastRequest) -> _Row:
-        assert supports(req.plan), "guidance runs in static batches"
         G = req.plan.schedule.gen_length
         x = torch.full((len(req.prompt) + G,), self.mask_id, dtype=torch.long, device=self.device)
         x[: len(req.prompt)] = torch.tensor(req.prompt, dtype=torch.long, device=self.device)
-        return _Row(req, x)
+        return _Row(req, x, self.mask_id)
 
     # -- the forward -------------------------------------------------------------------------------
     def _tick(self, fresh: list[_Row]) -> list[_Stepped]:
@@ -188,47 +204,53 @@ class WaveScheduler(RunningSet[FastRequest]):
         segments: list[Segment] = []
         ids: list[torch.Tensor] = []
         at: list[int] = []  # each segment's canvas position of its first token
-        rows: list[_Row] = []
-        for lane in self.lanes.values():
+        seen: list[tuple[_Row, int]] = []  # each segment's row and view
+        for (_, _, view), lane in self.lanes.items():
             if lane.rows:
                 lane.ensure(max(r.width for r in lane.rows))
             for slot, r in enumerate(lane.rows):
                 start = r.span[0] - shift
                 end = r.span[1] if r.mode == "dual" else r.width  # dual: the suffix's keys stay the cache's
-                rows.append(r)
+                seen.append((r, view))
                 at.append(start)
                 segments.append(self._segment(segments, end - start, lane.cache, slot, start, r.width))
-                ids.append(r.x[start:end])
+                ids.append(r.canvas(view)[start:end])
         for r in fresh:
             if r.step == 0:
                 T = r.span[1] - r.span[0]
                 r.schedule = num_transfer_tokens(torch.tensor([T], device=self.device), r.steps)[0]
-            if r.mode == "none":
-                segments.append(self._segment(segments, r.width))
-            else:
-                lane = self._lane(r)
-                slot = lane.join(r, r.width, self.width)  # slots added here as the set widens
-                segments.append(self._segment(segments, r.width, lane.cache, slot, 0, r.width))
-            rows.append(r)
-            at.append(0)
-            ids.append(r.x[: r.width])
+            for view in r.views:
+                if r.mode == "none":
+                    segments.append(self._segment(segments, r.width))
+                else:
+                    lane = self._lane(r, view)
+                    slot = lane.join(r, r.width, self.width)  # slots added here as the set widens
+                    segments.append(self._segment(segments, r.width, lane.cache, slot, 0, r.width))
+                seen.append((r, view))
+                at.append(0)
+                ids.append(r.canvas(view)[: r.width])
         N = segments[-1].end
         positions = torch.cat([torch.arange(a, a + len(t), device=self.device) for a, t in zip(at, ids)])
         cache = packed_layers(segments, self.n_layers, self.device)
         h, _ = self.net.hidden(torch.cat(ids)[None], positions[None], None, cache, 0, False)
         self.occupancy.forwards += 1
-        self.occupancy.rows += len(rows)
+        self.occupancy.rows += len({id(r) for r, _ in seen})
         self.occupancy.positions += N
-        blocks, picks = [], []
-        for r, seg, a in zip(rows, segments, at):
-            r.forwards += 1
+        picks = []
+        for (r, _), seg, a in zip(seen, segments, at):
+            r.forwards += 1  # each view's forward, as the static decoder counts its guidance
             s, e = r.span
-            block = r.x[s:e].clone()
             lo = seg.begin + s - shift - a  # the hidden state predicting the block's first column
-            picks.append(torch.arange(lo, lo + e - s, device=self.device)[block == self.mask_id])
-            blocks.append(block)
+            picks.append(torch.arange(lo, lo + e - s, device=self.device)[r.x[s:e] == self.mask_id])
         parts = h[0, torch.cat(picks)].split([len(p) for p in picks])
-        return [_Stepped(r, blk, part) for r, blk, part in zip(rows, blocks, parts)]
+        views: dict[int, tuple[_Row, dict[int, torch.Tensor]]] = {}  # each row's hidden states by view
+        for (r, view), part in zip(seen, parts):
+            views.setdefault(id(r), (r, {}))[1][view] = part
+        stepped = []
+        for r, by_view in views.values():
+            s, e = r.span
+            stepped.append(_Stepped(r, r.x[s:e].clone(), [by_view[v] for v in r.views]))
+        return stepped
 
     @staticmethod
     def _segment(
@@ -237,8 +259,8 @@ class WaveScheduler(RunningSet[FastRequest]):
         begin = segments[-1].end if segments else 0
         return Segment(begin, begin + length, cache, slot, at, keys)
 
-    def _lane(self, r: _Row) -> Lane:
-        key = r.lane
+    def _lane(self, r: _Row, view: int) -> Lane:
+        key = r.lane(view)
         if key not in self.lanes:
             # its layout comes with the first keys written into it: no forward runs only to find it out
             self.lanes[key] = Lane(DeferredKVCache(self.width, max(r.width, 64)))
@@ -261,7 +283,7 @@ class WaveScheduler(RunningSet[FastRequest]):
                 shape = shaper(plan.shaping, *self._answer(rows), self.mask_id, self.stop, t, self.pieces)
             draws = Draws([stream_seed(r.req.seed, r.block, r.step) for r in rows], self.device)
             k = torch.stack([r.schedule[r.step] for r in rows])
-            hidden = [torch.cat([p.hidden for p in parts])]
+            hidden = [torch.cat([p.hidden[v] for p in parts]) for v in rows[0].views]
             new = commit_step(block, hidden, self.net, plan, k, self.mask_id, draws, shape)
             for r, row_block in zip(rows, new):
                 s, e = r.span
@@ -282,7 +304,7 @@ class WaveScheduler(RunningSet[FastRequest]):
         block, refreshed next tick), "again" (no cache: its next step is a full forward too), or nothing
         (its block goes on, in its lane)."""
         finished = self._finished(rows)
-        gone: dict[tuple[str, int], set[int]] = {}
+        gone: dict[tuple[str, int, int], set[int]] = {}
         for r, done in zip(rows, finished):
             r.step += 1
             s, e = r.span
@@ -294,7 +316,8 @@ class WaveScheduler(RunningSet[FastRequest]):
                     yield r, "again"
                 continue
             if r.mode != "none":
-                gone.setdefault(r.lane, set()).add(id(r))
+                for view in r.views:
+                    gone.setdefault(r.lane(view), set()).add(id(r))
             if done:
                 self._fill(r)
                 yield r, "done"
