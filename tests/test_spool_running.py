@@ -128,11 +128,12 @@ def test_a_request_failing_in_the_running_set_fails_alone_and_other_files_are_an
 
 
 def test_a_batch_that_cannot_join_the_running_set_decodes_on_its_own_beside_it(tmp_path: Path) -> None:
-    """Guidance keeps a row out of the running set: its batch takes turns with it (`RunningPool.alone`),
-    and every answer is still its request's alone."""
+    """A strategy of no running set (`block`, the block decoder that recomputes its canvas) keeps a row out:
+    its batch takes turns with the running set (`RunningPool.alone`), and every answer is still its
+    request's alone."""
     cfg = load_config(make_queue(tmp_path, batch_size=2, generation={"gen_length": 16}))
     backend = EngineBackend(None, "cpu", "float32", 1, cfg.generation)
-    lines = [{"prompt": "The old man"}, {"prompt": "床前明月光，", "cfg_scale": 1.5}, {"prompt": "The river"}]
+    lines = [{"prompt": "The old man"}, {"prompt": "床前明月光，", "strategy": "block"}, {"prompt": "The river"}]
     drop(tmp_path, "g.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
     pool = RunningPool(backend, 2)
     alone_batches: list[int] = []
@@ -147,7 +148,7 @@ def test_a_batch_that_cannot_join_the_running_set_decodes_on_its_own_beside_it(t
     finally:
         daemon.as_pool = real
         del backend.run
-    assert alone_batches == [1]  # only the guidance row decoded on its own
+    assert alone_batches == [1]  # only the block-strategy row decoded on its own
     got = [line["response"]["body"]["text"] for line in outputs(tmp_path)["g.jsonl.results.jsonl"]]
     want = []
     for x in lines:
