@@ -76,20 +76,11 @@ def batch_cmd(
                     engine=engine,
                 )
             )
-        shown: list[Progress] = []  # made at the first request, when the total is known
-
-        def on_progress(done: int, total: int) -> None:
-            if not shown:
-                shown.append(Progress(total, quiet=False, label="batch").__enter__())
-            shown[0].advance(1)
-
-        try:
+        # answers (results and failures) of every line of the input, counted from the first report
+        with Progress(0, quiet=False, label="batch") as progress:
             # what decides the answers (local and Ray give the same ones, so the executor is not in it)
             key = {**engine, "model": str(model.resolve()) if model else None, "batch_size": batch_size}
-            report = run_file(input_file, output, failed, executor, on_progress, key, restart)
-        finally:
-            if shown:
-                shown[0].__exit__(None, None, None)
+            report = run_file(input_file, output, failed, executor, progress.report, key, restart)
     except CelerisError as e:
         fail(e)
     except KeyboardInterrupt:
