@@ -21,6 +21,7 @@ from .arch.budget import MemoryBudget, read_peak, reset_peak
 from .arch.checkpoint import load_model
 from .arch.folder import CONFIG, GENERATION_CONFIG, ModelFolder
 from .arch.layers import Model
+from .arch.memory import human
 from .arch.registry import ARCHITECTURES, Architecture
 from .arch.tokenizer import Tokenizer
 from .backoff import is_out_of_memory, run_backing_off
@@ -359,15 +360,19 @@ class Engine:
         runs from the start to its finish. on_result(i, result) is called as row i finishes. refill False:
         static batches of max_batch rows through the same decoder (for `bench`'s comparison)."""
         kinds: dict[str | None, list[int]] = {}
+        too_large: list[TooLarge] = []
         for i, p in enumerate(params):
             assert self.continuous(p), "a row the running set cannot decode"
+            over = self.over_budget(encoded[i], p)
+            if over is not None:  # never admitted: it fails alone, the others are decoded
+                too_large.append(over)
+                continue
             kinds.setdefault(_running_kind(p), []).append(i)
         deterministic = {p.deterministic for p in params}
         assert len(deterministic) == 1, "rows of one running set compute one way"  # a run-wide setting
         reset_peak(self.device)
         t0 = time.perf_counter()
         results: list[Result | None] = [None] * len(encoded)
-        too_large: list[TooLarge] = []
         for idx in kinds.values():  # block diffusion's rows and the fast decoder's: a running set each
             group = [params[i] for i in idx]
             width = start = self._running_width([encoded[i] for i in idx], group, max_batch)
@@ -405,6 +410,15 @@ class Engine:
         if too_large:  # the others are decoded (and handed to on_result); this row fails alone
             raise too_large[0]
         return [r for r in results if r is not None]
+
+    def over_budget(self, ids: list[int], params: GenerationParams) -> TooLarge | None:
+        """The error of a row whose own estimate alone is over the memory budget (`--max-memory`), as the
+        static path's `backoff` gives it; None when it fits or there is no budget."""
+        budget = self.memory.budget
+        if budget is None:
+            return None
+        needed = self.memory.need([ids], params)
+        return too_large_error(needed, f"over the budget of {human(budget)}") if needed > budget else None
 
     def live(self, max_batch: int) -> LiveRun:
         """A running set of at most `max_batch` rows that takes rows while it runs (`LiveRun`)."""
@@ -512,6 +526,7 @@ class LiveRun:
         self.deterministic: bool | None = None
         self.rows: dict[int, tuple[str, list[int], GenerationParams, int, float]] = {}  # by key, as added
         self.on_block: OnBlock | None = None  # (key, generated ids so far) as each row's block is committed
+        self.refused: list[tuple[int, TooLarge]] = []  # rows over the memory budget alone, by key
 
     def accepts(self, params: GenerationParams) -> bool:
         """Whether a row with these final settings can join: block diffusion or the fast strategy, without
@@ -525,6 +540,10 @@ class LiveRun:
     def add(self, key: int, prompt: str, ids: list[int], params: GenerationParams, seed: int) -> None:
         """A row (its final settings, `accepts`) under the caller's `key`, behind those waiting."""
         assert self.accepts(params), "a row this running set cannot decode"
+        over = self.engine.over_budget(ids, params)
+        if over is not None:  # never admitted: answered with its TooLarge before the running set's next answer
+            self.refused.append((key, over))
+            return
         if self.scheduler is None or not self.rows:  # a fresh running set (its caches allocated as rows come)
             self.cap = self.max_batch
             self._fresh(params)
@@ -560,11 +579,14 @@ class LiveRun:
     @property
     def pending(self) -> int:
         """Rows added and not yet answered."""
-        return len(self.rows)
+        return len(self.rows) + len(self.refused)
 
     def answers(self) -> Generator[tuple[int, Result | TooLarge], None, None]:
         """(key, result) as each row finishes, until no row is waiting or in flight; rows added meanwhile
-        (between two answers) are decoded in the same run. A row out of memory alone: (key, TooLarge)."""
+        (between two answers) are decoded in the same run. A row out of memory alone, or over the memory
+        budget alone (never admitted): (key, TooLarge)."""
+        while self.refused:
+            yield self.refused.pop(0)
         while self.scheduler is not None and self.rows:
             scheduler, net, deterministic = self.scheduler, self.net, self.deterministic
             assert net is not None and deterministic is not None

@@ -65,6 +65,10 @@ def generate(
     try:
         if as_json and as_jsonl:
             raise UsageError("choose one of --json and --jsonl")
+        if max_memory is not None:  # a usage error before the model loads
+            from ..arch.memory import parse_size
+
+            parse_size(max_memory)
         prompts, bad = gather(list(args or []), list(prompt or []), file)
         overrides = given(knobs or {})
         from ..engine import load_engine
