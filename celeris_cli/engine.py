@@ -384,8 +384,9 @@ class Engine:
                     for i, out, forwards in _running(scheduler.run(requests), next(iter(deterministic))):
                         wall = time.perf_counter() - t0
                         peak = round(read_peak(self.device) / 2**20, 1)  # the process's so far
+                        rows = min(width, len(pending))  # rows that could be in flight, not the empty slots
                         r = self._result(
-                            prompts[i], list(encoded[i]), out, params[i], seeds[i], forwards, wall, width, peak
+                            prompts[i], list(encoded[i]), out, params[i], seeds[i], forwards, wall, rows, peak
                         )
                         results[i] = r
                         if on_result is not None:

@@ -8,7 +8,7 @@ from typing import Any
 import typer
 
 from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CelerisError
-from .app import DeviceOpt, DtypeOpt, _json_setting, app, fail
+from .app import DeviceOpt, DtypeOpt, _json_setting, app, choice, fail
 
 
 def _optional_ray_address(argv: list[str]) -> list[str]:
@@ -36,8 +36,8 @@ def batch_cmd(
     actors: int = typer.Option(1, "--actors", min=1, help="Ray: actors, each with the model loaded once."),
     cpus_per_actor: float = typer.Option(None, "--cpus-per-actor", min=0.0, help="Ray: CPUs per actor."),
     gpus_per_actor: float = typer.Option(0.0, "--gpus-per-actor", min=0.0, help="Ray: GPUs per actor."),
-    device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
-    dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
+    device: DeviceOpt = choice(DeviceOpt.auto, "--device"),
+    dtype: DtypeOpt = choice(DtypeOpt.auto, "--dtype"),
     restart: bool = typer.Option(
         False, "--restart", help="Discard the journal of an interrupted run (OUTPUT.celeris-journal) and start over."
     ),
