@@ -86,5 +86,21 @@ def test_a_resumed_run_counts_the_journaled_answers_but_not_in_its_rate(tmp_path
             clock.now += 10 * PER_ANSWER_S
             progress.report(done, 200)
     first, *rest = [LINE.fullmatch(line) for line in out.getvalue().splitlines()]
-    assert first is not None and (first[1], first[2]) == ("110", "200")
-    assert abs(float(first[3]) - 1 / PER_ANSWER_S) < 0.02 and int(first[5]) == 90 * PER_ANSWER_S
+    assert first is not None and (first[1], first[2]) == ("120", "200")  # the rate from the first answers on
+    assert abs(float(first[3]) - 1 / PER_ANSWER_S) < 0.02 and int(first[5]) == 80 * PER_ANSWER_S
+
+
+def test_the_eta_does_not_count_the_pipelines_filling_as_slowness() -> None:
+    """Five batches decode together: the first finishes only after 100 s, then one every 20 s."""
+    clock, out = Clock(), io.StringIO()
+    with Progress(0, quiet=False, every_s=0.0, stream=out, label="batch", clock=clock) as progress:
+        progress.report(0, 160)
+        clock.now += 100.0
+        for done in range(16, 161, 16):
+            progress.report(done, 160)
+            clock.now += 20.0
+    for m in map(LINE.fullmatch, out.getvalue().splitlines()):
+        assert m is not None
+        done, eta = int(m[1]), int(m[5])
+        left = (160 - done) / 16 * 20.0
+        assert done < 160 / 5 or left / 2 <= eta <= left * 2, (done, eta, left)
