@@ -21,6 +21,7 @@ from .arch.budget import MemoryBudget, read_peak, reset_peak
 from .arch.checkpoint import load_model
 from .arch.folder import CONFIG, GENERATION_CONFIG, ModelFolder
 from .arch.layers import Model
+from .arch.memory import human
 from .arch.registry import ARCHITECTURES, Architecture
 from .arch.tokenizer import Tokenizer
 from .backoff import is_out_of_memory, largest_fitting, run_backing_off
@@ -384,6 +385,15 @@ class Engine:
             raise too_large[0]
         return [r for r in results if r is not None]
 
+    def over_budget(self, ids: list[int], params: GenerationParams) -> TooLarge | None:
+        """The error of a row whose own estimate alone is over the memory budget (`--max-memory`), as the
+        static path's `backoff` gives it; None when it fits or there is no budget."""
+        budget = self.memory.budget
+        if budget is None:
+            return None
+        needed = self.memory.need([ids], params)
+        return too_large_error(needed, f"over the budget of {human(budget)}") if needed > budget else None
+
     def live(self, max_batch: int) -> LiveRun:
         """A running set of at most `max_batch` rows that takes rows while it runs (`LiveRun`)."""
         return LiveRun(self, max_batch)
@@ -508,6 +518,7 @@ class LiveRun:
         self.rows: dict[int, _Pending] = {}  # by key, as added
         self.on_block: OnBlock | None = None  # (key, generated ids so far) as each row's block is committed
         self.before_round: Callable[[], None] | None = None  # called as each round begins (rows may be cancelled)
+        self.refused: list[tuple[int, TooLarge]] = []  # rows over the memory budget alone, by key
 
     def accepts(self, params: GenerationParams) -> bool:
         """Whether a row with these final settings can join: block diffusion or the fast strategy, without
@@ -525,15 +536,22 @@ class LiveRun:
     def extend(self, rows: Sequence[tuple[int, RowRequest]]) -> None:
         """Rows under the caller's keys, behind those waiting (among them, the longest answers first)."""
         now = time.perf_counter()
+        admitted = []
         for key, row in rows:
             assert self.accepts(row.params), "a row this running set cannot decode"
+            over = self.engine.over_budget(row.ids, row.params)
+            if over is not None:  # never admitted: answered with its TooLarge before the next answer
+                self.refused.append((key, over))
+                continue
+            admitted.append(key)
             if self.scheduler is None or not self.rows:  # a fresh running set (its caches allocated as rows come)
                 self.cap = self.max_batch
                 self._fresh(row.params)
             self.deterministic = row.params.deterministic
             self.rows[key] = _Pending(row, now)
-        self._resize()
-        self._enqueue([key for key, _ in rows])
+        if admitted:
+            self._resize()
+            self._enqueue(admitted)
 
     def _resize(self) -> None:
         """The width: the cap, and under a memory budget as many rows as fit when each is as large as the
@@ -576,11 +594,14 @@ class LiveRun:
     @property
     def pending(self) -> int:
         """Rows added and not yet answered."""
-        return len(self.rows)
+        return len(self.rows) + len(self.refused)
 
     def answers(self) -> Generator[tuple[int, Result | TooLarge], None, None]:
         """(key, result) as each row finishes, until no row is waiting or in flight; rows added meanwhile
-        (between two answers) are decoded in the same run. A row out of memory alone: (key, TooLarge)."""
+        (between two answers) are decoded in the same run. A row out of memory alone, or over the memory
+        budget alone (never admitted): (key, TooLarge)."""
+        while self.refused:
+            yield self.refused.pop(0)
         while self.scheduler is not None and self.rows:
             scheduler, net, deterministic = self.scheduler, self.net, self.deterministic
             assert net is not None and deterministic is not None
@@ -592,8 +613,11 @@ class LiveRun:
                     row, t0 = self.rows[key].row, self.rows.pop(key).added
                     peak = round(read_peak(self.engine.device) / 2**20, 1)
                     wall = time.perf_counter() - t0
-                    args = (row.prompt, row.ids, out, row.params, row.seed, forwards, wall, self.width, peak)
+                    rows = min(self.width, len(self.rows) + 1)  # rows that could be in flight, not empty slots
+                    args = (row.prompt, row.ids, out, row.params, row.seed, forwards, wall, rows, peak)
                     yield key, self.engine._result(*args)
+                    while self.refused:  # rows added meanwhile over the budget alone
+                        yield self.refused.pop(0)
                 if scheduler is self.scheduler:
                     return  # (rows added at its last answer went to a fresh running set: on with that one)
             except Exception as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,26 @@ import pytest
 # spinning on each small op wait for a core whenever anything runs beside the suite (measured: a running-set
 # decode of one row took 4.4 s with two threads beside another job, 0.34 s with one). Set before torch loads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests that start a local Ray run on one xdist worker (`--dist loadgroup`, pyproject's addopts):
+    two Ray clusters at once would each want the machine's CPUs and its `/tmp/ray` session folder."""
+    for item in items:
+        name = getattr(item, "originalname", item.name)
+        if item.path.name == "test_spool_ray.py" or re.search(r"(^|_)ray(_|$)", name):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread() -> None:
+    """One torch thread in each xdist worker too, should torch have been imported before OMP_NUM_THREADS
+    was set (a plugin, an environment that set it higher)."""
+    import torch
+
+    torch.set_num_threads(1)
+
 
 LINES = [
     "床前明月光，疑是地上霜。举头望明月，低头思故乡。",

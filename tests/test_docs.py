@@ -306,6 +306,23 @@ def test_design_card_commands_are_shown_as_written() -> None:
     assert any([Path(seg[0]).name, *seg[1:]] == card for seg in cron)
 
 
+def test_where_the_docs_say_what_retry_all_takes_they_name_force_too() -> None:
+    """`retry --all` leaves out a line's own user errors (bad_param, invalid_json...), which only `--force`
+    resubmits; a paragraph that tells what `--all` retries without `--force` is how "--all retries every
+    record" crept in. The option help the docs paraphrase says the same."""
+    import typer.main
+
+    from celeris_cli.cli import app
+
+    for path in DOC_FILES:
+        for para in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")):
+            if "retry" in para and re.search(r"--all\b", para):
+                assert "--force" in para, f"{path.name}: says what retry --all does without --force:\n{para}"
+    retry = typer.main.get_command(app).commands["retry"]  # type: ignore[attr-defined]
+    helps = {p.opts[0]: p.help or "" for p in retry.params}
+    assert "except line-level user errors" in helps["--all"] and "every record" in helps["--force"]
+
+
 @pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_lead_to_files(path: Path) -> None:
     text = path.read_text(encoding="utf-8")

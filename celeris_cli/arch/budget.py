@@ -35,8 +35,10 @@ class MemoryBudget:
         self.quantize = quantize
         self.device = device
         self._shape: Shape | None = None
-        if max_memory is not None and str(max_memory) != "":
-            self.budget: int | None = parse_size(str(max_memory))
+        if isinstance(max_memory, int):  # bytes, from code (a user's text always carries its unit)
+            self.budget: int | None = max_memory
+        elif max_memory:
+            self.budget = parse_size(max_memory)
         elif device is not None and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             self.budget = int(CUDA_SHARE * (free + torch.cuda.memory_allocated(device)))

@@ -42,8 +42,7 @@ def describe(path: Path) -> dict[str, Any]:
     special = {"mask": tok.mask_id, "eos": tok.eos_id, "end_of_turn": tok.eot_id, "pad": tok.pad_id, "bos": tok.bos_id}
     info: dict[str, Any] = {
         "folder": str(folder.path),
-        "architecture": f"{arch.name} ({', '.join(folder.config.get('architectures') or [])} "
-        f"model_type {folder.config.get('model_type')!r})",
+        "architecture": f"{arch.name} ({_declared(folder.config)})",
         "layout": arch.layout,
         "attention": arch.attention,
         "parameters": f"{params:,}",
@@ -65,3 +64,8 @@ def describe(path: Path) -> dict[str, Any]:
         "block": f"{defaults.block_length} (default block_length)" if arch.attention == "block-causal" else "none",
     }
     return info
+
+
+def _declared(config: dict[str, Any]) -> str:
+    """What config.json declares: its class names (when it lists any) and its model_type."""
+    return ", ".join([*(config.get("architectures") or []), f"model_type {config.get('model_type')!r}"])

@@ -270,17 +270,19 @@ def largest_batch(shape: Shape, req: Request, budget: int, limit: int = 4096) ->
     return lo
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 
 
 def parse_size(text: str, name: str = "max-memory") -> int:
-    """'8GiB', '512MB', '1.5gb' or a count of bytes -> bytes."""
+    """'8GiB', '512MB', '1.5gb' or '4096B' -> bytes. The unit is required: '2' could be two bytes or two GB."""
     m = _SIZE.match(str(text))
     if not m:
-        raise UsageError(f"{name} must be a size such as 8GiB or 512MB, got {text!r}")
-    value = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+        unitless = re.fullmatch(r"\s*\d+(?:\.\d+)?\s*", str(text))
+        why = " (a size needs its unit: B, KB, MB, GB, KiB, MiB or GiB)" if unitless else ""
+        raise UsageError(f"{name} must be a size such as 8GiB or 512MB, got {text!r}{why}")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
         raise UsageError(f"{name} must be positive, got {text!r}")
     return value

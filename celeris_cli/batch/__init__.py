@@ -77,7 +77,7 @@ def run_file(
     output: Path,
     failed: Path,
     executor: Executor,
-    on_progress: Callable[[int, int], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,  # (answers done, lines in all), from the start
     settings: dict[str, Any] | None = None,
     restart: bool = False,
 ) -> BatchReport:
@@ -107,8 +107,9 @@ def run_file(
             unread = {err.line: failure_of_line(source.name, 0, err) for err in errors}
             journal.append([], list(unread.values()), sorted(unread))
             finished.failures.update(unread)
-        todo = [r for r in requests if r.line not in finished.lines]
-        n = 0
+        total = len(requests) + len(errors)  # every line ends as one answer: a result or a failure
+        if on_progress is not None:
+            on_progress(len(finished.lines), total)
         for batch in executor.run(requests, frozenset(finished.lines)):
             new = [oc for oc in batch if oc.request.line not in finished.lines]
             res = {oc.request.line: result_line(source.name, oc.request, oc.body) for oc in new if oc.body is not None}
@@ -116,12 +117,10 @@ def run_file(
             journal.append(list(res.values()), list(bad.values()), sorted(res | bad))  # fsynced first
             finished.results.update(res)
             finished.failures.update(bad)
-            n += len(new)
             if on_progress is not None:
-                on_progress(n, len(todo))
+                on_progress(len(finished.lines), total)
     except OSError as e:
         raise CelerisError(f"cannot write the journal {journal.path}: {e}") from None
-    total = len(requests) + len(errors)
     if len(finished.lines) != total:  # an invariant, not a user error
         raise RuntimeError(f"{len(finished.lines)} requests finished of {total}")
     lines = [finished.results[line] for line in sorted(finished.results)]

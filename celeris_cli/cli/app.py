@@ -8,14 +8,30 @@ Torch is imported lazily inside the commands, so `celeris --help` answers at onc
 from __future__ import annotations
 
 import json
+import re
 from enum import Enum
 from typing import Any, NoReturn
 
 import typer
+import typer.core
 
 from ..errors import CelerisError, UsageError
 
-app = typer.Typer(
+
+class _Command(typer.core.TyperCommand):
+    """Typer writes a required argument as `{LOG}` on the usage line, which reads as a template to fill
+    in; Click's plain `LOG` (an optional one stays `[CONFIG]`)."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [re.sub(r"^\{(.+)\}", r"\1", piece) for piece in super().collect_usage_pieces(ctx)]
+
+
+class _App(typer.Typer):
+    def command(self, *args: Any, cls: Any = None, **kwargs: Any) -> Any:
+        return super().command(*args, cls=cls or _Command, **kwargs)
+
+
+app = _App(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # Click's plain help: no Rich import, and paragraphs rewrapped to the terminal
@@ -43,6 +59,25 @@ class QuantizeOpt(str, Enum):
     none = "none"
     int8 = "int8"
     int4 = "int4"
+
+
+def choice(default: Enum, *decls: str, **options: Any) -> Any:
+    """An option of one of an Enum's values. Typer checks a choice through pydantic, whose message leaks
+    into the error ("Value error, 'int3' is not one of ..."); this parser raises Click's own BadParameter,
+    shown as "Invalid value for '--quantize': 'int3' is not one of 'none', 'int8', 'int4'"."""
+    kind = type(default)
+
+    def parse(value: Any) -> Any:
+        if isinstance(value, kind):
+            return value
+        try:
+            return kind(value)
+        except ValueError:
+            names = ", ".join(repr(member.value) for member in kind)
+            raise typer.BadParameter(f"{value!r} is not one of {names}") from None
+
+    metavar = "<" + "|".join(str(member.value) for member in kind) + ">"
+    return typer.Option(default, *decls, parser=parse, metavar=metavar, **options)
 
 
 QUANTIZE_HELP = (

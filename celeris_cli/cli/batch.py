@@ -8,7 +8,7 @@ from typing import Any
 import typer
 
 from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CelerisError
-from .app import DeviceOpt, DtypeOpt, _json_setting, app, fail
+from .app import DeviceOpt, DtypeOpt, _json_setting, app, choice, fail
 
 
 def _optional_ray_address(argv: list[str]) -> list[str]:
@@ -36,8 +36,8 @@ def batch_cmd(
     actors: int = typer.Option(1, "--actors", min=1, help="Ray: actors, each with the model loaded once."),
     cpus_per_actor: float = typer.Option(None, "--cpus-per-actor", min=0.0, help="Ray: CPUs per actor."),
     gpus_per_actor: float = typer.Option(0.0, "--gpus-per-actor", min=0.0, help="Ray: GPUs per actor."),
-    device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
-    dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
+    device: DeviceOpt = choice(DeviceOpt.auto, "--device"),
+    dtype: DtypeOpt = choice(DtypeOpt.auto, "--dtype"),
     restart: bool = typer.Option(
         False, "--restart", help="Discard the journal of an interrupted run (OUTPUT.celeris-journal) and start over."
     ),
@@ -76,20 +76,11 @@ def batch_cmd(
                     engine=engine,
                 )
             )
-        shown: list[Progress] = []  # made at the first request, when the total is known
-
-        def on_progress(done: int, total: int) -> None:
-            if not shown:
-                shown.append(Progress(total, quiet=False, label="batch").__enter__())
-            shown[0].advance(1)
-
-        try:
+        # answers (results and failures) of every line of the input, counted from the first report
+        with Progress(0, quiet=False, label="batch") as progress:
             # what decides the answers (local and Ray give the same ones, so the executor is not in it)
             key = {**engine, "model": str(model.resolve()) if model else None, "batch_size": batch_size}
-            report = run_file(input_file, output, failed, executor, on_progress, key, restart)
-        finally:
-            if shown:
-                shown[0].__exit__(None, None, None)
+            report = run_file(input_file, output, failed, executor, progress.report, key, restart)
     except CelerisError as e:
         fail(e)
     except KeyboardInterrupt:

@@ -13,7 +13,7 @@ import typer
 from typer.core import TyperGroup
 
 from ..errors import CelerisError, UsageError
-from .app import QUANTIZE_HELP, DeviceOpt, DtypeOpt, QuantizeOpt, _json_setting, app, fail
+from .app import QUANTIZE_HELP, DeviceOpt, DtypeOpt, QuantizeOpt, _json_setting, app, choice, fail
 
 # The flags the measurements had before they were subcommands: a user who gives one is told the new form.
 MOVED = {
@@ -48,8 +48,8 @@ MODEL = typer.Option(None, "--model", "-m", help="Model folder or embedded model
 PROMPTS = typer.Option(32, "--prompts", min=1, help="Held-out openings to decode.")
 BATCH_SIZE = typer.Option(16, "--batch-size", min=1)
 SET = typer.Option(None, "--set", help="Settings, as JSON: '{\"temperature\": 0.8}'.")
-DEVICE = typer.Option(DeviceOpt.auto, "--device")
-DTYPE = typer.Option(DtypeOpt.auto, "--dtype")
+DEVICE = choice(DeviceOpt.auto, "--device")
+DTYPE = choice(DtypeOpt.auto, "--dtype")
 THREADS = typer.Option(None, "--threads", min=1)
 OUT = typer.Option(None, "--out", help="Also write the JSON report here.")
 AS_JSON = typer.Option(False, "--json", help="Print JSON only.")
@@ -86,7 +86,7 @@ def bench_cmd(
     device: DeviceOpt = DEVICE,
     dtype: DtypeOpt = DTYPE,
     threads: int = THREADS,
-    quantize: QuantizeOpt = typer.Option(QuantizeOpt.none, "--quantize", help=QUANTIZE_HELP),
+    quantize: QuantizeOpt = choice(QuantizeOpt.none, "--quantize", help=QUANTIZE_HELP),
     out: Path = OUT,
     as_json: bool = AS_JSON,
 ) -> None:

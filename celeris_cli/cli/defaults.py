@@ -44,6 +44,8 @@ def knob_help(name: str, text: str) -> str:
     for a knob its strategy does not use, no default: help never shows a default the model refuses."""
     users = [s for s in STRATEGIES if name in PER_REQUEST or name in honoured(s)]
     lead = "" if len(users) == len(STRATEGIES) else f"{', '.join(users)}: "
+    if text.startswith(lead):  # the knob's own help already names its strategies
+        lead = ""
     defaults = effective_defaults()
     strategy = defaults.strategy
     if name not in PER_REQUEST and name not in honoured(strategy):

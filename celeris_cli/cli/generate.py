@@ -9,7 +9,7 @@ import typer
 
 from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CelerisError, UsageError
 from .answering import prepare, run
-from .app import MAX_MEMORY_HELP, QUANTIZE_HELP, DeviceOpt, DtypeOpt, QuantizeOpt, app, fail
+from .app import MAX_MEMORY_HELP, QUANTIZE_HELP, DeviceOpt, DtypeOpt, QuantizeOpt, app, choice, fail
 from .knobs import given, with_knob_options
 from .output import Format, Sink
 from .prompts import gather
@@ -35,9 +35,9 @@ def generate(
         1, "--samples", min=1, metavar="N", help="Answers per prompt, with seeds seed, seed+1, ..."
     ),
     batch_size: int = typer.Option(16, "--batch-size", min=1, metavar="N", help="Prompts decoded together."),
-    device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device", help="auto picks CUDA when present."),
-    dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype", help="auto picks bfloat16 where it is fast."),
-    quantize: QuantizeOpt = typer.Option(QuantizeOpt.none, "--quantize", help=QUANTIZE_HELP),
+    device: DeviceOpt = choice(DeviceOpt.auto, "--device", help="auto picks CUDA when present."),
+    dtype: DtypeOpt = choice(DtypeOpt.auto, "--dtype", help="auto picks bfloat16 where it is fast."),
+    quantize: QuantizeOpt = choice(QuantizeOpt.none, "--quantize", help=QUANTIZE_HELP),
     max_memory: str = typer.Option(None, "--max-memory", metavar="SIZE", help=MAX_MEMORY_HELP),
     chat: bool = typer.Option(False, "--chat", help="Render prompts with the model's chat template."),
     as_json: bool = typer.Option(
@@ -65,6 +65,10 @@ def generate(
     try:
         if as_json and as_jsonl:
             raise UsageError("choose one of --json and --jsonl")
+        if max_memory is not None:  # a usage error before the model loads
+            from ..arch.memory import parse_size
+
+            parse_size(max_memory)
         prompts, bad = gather(list(args or []), list(prompt or []), file)
         overrides = given(knobs or {})
         from ..engine import load_engine

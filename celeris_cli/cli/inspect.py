@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from ..errors import CelerisError
-from .app import MAX_MEMORY_HELP, DtypeOpt, QuantizeOpt, app, fail
+from .app import MAX_MEMORY_HELP, DtypeOpt, QuantizeOpt, app, choice, fail
 
 PARTS = ("weights", "kv_cache", "activations", "logits", "peak")
 
@@ -25,8 +25,8 @@ def inspect(
     batch_size: int = typer.Option(1, "--batch-size", min=1, metavar="N", help="--memory: rows decoded together."),
     gen_length: int = typer.Option(None, "--gen-length", min=1, metavar="N", help="--memory: default the model's."),
     prompt_length: int = typer.Option(64, "--prompt-length", min=1, metavar="N", help="--memory: prompt tokens."),
-    dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype", help="--memory: auto is what this machine would pick."),
-    quantize: QuantizeOpt = typer.Option(QuantizeOpt.none, "--quantize", help="--memory: the weights' format."),
+    dtype: DtypeOpt = choice(DtypeOpt.auto, "--dtype", help="--memory: auto is what this machine would pick."),
+    quantize: QuantizeOpt = choice(QuantizeOpt.none, "--quantize", help="--memory: the weights' format."),
     max_memory: str = typer.Option(None, "--max-memory", metavar="SIZE", help=MAX_MEMORY_HELP),
 ) -> None:
     """Print a model folder's architecture, layout, attention, parameters (active ones for a mixture of
@@ -75,7 +75,7 @@ def _memory(
         return
     typer.echo(
         f"expected peak (an estimate) for {r['strategy']}, batch {batch}, {prompt} prompt + {r['gen_length']} "
-        f"generated tokens, {dtype}, weights {quantize}:"
+        f"generated tokens, {dtype}, " + ("weights not quantized:" if quantize == "none" else f"{quantize} weights:")
     )
     for part in PARTS:
         typer.echo(f"  {part.replace('_', ' '):<12} {human(r[part]):>10}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from ..errors import CelerisError
-from .app import QUANTIZE_HELP, DeviceOpt, DtypeOpt, QuantizeOpt, _json_setting, app, fail
+from .app import QUANTIZE_HELP, DeviceOpt, DtypeOpt, QuantizeOpt, _json_setting, app, choice, fail
 
 
 @app.command(name="eval")
@@ -23,9 +23,9 @@ def eval_cmd(
         "eval", "--split", help="eval (report) or tune (choose settings here: rows the eval split never uses)."
     ),
     samples: int = typer.Option(1, "--samples", min=1, help="Answers per opening, with seeds seed, seed+1, ..."),
-    device: DeviceOpt = typer.Option(DeviceOpt.auto, "--device"),
-    dtype: DtypeOpt = typer.Option(DtypeOpt.auto, "--dtype"),
-    quantize: QuantizeOpt = typer.Option(QuantizeOpt.none, "--quantize", help=QUANTIZE_HELP),
+    device: DeviceOpt = choice(DeviceOpt.auto, "--device"),
+    dtype: DtypeOpt = choice(DtypeOpt.auto, "--dtype"),
+    quantize: QuantizeOpt = choice(QuantizeOpt.none, "--quantize", help=QUANTIZE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead of a table."),
 ) -> None:
     """Quality on a fixed held-out set: verse structure and distinct-2, NLL bound, and English word validity,

@@ -8,24 +8,36 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, TextIO
 
 
 class Progress:
+    """Answers done of `total`; the rate and the ETA count only the answers done since the clock started
+    (`start`: those a resumed run found finished are not this run's work)."""
+
     def __init__(
-        self, total: int, quiet: bool, every_s: float = 5.0, stream: TextIO | None = None, label: str = "generate"
+        self,
+        total: int,
+        quiet: bool,
+        every_s: float = 5.0,
+        stream: TextIO | None = None,
+        label: str = "generate",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.total = total
         self.quiet = quiet
         self.label = label
         self.every_s = every_s
         self.stream = stream or sys.stderr
-        self.done = 0
-        self.t0 = time.monotonic()
+        self.clock = clock
+        self.done = self.start = 0
+        self.t0 = self.began = clock()  # t0: the rate's clock; began: the run's, for the time shown
         self._last_line = self.t0
+        self._started = False
+        self._steady = False  # report(): the rate's clock restarted at the first answers
         self._bar: Any = None
         self._task: Any = None
 
@@ -74,21 +86,46 @@ class Progress:
         finally:
             self._bar.start()
 
+    def report(self, done: int, total: int) -> None:
+        """Absolute counts, as `celeris batch`'s `run_file` gives them: `done` answers (results and failures)
+        of `total` lines. The first report starts the clock; what was done by then is not this run's. The
+        rate is counted from the first answers on: the first batch to finish also waited for the batches
+        decoded beside it, so counted from the start the pipeline's filling would read as slowness (an ETA
+        three times too long on a real engine with batches in flight)."""
+        if not self._started:
+            self._started = True
+            self.done = self.start = done
+            self.t0 = self.began = self._last_line = self.clock()
+            if self._bar is not None:
+                self._bar.update(self._task, completed=done, total=total)
+        elif not self._steady and done > self.done:
+            self._steady = True
+            self.start, self.t0 = done, self.clock()
+        self.total = total
+        self.advance(done - self.done)
+
     def advance(self, n: int, tokens: int | None = None) -> None:
         """`n` more answers are done; `tokens` generated so far (None: show answers per second)."""
+        self._started = True
         self.done += n
-        now = time.monotonic()
+        now = self.clock()
         elapsed = max(now - self.t0, 1e-9)
-        rate = f"{tokens / elapsed:.1f} tok/s" if tokens is not None else f"{self.done / elapsed:.1f} prompts/s"
+        ours = self.done - self.start  # answered since the clock started
+        rate = f"{_figure(tokens / elapsed)} tok/s" if tokens is not None else f"{_figure(ours / elapsed)} answers/s"
         if self._bar is not None:
-            self._bar.update(self._task, advance=n, rate=rate)
-        elif not self.quiet and self.done < self.total and now - self._last_line >= self.every_s:
-            eta = elapsed / self.done * (self.total - self.done)
+            self._bar.update(self._task, total=self.total, advance=n, rate=rate)
+        elif not self.quiet and ours > 0 and self.done < self.total and now - self._last_line >= self.every_s:
+            eta = elapsed / ours * (self.total - self.done)
             self.stream.write(
-                f"{self.label}: {self.done}/{self.total} answers, {rate}, {elapsed:.0f}s, eta {eta:.0f}s\n"
+                f"{self.label}: {self.done}/{self.total} answers, {rate}, {now - self.began:.0f}s, eta {eta:.0f}s\n"
             )
             self.stream.flush()
             self._last_line = now
+
+
+def _figure(rate: float) -> str:
+    """A rate with two significant digits below 10 (a slow run's 0.13 answers/s is not 0.0)."""
+    return f"{rate:.1f}" if rate >= 10 else f"{rate:.2g}"
 
 
 @contextmanager

@@ -159,6 +159,8 @@ def retry(
     try:
         if not log.is_file():
             raise UsageError(f"failure log not found: {log}")
+        if not config.is_file():  # the default, configs/batch.yaml, is relative to where retry runs
+            raise UsageError(f"{config}: config file not found; name the queue's config with -c/--config")
         cfg = _load_batch_config(config)
         report = plan_retry(cfg, log, include_all, force)
         for warning in report.details:
