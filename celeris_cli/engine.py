@@ -177,7 +177,7 @@ class Engine:
         pad = self.tokenizer.pad_id
         prompt = torch.tensor([[pad] * (P - len(ids)) + ids for ids in batch], device=self.device)
         prompt_mask = torch.tensor([[False] * (P - len(ids)) + [True] * len(ids) for ids in batch], device=self.device)
-        noise = RowNoise([request_seed(s, ids) for s, ids in zip(seeds, batch)], self.device)
+        noise = RowNoise([request_seed(s, ids) for s, ids in zip(seeds, batch)], self.device, seeds)
         net = Net(self.model)
         with invariant.enabled(params.deterministic):
             if on_block is None:
@@ -226,12 +226,16 @@ class Engine:
             return self.special
         return replace(self.special, word_pieces=self.tokenizer.require_word_pieces())
 
-    def finish(self, ids: list[int], stop: Sequence[str] = (), prompt: Sequence[int] = ()) -> tuple[str, int, str]:
+    def finish(
+        self, ids: list[int], stop: Sequence[str] = (), prompt: Sequence[int] = (), stop_ids: Sequence[int] = ()
+    ) -> tuple[str, int, str]:
         """(text, output tokens, finish reason): the text `ids` continue `prompt` with, cut at the first stop
-        token, then at the first stop string (which is left out of the text, as OpenAI does)."""
+        token (`stop_ids` where the request names its own, else the model's), then at the first stop string
+        (which is left out of the text, as OpenAI does)."""
         reason = "length"
+        stops = frozenset(stop_ids) or self.special.stop_ids
         for i, t in enumerate(ids):
-            if t in self.special.stop_ids:
+            if t in stops:
                 ids, reason = ids[:i], "stop"
                 break
         text = self.tokenizer.continuation(prompt, ids)
@@ -321,7 +325,7 @@ class Engine:
         batch_size: int,
         peak_memory_mb: float,
     ) -> Result:
-        text, n_out, reason = self.finish(out, params.stop, ids_in)
+        text, n_out, reason = self.finish(out, params.stop, ids_in, params.stop_token_ids)
         steps = params.steps_for(len(ids_in))
         return Result(
             prompt=prompt,

@@ -156,7 +156,10 @@ class Tokenizer:
         self.backend = backend
         self.chat_template = chat_template
         mask_id = cfg.mask_token_id
-        if mask_id is None:
+        mask_free = getattr(cfg, "mask_free", False)  # a family with no mask token (DiffusionGemma's)
+        if mask_free:
+            mask_id = -1  # no id: nothing to filter out of an answer, nothing to check
+        elif mask_id is None:
             mask_id = next((i for i in map(backend.find, MASKS) if i is not None), None)
             if mask_id is None:
                 raise ModelError(f"{folder}: config.json has no mask_token_id and the tokenizer no mask token")
@@ -188,7 +191,7 @@ class Tokenizer:
                     f"{folder}: config.json {name}={i} is not in the tokenizer ({size} tokens); "
                     "the tokenizer does not match the config"
                 )
-        piece = backend.piece(self.mask_id) or ""
+        piece = "mask" if mask_free else backend.piece(self.mask_id) or ""
         if "mask" not in piece.lower() and piece != mask_piece and not outside:
             raise ModelError(
                 f"{folder}: config.json mask_token_id={self.mask_id} is {piece!r} in the "

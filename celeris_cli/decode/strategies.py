@@ -24,6 +24,7 @@ from ..arch.packed import PackedLayer
 from ..errors import UsageError
 from ..params import STRATEGY_PARTS, GenerationParams
 from .block import BlockPlan, OnBlock, generate_block, generate_block_cached
+from .diffusion_gemma import DiffusionGemmaPlan, generate_diffusion_gemma
 from .dream import DreamPlan, generate_dream
 from .fast import FastPlan, generate_fast
 from .nemotron import ARPlan, SeededPlan, generate_ar, generate_seeded
@@ -230,6 +231,18 @@ def _nemotron(
     return generate_seeded(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise)
 
 
+def _diffusion_gemma(
+    net: Net,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: GenerationParams,
+    tokens: SpecialTokens,
+    noise: RowNoise,
+) -> torch.Tensor:
+    plan = _plan(DiffusionGemmaPlan, params)
+    return generate_diffusion_gemma(net, prompt, prompt_mask, plan, tokens.stop_ids, tokens.pad_id, noise)
+
+
 STRATEGIES: dict[str, Strategy] = {
     "reference": _reference,
     "fast": _fast,
@@ -240,6 +253,7 @@ STRATEGIES: dict[str, Strategy] = {
     "nemotron": _nemotron,
     "ar": _nemotron,
     "nemotron-spec": _nemotron,
+    "diffusion-gemma": _diffusion_gemma,
 }
 BY_BLOCK = frozenset({"block", "block-fast"})  # the strategies that take an `on_block` hook (streaming)
 PLANS: dict[str, type] = {
@@ -252,6 +266,7 @@ PLANS: dict[str, type] = {
     "nemotron": SeededPlan,
     "ar": ARPlan,
     "nemotron-spec": SpecPlan,
+    "diffusion-gemma": DiffusionGemmaPlan,
 }
 
 
