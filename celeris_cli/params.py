@@ -768,7 +768,8 @@ class GenerationParams:
                 f"{', '.join(name(k) for k in ignored)}: not used by the {self.strategy} strategy "
                 f"(it honours {', '.join(k for k in honoured(self.strategy) if k not in PER_REQUEST)})"
             )
-        if self.block_length > self.gen_length and "block_length" in layer:
+        # DiffusionGemma decodes whole canvases, as its generate does: a canvas longer than the answer is one canvas
+        if self.block_length > self.gen_length and "block_length" in layer and self.strategy != "diffusion-gemma":
             raise UsageError(
                 f"{name('block_length')} {self.block_length} exceeds {name('gen_length')} {self.gen_length}: "
                 "a block longer than the answer would decode positions past its end; use at most "

@@ -148,6 +148,13 @@ def test_chat_with_the_folders_defaults(engine: Any) -> None:
     assert r["settings"]["temperature"] == 0.8 and r["settings"]["entropy_bound"] == 0.1
 
 
+def test_an_answer_shorter_than_the_canvas_is_one_whole_canvas(engine: Any) -> None:
+    """As its generate: max_new_tokens 3 with a canvas of 8 decodes one canvas of 8."""
+    params = engine.params({"gen_length": 3, "block_length": 8, "block_steps": 2})
+    outs, nfe = engine.decode_ids([REF["greedy"][0]["input_ids"]], params)
+    assert len(outs[0]) == 8 and nfe == 1 + 2
+
+
 def test_the_adaptive_stop_and_the_step_cap_change_the_forwards(engine: Any) -> None:
     ids = [REF["greedy"][0]["input_ids"]]
     base = {"gen_length": 8, "block_length": 8, "temperature": 1e-5, "temperature_final": 0.0}
