@@ -230,10 +230,11 @@ class Engine:
         self, ids: list[int], stop: Sequence[str] = (), prompt: Sequence[int] = (), stop_ids: Sequence[int] = ()
     ) -> tuple[str, int, str]:
         """(text, output tokens, finish reason): the text `ids` continue `prompt` with, cut at the first stop
-        token (`stop_ids` where the request names its own, else the model's), then at the first stop string
-        (which is left out of the text, as OpenAI does)."""
+        token (`stop_ids` where the request names its own, else the model's) or pad token (a family that pads
+        after its answer, as CoDA's <|endoftext|>, ends it there), then at the first stop string (which is
+        left out of the text, as OpenAI does). Special tokens are never part of the text (`continuation`)."""
         reason = "length"
-        stops = frozenset(stop_ids) or self.special.stop_ids
+        stops = (frozenset(stop_ids) or self.special.stop_ids) | {self.special.pad_id}
         for i, t in enumerate(ids):
             if t in stops:
                 ids, reason = ids[:i], "stop"

@@ -212,12 +212,24 @@ class Tokenizer:
         return self.backend.decode([i for i in ids if i != self.mask_id])
 
     def continuation(self, prompt: Sequence[int], ids: list[int]) -> str:
-        """The text `ids` add after `prompt`, leading space included, as an OpenAI completion gives it.
-        Decoded alone, a first piece loses its word-start mark (sentencepiece drops the ▁ that begins a
-        text), so the answer is decoded after its prompt and the prompt's own text cut off."""
-        head = self.decode(list(prompt))
-        whole = self.decode([*prompt, *ids])
-        return whole[len(head) :] if whole.startswith(head) else self.decode(ids)
+        """The text `ids` add after `prompt`, leading space included, as an OpenAI completion gives it, without
+        special tokens (as transformers' `skip_special_tokens`). Decoded alone, a first piece loses its
+        word-start mark (sentencepiece drops the ▁ that begins a text), so the answer is decoded after its
+        prompt and the prompt's own text cut off."""
+        plain = [i for i in prompt if i not in self.special_ids]
+        answer = [i for i in ids if i not in self.special_ids]
+        head = self.decode(plain)
+        whole = self.decode([*plain, *answer])
+        return whole[len(head) :] if whole.startswith(head) else self.decode(answer)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The tokens `tokenizer.json` (or `tokenizer_config.json`) marks special: never part of an answer's
+        text. A sentencepiece model's control pieces are left out by its own decoder."""
+        tok = getattr(self.backend, "tok", None)
+        if tok is None:
+            return frozenset()
+        return frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
 
     @functools.cached_property
     def word_pieces(self) -> frozenset[int]:
