@@ -824,6 +824,11 @@ class GenerationParams:
                 f"{self.temperature_final}: the temperature falls from the first to the last step (for greedy "
                 "answers use a tiny one, e.g. temperature 1e-5 and temperature_final 0)"
             )
+        if self.deterministic and "deterministic" in self.explicit:
+            raise UsageError(
+                f"{name('deterministic')}: the diffusion-gemma strategy has no batch-invariant kernels yet; in "
+                "float32 its answers already agree alone and batched"
+            )
         canvases = -(-self.gen_length // self.block_length)
         if len(self.initial_canvases) > canvases:
             raise UsageError(

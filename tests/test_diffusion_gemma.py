@@ -174,6 +174,7 @@ def test_the_adaptive_stop_and_the_step_cap_change_the_forwards(engine: Any) -> 
         ({"confidence_threshold": 0}, "confidence_threshold must be a finite number > 0, or null"),
         ({"stop_token_ids": [-1]}, "stop_token_ids must be at most 64 token ids"),
         ({"noise": "numpy"}, "noise: unknown value 'numpy'"),
+        ({"deterministic": True}, "deterministic: the diffusion-gemma strategy has no batch-invariant kernels"),
     ],
 )
 def test_settings_it_cannot_honour_are_refused_by_name(engine: Any, settings: dict[str, Any], words: str) -> None:

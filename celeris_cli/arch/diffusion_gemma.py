@@ -162,7 +162,7 @@ class Experts(nn.Module):
 def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x (S, i) rows grouped by expert (`offsets`: where each expert's rows end) @ w (E, i, o) -> (S, o)."""
     grouped = getattr(F, "grouped_mm", None)
-    if grouped is not None:
+    if grouped is not None and x.device.type == "cpu":  # transformers' path there (a GPU's takes bf16 only)
         return grouped(x.to(w.dtype), w, offs=offsets)
     out, start = x.new_zeros(x.shape[0], w.shape[2]), 0
     for e, end in enumerate(offsets.tolist()):
