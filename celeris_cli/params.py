@@ -979,6 +979,8 @@ def _coerce(key: str, value: Any) -> tuple[str, Any]:
             value = float(value)
         except OverflowError:
             raise UsageError(f"{key} must be {knob.meaning}, got an integer of {len(str(value))} digits") from None
+    if knob.kind is tuple and isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)  # one token id (stop_token_ids: 1, as transformers' eos_token_id may be)
     if knob.kind is tuple and isinstance(value, (str, list)):
         value = (value,) if isinstance(value, str) else tuple(tuple(v) if isinstance(v, list) else v for v in value)
     if not isinstance(value, knob.kind) or (isinstance(value, bool) and knob.kind is not bool):

@@ -184,6 +184,14 @@ def test_settings_it_cannot_honour_are_refused_by_name(engine: Any, settings: di
         engine.params(settings)
 
 
+def test_stop_ids_come_as_a_list_an_id_or_a_flags_text(engine: Any) -> None:
+    assert engine.params({"stop_token_ids": [5, 6]}).stop_token_ids == (5, 6)
+    assert engine.params({"stop_token_ids": 5}).stop_token_ids == (5,)  # as transformers' eos_token_id may be
+    from celeris_cli.params import parse_text
+
+    assert parse_text("--stop-token-ids", "1, 106,50") == (1, 106, 50)
+
+
 def test_a_pinned_token_outside_the_vocabulary_is_a_clear_error(tmp_path: Path) -> None:
     canvases = tmp_path / "c.json"
     canvases.write_text(json.dumps([[999] * 8]))
@@ -214,3 +222,14 @@ def test_config_keys_are_type_checked_and_unknown_ones_refused_by_name(tmp_path:
             DiffusionGemmaConfig.from_dict(bad)
     with pytest.raises(ModelError, match=r"keys \['canvas_size'\] are not supported"):
         DiffusionGemmaConfig.from_dict({**raw, "canvas_size": 8})
+
+
+def test_inspect_reports_the_family_and_says_it_has_no_memory_estimate_yet() -> None:
+    p = CliRunner().invoke(app, ["inspect", str(FOLDER), "--json"])
+    assert p.exit_code == 0, p.output
+    info = json.loads(p.stdout)
+    assert info["architecture"].startswith("diffusion_gemma") and info["canvas"].startswith("8 tokens")
+    assert "2 of 4 experts" in info["active_parameters"] and "uniform random tokens" in info["noise"]
+    p = CliRunner().invoke(app, ["inspect", str(FOLDER), "--memory"])
+    assert p.exit_code != 0 and "no memory estimate for DiffusionGemma yet" in p.output
+    assert p.exception is None or isinstance(p.exception, SystemExit)

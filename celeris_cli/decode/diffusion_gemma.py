@@ -220,6 +220,8 @@ def generate_diffusion_gemma(
     stops = plan.stops.stop_token_ids or tuple(sorted(stop_ids))
     stop = torch.tensor(stops, device=prompt.device, dtype=prompt.dtype)
     seeds = noise.given if plan.noise.noise == "torch" else None
+    if seeds is not None and len(seeds) != B:
+        raise UsageError("noise: torch needs each request's own seed, which this caller does not pass")
     draws = CanvasDraws(noise, seeds, V, prompt.device)
     ctx = Context(net, prompt, prompt_mask)
     out = prompt.new_full((B, len(plan.blocks.canvas_steps()) * L), pad_id)
