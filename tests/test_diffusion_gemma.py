@@ -233,3 +233,10 @@ def test_inspect_reports_the_family_and_says_it_has_no_memory_estimate_yet() -> 
     p = CliRunner().invoke(app, ["inspect", str(FOLDER), "--memory"])
     assert p.exit_code != 0 and "no memory estimate for DiffusionGemma yet" in p.output
     assert p.exception is None or isinstance(p.exception, SystemExit)
+
+
+def test_a_run_under_a_memory_budget_decodes_without_an_estimate() -> None:
+    """A budget is set on every CUDA run: the planner's missing estimate is a warning, not a failure."""
+    engine = load_engine(FOLDER, device="cpu", dtype="float32", max_memory="1GB")
+    params = engine.params({"gen_length": 8, "block_steps": 2})
+    assert len(engine.generate(["a b", "c d e"], params, batch_size=2)) == 2

@@ -259,6 +259,10 @@ class _Both(nn.Module):
         self.encoder = _Encoder(cfg)
 
 
+class NoEstimate(ModelError, AttributeError):
+    """A user-facing error to `inspect --memory`, and to a run's budget the missing part it skips (a warning)."""
+
+
 class _Vision(frozenset[str]):
     """The tensors a folder may carry that text-only use skips: the vision tower's, by prefix."""
 
@@ -284,7 +288,7 @@ class DiffusionGemmaModel(nn.Module):
     def head_layer(self) -> nn.Module:
         """Asked by the memory planner, which does not know this family yet: what limits it is the canvas times
         the vocabulary in float32 (logits, probabilities, entropies), not what the planner counts."""
-        raise ModelError("no memory estimate for DiffusionGemma yet: its decoding runs in static batches")
+        raise NoEstimate("no memory estimate for DiffusionGemma yet: its decoding runs in static batches")
 
     def set_upcast(self, on: bool) -> None:
         self.upcast = on
