@@ -222,6 +222,12 @@ def test_config_keys_are_type_checked_and_unknown_ones_refused_by_name(tmp_path:
             DiffusionGemmaConfig.from_dict(bad)
     with pytest.raises(ModelError, match=r"keys \['canvas_size'\] are not supported"):
         DiffusionGemmaConfig.from_dict({**raw, "canvas_size": 8})
+    with pytest.raises(ModelError, match="tie_word_embeddings=False is not supported"):
+        DiffusionGemmaConfig.from_dict({**raw, "tie_word_embeddings": False})
+    # the full layers' sizes as DiffusionGemmaTextConfig takes them, before it writes per_layer_config
+    text = {k: v for k, v in raw["text_config"].items() if k != "per_layer_config"}
+    text |= {"global_head_dim": 16, "num_global_key_value_heads": 1}
+    assert DiffusionGemmaConfig.from_dict({**raw, "text_config": text}) == DiffusionGemmaConfig.from_dict(raw)
 
 
 def test_inspect_reports_the_family_and_says_it_has_no_memory_estimate_yet() -> None:

@@ -25,6 +25,7 @@ _TEXT_KEYS = {
     "attention_dropout": "float", "attention_bias": "bool", "hidden_activation": "str", "layer_types": "list",
     "rope_parameters": "dict", "per_layer_config": "dict", "use_bidirectional_attention": "str | None",
     "eos_token_id": "any",
+    "global_head_dim": "int", "num_global_key_value_heads": "int | None",  # per_layer_config's source
 }  # fmt: skip
 _BOOKKEEPING = {"model_type", "dtype", "torch_dtype", "transformers_version", "architectures", "_name_or_path",
                 "output_hidden_states", "output_attentions", "return_dict", "use_cache"}  # fmt: skip
@@ -110,6 +111,14 @@ class DiffusionGemmaConfig:
         for key, plain in (("hidden_activation", "gelu_pytorch_tanh"), ("attention_bias", False)):
             if text.get(key, plain) != plain:
                 raise ModelError(f"config.json: text_config.{key}={text[key]!r} is not supported (only {plain!r})")
+        for where, tied in (
+            ("", raw.get("tie_word_embeddings", True)),
+            ("text_config.", text.get("tie_word_embeddings", True)),
+        ):
+            if tied is not True:
+                raise ModelError(
+                    f"config.json: {where}tie_word_embeddings={tied!r} is not supported (the head is the embedding)"
+                )
         if text.get("use_bidirectional_attention") == "all":
             raise ModelError(
                 "config.json: text_config.use_bidirectional_attention 'all' is not supported (a causal encoder)"
@@ -139,6 +148,11 @@ class DiffusionGemmaConfig:
 def _per_layer(text: dict[str, Any], types: tuple[str, ...]) -> dict[str, int]:
     """The full layers' overrides (`per_layer_config`: layer index -> head_dim, num_key_value_heads), the same
     for every full layer; a sliding layer has none."""
+    if "per_layer_config" not in text and "global_head_dim" in text:  # the form DiffusionGemmaTextConfig takes
+        over = {"head_dim": text["global_head_dim"]}
+        if text.get("num_global_key_value_heads") is not None:
+            over["num_key_value_heads"] = text["num_global_key_value_heads"]
+        return over
     per = text.get("per_layer_config") or {}
     seen: list[dict[str, int]] = []
     for key, over in per.items():
