@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..arch.diffusion_gemma import Mask
+from ..arch.gemma4 import Mask
 from ..errors import UsageError
 from ..params import Blocks, CanvasNoise, Denoising, StopIds
 from .sampling import RowNoise
