@@ -181,7 +181,7 @@ class Engine:
         pad = self.tokenizer.pad_id
         prompt = torch.tensor([[pad] * (P - len(ids)) + ids for ids in batch], device=self.device)
         prompt_mask = torch.tensor([[False] * (P - len(ids)) + [True] * len(ids) for ids in batch], device=self.device)
-        noise = RowNoise([request_seed(s, ids) for s, ids in zip(seeds, batch)], self.device)
+        noise = RowNoise([request_seed(s, ids) for s, ids in zip(seeds, batch)], self.device, seeds)
         net = Net(self.model)
         with invariant.enabled(params.deterministic):
             if on_block is None:
@@ -232,12 +232,17 @@ class Engine:
             return self.special
         return replace(self.special, word_pieces=self.tokenizer.require_word_pieces())
 
-    def finish(self, ids: list[int], stop: Sequence[str] = (), prompt: Sequence[int] = ()) -> tuple[str, int, str]:
+    def finish(
+        self, ids: list[int], stop: Sequence[str] = (), prompt: Sequence[int] = (), stop_ids: Sequence[int] = ()
+    ) -> tuple[str, int, str]:
         """(text, output tokens, finish reason): the text `ids` continue `prompt` with, cut at the first stop
-        token, then at the first stop string (which is left out of the text, as OpenAI does)."""
+        token (`stop_ids` where the request names its own, else the model's) or pad token (a family that pads
+        after its answer, as CoDA's <|endoftext|>, ends it there), then at the first stop string (which is
+        left out of the text, as OpenAI does). Special tokens are never part of the text (`continuation`)."""
         reason = "length"
+        stops = (frozenset(stop_ids) or self.special.stop_ids) | {self.special.pad_id}
         for i, t in enumerate(ids):
-            if t in self.special.stop_ids:
+            if t in stops:
                 ids, reason = ids[:i], "stop"
                 break
         text = self.tokenizer.continuation(prompt, ids)
@@ -327,7 +332,7 @@ class Engine:
         batch_size: int,
         peak_memory_mb: float,
     ) -> Result:
-        text, n_out, reason = self.finish(out, params.stop, ids_in)
+        text, n_out, reason = self.finish(out, params.stop, ids_in, params.stop_token_ids)
         steps = params.steps_for(len(ids_in))
         return Result(
             prompt=prompt,
@@ -519,6 +524,7 @@ class LiveRun:
         self.on_block: OnBlock | None = None  # (key, generated ids so far) as each row's block is committed
         self.before_round: Callable[[], None] | None = None  # called as each round begins (rows may be cancelled)
         self.refused: list[tuple[int, TooLarge]] = []  # rows over the memory budget alone, by key
+        self.added = 0  # rows added in all (an answer's batch_size is the width, or fewer if fewer came)
 
     def accepts(self, params: GenerationParams) -> bool:
         """Whether a row with these final settings can join: block diffusion or the fast strategy, without
@@ -536,6 +542,7 @@ class LiveRun:
     def extend(self, rows: Sequence[tuple[int, RowRequest]]) -> None:
         """Rows under the caller's keys, behind those waiting (among them, the longest answers first)."""
         now = time.perf_counter()
+        self.added += len(rows)
         admitted = []
         for key, row in rows:
             assert self.accepts(row.params), "a row this running set cannot decode"
@@ -613,7 +620,7 @@ class LiveRun:
                     row, t0 = self.rows[key].row, self.rows.pop(key).added
                     peak = round(read_peak(self.engine.device) / 2**20, 1)
                     wall = time.perf_counter() - t0
-                    rows = min(self.width, len(self.rows) + 1)  # rows that could be in flight, not empty slots
+                    rows = min(self.width, self.added)  # the set's width, or fewer rows if fewer came
                     args = (row.prompt, row.ids, out, row.params, row.seed, forwards, wall, rows, peak)
                     yield key, self.engine._result(*args)
                     while self.refused:  # rows added meanwhile over the budget alone

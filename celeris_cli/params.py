@@ -15,7 +15,9 @@ decoding); the engine applies the prompt's preset under the user's layers (`Gene
 from __future__ import annotations
 
 import difflib
+import json
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
@@ -48,6 +50,43 @@ class Knob:
     choices: tuple[str, ...] = ()
     help: str = ""
     short: str = ""  # a one-letter flag beside the long one (-t)
+    nullable: bool = False  # null is a value of its own (confidence_threshold: off)
+    text: Callable[[str], Any] | None = None  # how a command-line text becomes the value (a file, a list)
+    metavar: str = ""
+
+
+MAX_CANVAS_FILE = 64 * 2**20  # the largest --initial-canvases file read
+
+
+def _token_ids(text: str) -> tuple[int, ...]:
+    """`1,106,50` -> (1, 106, 50)."""
+    try:
+        return tuple(int(t) for t in text.replace(" ", "").split(",") if t)
+    except ValueError:
+        raise ValueError(f"expected token ids separated by commas, got {text!r}") from None
+
+
+def _canvases_file(path: str) -> tuple[tuple[int, ...], ...]:
+    """A JSON file holding a list of canvases, each a list of token ids (the `initial_canvases` request key)."""
+    try:
+        if os.path.getsize(path) > MAX_CANVAS_FILE:
+            raise ValueError(f"{path} is larger than {MAX_CANVAS_FILE // 2**20} MB")
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read {path} ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not JSON ({e})") from None
+    if not isinstance(raw, list) or not all(isinstance(c, list) for c in raw):
+        raise ValueError(f"{path} must hold a list of canvases, each a list of token ids")
+    return tuple(tuple(c) for c in raw)
+
+
+def _is_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31
+
+
+MAX_CANVASES, MAX_CANVAS = 4096, 65536
 
 
 def _finite(lo: float, hi: float = math.inf, hi_open: bool = False) -> Callable[[Any], bool]:
@@ -230,6 +269,71 @@ KNOBS: dict[str, Knob] = {
         help="rnd1: entropy-bounded unmasking: each step unmasks, most confident first, the longest run whose "
         "entropy sum minus its largest entropy stays within X (-1 = off: the entropy-ranked schedule).",
     ),
+    # DiffusionGemma's own decoding (`decode.diffusion_gemma`): uniform noise, entropy-bounded acceptance
+    "temperature_final": Knob(
+        float,
+        0.4,
+        _finite(0.0),
+        "a finite number >= 0",
+        help="diffusion-gemma: the temperature of a canvas's last step (its t_min); --temperature is the first "
+        "step's (its t_max), linear between.",
+    ),
+    "entropy_bound": Knob(
+        float,
+        0.1,
+        lambda v: math.isfinite(v) and v > 0,
+        "a finite number > 0",
+        help="diffusion-gemma: each step keeps the sampled tokens of the lowest-entropy positions whose entropy sum "
+        "minus its largest stays within X, and redraws the others at random.",
+    ),
+    "stability_threshold": Knob(
+        int,
+        1,
+        lambda v: 0 <= v <= 1024,
+        "an integer in 0..1024",
+        help="diffusion-gemma: a canvas may stop once its argmax has not changed for N steps (and it is confident).",
+    ),
+    "confidence_threshold": Knob(
+        float,
+        0.005,
+        lambda v: v is None or (math.isfinite(v) and v > 0),
+        "a finite number > 0, or null (off)",
+        nullable=True,
+        text=lambda t: None if t.lower() in ("null", "none", "off") else float(t),
+        help="diffusion-gemma: a stable canvas stops once its mean entropy is below X; null (or off) turns the "
+        "adaptive stop off, so every canvas takes all its steps.",
+    ),
+    "stop_token_ids": Knob(
+        tuple,
+        (),
+        lambda v: len(v) <= 64 and all(_is_id(i) for i in v),
+        "at most 64 token ids",
+        text=_token_ids,
+        metavar="ID,ID",
+        help="diffusion-gemma: end the answer at these token ids instead of the model's stop ids.",
+    ),
+    "noise": Knob(
+        str,
+        "celeris",
+        choices=("celeris", "torch"),
+        help="diffusion-gemma: where random draws come from: each request's own stream (celeris), or, to verify "
+        "against transformers, torch's CPU generator seeded with the seed, drawn as its generate draws for one "
+        "prompt (torch).",
+    ),
+    "initial_canvases": Knob(
+        tuple,
+        (),
+        lambda v: (
+            len(v) <= MAX_CANVASES
+            and all(isinstance(c, tuple) and len(c) <= MAX_CANVAS for c in v)
+            and all(_is_id(i) for c in v for i in c)
+        ),
+        f"at most {MAX_CANVASES} lists of at most {MAX_CANVAS} token ids",
+        text=_canvases_file,
+        metavar="FILE",
+        help="diffusion-gemma: the canvases each denoising loop starts from, in order (a JSON list of token-id "
+        "lists); a verification tool.",
+    ),
     # per request
     "seed": Knob(
         int,
@@ -246,7 +350,8 @@ KNOBS: dict[str, Knob] = {
         "own), block or "
         "block-fast (block diffusion, LLaDA2; block-fast keeps an exact cache), nemotron (Nemotron-Labs-Diffusion's "
         "diffusion mode), ar (left to right, on a model trained for it too), nemotron-spec (its speculative "
-        "decoding: a diffusion draft checked by a causal pass, the ar answer in fewer forwards). The model "
+        "decoding: a diffusion draft checked by a causal pass, the ar answer in fewer forwards), diffusion-gemma "
+        "(DiffusionGemma's own: random canvases denoised over a causal cache). The model "
         "folder's architecture says which run on it (celeris inspect).",
     ),
     "deterministic": Knob(
@@ -444,6 +549,13 @@ class Blocks:
             return [min(self.block_steps, m) for m in masked]
         return [min(n, m) for n, m in zip(spread_steps(self.denoise_steps, [max(m, 1) for m in masked]), masked)]
 
+    def canvas_steps(self) -> list[int]:
+        """DiffusionGemma's canvases (`decode.diffusion_gemma`): the answer in whole canvases of block_length
+        (the last whole too, as its generate decodes it), each at most block_steps steps, or denoise_steps
+        spread over them."""
+        n = -(-self.gen_length // self.block_length)
+        return split_steps(self.denoise_steps, n) if self.steps_total else [self.block_steps] * n
+
     def transfers(self, steps: int, masked: int) -> list[int]:
         """Tokens committed at each of a block's `steps` steps: the block's length in equal shares (LLaDA2),
         or with a total of steps, the block's masked positions."""
@@ -480,6 +592,34 @@ class Draft:
 
 
 @dataclass(frozen=True)
+class Denoising:
+    """DiffusionGemma's steps: the temperature falling linearly from `temperature` (t_max) to
+    `temperature_final` (t_min), the entropy bound on what a step keeps, and the adaptive stop (off where
+    confidence_threshold is None)."""
+
+    temperature: float
+    temperature_final: float
+    entropy_bound: float
+    stability_threshold: int
+    confidence_threshold: float | None
+
+
+@dataclass(frozen=True)
+class CanvasNoise:
+    """Where DiffusionGemma's random draws come from, and the canvases its loops start from where pinned."""
+
+    noise: str
+    initial_canvases: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class StopIds:
+    """Token ids that end an answer in place of the model's (none: the model's)."""
+
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Commit:
     """Block diffusion's threshold: every masked position above it commits, and at least the schedule's."""
 
@@ -503,6 +643,9 @@ PARTS: dict[str, type] = {
     "filters": Filters,
     "entropy": EntropyRanking,
     "draft": Draft,
+    "denoising": Denoising,
+    "noise": CanvasNoise,
+    "stops": StopIds,
 }
 PER_REQUEST = ("seed", "strategy", "deterministic", "stop")  # honoured by every strategy, outside the decoder
 
@@ -544,6 +687,13 @@ class GenerationParams:
     max_post_edit_steps: int = KNOBS["max_post_edit_steps"].default
     greedy: bool = KNOBS["greedy"].default
     eb_gamma: float = KNOBS["eb_gamma"].default
+    temperature_final: float = KNOBS["temperature_final"].default
+    entropy_bound: float = KNOBS["entropy_bound"].default
+    stability_threshold: int = KNOBS["stability_threshold"].default
+    confidence_threshold: float | None = KNOBS["confidence_threshold"].default
+    stop_token_ids: tuple[int, ...] = KNOBS["stop_token_ids"].default
+    noise: str = KNOBS["noise"].default
+    initial_canvases: tuple[tuple[int, ...], ...] = KNOBS["initial_canvases"].default
     seed: int = KNOBS["seed"].default
     strategy: str = KNOBS["strategy"].default
     deterministic: bool = KNOBS["deterministic"].default
@@ -608,7 +758,9 @@ class GenerationParams:
                 f"{', '.join(name(k) for k in ignored)}: not used by the {self.strategy} strategy "
                 f"(it honours {', '.join(k for k in honoured(self.strategy) if k not in PER_REQUEST)})"
             )
-        if self.block_length > self.gen_length and "block_length" in layer:
+        # a strategy of whole canvases (DiffusionGemma's, as its generate) decodes a canvas longer than the answer
+        canvases = strategy.steps == "canvases"
+        if self.block_length > self.gen_length and "block_length" in layer and not canvases:
             raise UsageError(
                 f"{name('block_length')} {self.block_length} exceeds {name('gen_length')} {self.gen_length}: "
                 "a block longer than the answer would decode positions past its end; use at most "
@@ -647,9 +799,38 @@ class GenerationParams:
                 "under guidance (its running set's edits read the conditional view only); use the block strategy "
                 "for both"
             )
+        if canvases:
+            self._check_canvases(name)
         if self.subword_min_p > 0 and self.temperature == 0 and "subword_min_p" in self.explicit:
             raise UsageError(
                 f"{name('subword_min_p')}: only sampling draws unlikely pieces; at temperature 0 set it to 0"
+            )
+
+    def _check_canvases(self, name: Callable[[str], str]) -> None:
+        """DiffusionGemma's settings together: a temperature that falls (its generate refuses t_max <= t_min;
+        at 0 nothing can be sampled), pinned canvases of the canvas's length, no more than the answer has."""
+        if self.temperature <= self.temperature_final:
+            raise UsageError(
+                f"{name('temperature')} {self.temperature} must exceed {name('temperature_final')} "
+                f"{self.temperature_final}: the temperature falls from the first to the last step (for greedy "
+                "answers use a tiny one, e.g. temperature 1e-5 and temperature_final 0)"
+            )
+        if self.deterministic and "deterministic" in self.explicit:
+            raise UsageError(
+                f"{name('deterministic')}: the diffusion-gemma strategy has no batch-invariant kernels yet; in "
+                "float32 its answers already agree alone and batched"
+            )
+        canvases = -(-self.gen_length // self.block_length)
+        if len(self.initial_canvases) > canvases:
+            raise UsageError(
+                f"{name('initial_canvases')}: {len(self.initial_canvases)} canvases given, but an answer of "
+                f"{self.gen_length} tokens in canvases of {self.block_length} has {canvases}"
+            )
+        wrong = [i for i, c in enumerate(self.initial_canvases) if len(c) != self.block_length]
+        if wrong:
+            raise UsageError(
+                f"{name('initial_canvases')}: canvas {wrong[0]} has {len(self.initial_canvases[wrong[0]])} tokens; "
+                f"each must have block_length {self.block_length}"
             )
 
     def _settle(self) -> GenerationParams:
@@ -690,6 +871,8 @@ class GenerationParams:
         rule = STRATEGIES[self.strategy].steps
         if rule == "seeded":  # its blocks start at the answer, after a seed token each
             return self.part("blocks").seeded_steps()
+        if rule == "canvases":  # whole canvases, each with its cap of steps
+            return self.part("blocks").canvas_steps()
         if rule == "per_token":  # one token per forward (speculation: at most that)
             return [self.gen_length]
         if rule == "block_steps":
@@ -751,7 +934,13 @@ def _canonical(key: str) -> str:
 def parse_text(key: str, value: Any) -> Any:
     """A command-line value (text, or a list of texts for `stop`, a bool for a flag) in its knob's type;
     its range is checked where every layer's is (`from_mapping`)."""
-    kind = KNOBS[_canonical(key)].kind if _canonical(key) in KNOBS else str
+    knob = KNOBS.get(_canonical(key))
+    if knob is not None and knob.text is not None and isinstance(value, str):
+        try:
+            return knob.text(value)
+        except ValueError as e:
+            raise UsageError(f"{key}: {e}") from None
+    kind = knob.kind if knob is not None else str
     if not isinstance(value, str) or kind is str:
         return value
     try:
@@ -775,13 +964,17 @@ def _coerce(key: str, value: Any) -> tuple[str, Any]:
     if knob is None:
         near = difflib.get_close_matches(name, [*KNOBS, *ALIASES], n=1)
         raise UsageError(f"unknown generation parameter {key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    if value is None and knob.nullable:
+        return name, None
     if knob.kind is float and isinstance(value, int) and not isinstance(value, bool):
         try:
             value = float(value)
         except OverflowError:
             raise UsageError(f"{key} must be {knob.meaning}, got {_shown(value)}") from None
+    if knob.kind is tuple and isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)  # one token id (stop_token_ids: 1, as transformers' eos_token_id may be)
     if knob.kind is tuple and isinstance(value, (str, list)):
-        value = (value,) if isinstance(value, str) else tuple(value)
+        value = (value,) if isinstance(value, str) else tuple(tuple(v) if isinstance(v, list) else v for v in value)
     if not isinstance(value, knob.kind) or (isinstance(value, bool) and knob.kind is not bool):
         raise UsageError(f"{key} must be {_TYPE_NAMES[knob.kind]}, got {_shown(value)}")
     if knob.choices and value not in knob.choices:
@@ -844,6 +1037,10 @@ HF_KEYS = {
     "editing_threshold": "edit_threshold",
     "max_post_steps": "max_post_edit_steps",
     "num_diffusion_steps": "denoise_steps",
+    # DiffusionGemma's DiffusionGemmaGenerationConfig (its entropy bound is sampler_config's, see model_layer)
+    "max_denoising_steps": "block_steps",
+    "t_max": "temperature",
+    "t_min": "temperature_final",
 }
 
 
@@ -863,6 +1060,10 @@ def model_layer(raw: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[int],
             settings[key] = value
         else:
             ignored.append(key)
+    sampler = raw.get("sampler_config")
+    if isinstance(sampler, Mapping) and "entropy_bound" in sampler:  # DiffusionGemma's EntropyBoundSamplerConfig
+        settings["entropy_bound"] = sampler["entropy_bound"]
+        ignored.remove("sampler_config")
     if raw.get("do_sample") is False and "greedy" not in raw:
         settings["temperature"] = 0.0
     eos = raw.get("eos_token_id")

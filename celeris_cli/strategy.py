@@ -17,8 +17,9 @@ from typing import Literal
 # how the steps a request runs are reported (`GenerationParams.steps_for`):
 # "schedule": the canvas's blocks, steps split over them; "block_steps": block diffusion's blocks from the row's
 # own position 0, steps per block; "seeded": Nemotron's blocks after a seed token each; "per_token": one
-# token a forward (at most); "denoise": one block, the whole canvas
-StepsRule = Literal["schedule", "block_steps", "seeded", "per_token", "denoise"]
+# token a forward (at most); "denoise": one block, the whole canvas; "canvases": whole fixed-length canvases
+# (DiffusionGemma's), each with its cap of steps
+StepsRule = Literal["schedule", "block_steps", "seeded", "per_token", "denoise", "canvases"]
 # what the memory planner counts for one step (`arch.memory.plan`): "fast": the fast decoder's cache and
 # windows; "block-cached": block diffusion's exact cache; "block": block diffusion recomputing its canvas;
 # "canvas-block": a full-canvas forward, the head on a block; "canvas-answer": the same, the head on the answer
@@ -65,4 +66,7 @@ STRATEGIES: dict[str, Strategy] = {
     "nemotron": Strategy(("blocks", "sampling", "ordering", "commit"), "seeded", "seeded", None),
     "ar": Strategy(("length", "sampling"), "ar", "per_token", None),
     "nemotron-spec": Strategy(("draft", "sampling"), "speculative", "per_token", None),
+    "diffusion-gemma": Strategy(
+        ("blocks", "denoising", "noise", "stops"), "diffusion-gemma", "canvases", None, uncapped=True
+    ),
 }

@@ -114,7 +114,9 @@ def test_reported_nfe_equals_the_forward_passes_run(engine: Engine, strategy: st
     spy = Engine(counting, engine.tokenizer, engine.device, engine.dtype)  # type: ignore[arg-type]
     base = {k: v for k, v in BASE.items() if k in honoured(strategy)}
     results = spy.generate(PROMPTS, spy.params({**base, "strategy": strategy, "cfg_scale": cfg_scale}), batch_size=4)
-    assert results[0].nfe == counting.calls > 0
+    # a row's nfe counts the forwards it took part in; the row that finishes last (all start together,
+    # guided or not: a guided fast row's two views share each packed forward) took part in every one
+    assert max(r.nfe for r in results) == counting.calls > 0
     if strategy == "reference":  # a fixed schedule: guidance doubles the passes exactly
         assert counting.calls == 16 * (2 if cfg_scale else 1)
 

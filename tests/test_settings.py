@@ -82,10 +82,15 @@ def test_every_strategy_declares_what_it_honours() -> None:
     editing = {"edit_threshold", "max_post_edit_steps"}  # the block strategies' alone
     rnd1 = {"greedy", "eb_gamma"}  # RND1's own sampler's alone
     draft = {"draft_threshold"}  # speculative decoding's alone
-    assert set(KNOBS) - set(honoured("fast")) == dream | block | editing | rnd1 | draft  # the fast decoder: the rest
+    gemma = {"temperature_final", "entropy_bound", "stability_threshold", "confidence_threshold", "stop_token_ids"}
+    gemma |= {"noise", "initial_canvases"}  # DiffusionGemma's own decoder's alone
+    assert set(KNOBS) - set(honoured("fast")) == dream | block | editing | rnd1 | draft | gemma  # the rest
     shaping = {"presence_penalty", "min_tokens", "subword_min_p"}
     fast_only = {"threshold", "cache", "confidence", "early_exit", "suffix_window"} | shaping
-    assert set(KNOBS) - set(honoured("reference")) == fast_only | dream | block | editing | rnd1 | draft
+    assert set(KNOBS) - set(honoured("reference")) == fast_only | dream | block | editing | rnd1 | draft | gemma
+    assert set(honoured("diffusion-gemma")) == {"gen_length", "block_length", "denoise_steps", "temperature"} | (
+        block | gemma | set(PER_REQUEST)
+    )
     assert set(honoured("rnd1")) == {"gen_length", "denoise_steps", "temperature", "top_p", "top_k"} | rnd1 | set(
         PER_REQUEST
     )

@@ -26,7 +26,8 @@ def test_every_layer_reads_the_one_table() -> None:
     for arch in ARCHITECTURES.values():
         assert set(arch.strategies) <= set(STRATEGIES), arch.name
     for name, spec in STRATEGIES.items():
-        params = GenerationParams.from_mapping({"strategy": name})
+        arch = next(a for a in ARCHITECTURES.values() if name in a.strategies)  # one it runs on: its defaults
+        params = GenerationParams.from_mapping({"strategy": name}, GenerationParams.defaults_from(arch.layer()))
         plan = plan_for(params)  # the decoder receives exactly its strategy's parts
         assert {f.name for f in fields(plan)} == set(spec.parts), name
         assert spec.decoder in DECODERS, name

@@ -13,6 +13,7 @@ from .folder import ModelFolder
 from .safetensors_io import read_header, shape_of
 
 EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")  # a routed expert's tensor, by its layer's experts module
+STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")  # experts stacked in one tensor (Gemma 4)
 
 
 def _sizes(folder: ModelFolder) -> tuple[int, Counter[str], Counter[str]]:
@@ -23,7 +24,7 @@ def _sizes(folder: ModelFolder) -> tuple[int, Counter[str], Counter[str]]:
             n = math.prod(shape_of(entry))
             total += n
             dtypes[str(entry.get("dtype"))] += n
-            m = EXPERT.match(name)
+            m = EXPERT.match(name) or STACKED.match(name)
             if m:
                 experts[m.group(1)] += n
     return total, dtypes, experts
@@ -39,7 +40,8 @@ def describe(path: Path) -> dict[str, Any]:
     tok = folder.tokenizer()
     params, dtypes, experts = _sizes(folder)
     defaults = folder.defaults()
-    special = {"mask": tok.mask_id, "eos": tok.eos_id, "end_of_turn": tok.eot_id, "pad": tok.pad_id, "bos": tok.bos_id}
+    mask = None if getattr(cfg, "mask_free", False) else tok.mask_id
+    special = {"mask": mask, "eos": tok.eos_id, "end_of_turn": tok.eot_id, "pad": tok.pad_id, "bos": tok.bos_id}
     info: dict[str, Any] = {
         "folder": str(folder.path),
         "architecture": f"{arch.name} ({_declared(folder.config)})",
@@ -48,7 +50,9 @@ def describe(path: Path) -> dict[str, Any]:
         "parameters": f"{params:,}",
     }
     if experts:
-        num, top_k = getattr(cfg, "num_experts", 0) or 1, getattr(cfg, "num_experts_per_tok", 1)
+        num = getattr(cfg, "num_experts", 0) or 1
+        named: Any = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "top_k_experts", 1)
+        top_k = int(named)
         active = params - sum(experts.values()) + sum(n * top_k // num for n in experts.values())
         info["active_parameters"] = f"{active:,} per token ({top_k} of {num} experts)"
     info |= {
@@ -63,6 +67,10 @@ def describe(path: Path) -> dict[str, Any]:
         "logit_shift": "yes (position j-1 predicts j)" if arch.model_class.logit_shift else "no",
         "block": f"{defaults.block_length} (default block_length)" if arch.attention == "block-causal" else "none",
     }
+    if getattr(cfg, "mask_free", False):  # DiffusionGemma: no mask; canvases of uniform noise
+        info["canvas"] = f"{getattr(cfg, 'canvas_length', 0)} tokens (config.json canvas_length; block_length)"
+        info["noise"] = "uniform random tokens, entropy-bounded acceptance (no mask token)"
+
     return info
 
 

@@ -111,7 +111,7 @@ class ModelFolder:
         strategy first). Accepts both Celeris's own keys and the file `transformers` writes; keys neither
         knows are ignored (logged)."""
         try:
-            return GenerationParams.defaults_from(self.arch.layer(), self._layer[0])
+            return GenerationParams.defaults_from(self.arch.layer(self.config), self._layer[0])
         except UsageError as e:
             raise ModelError(f"{self.path / GENERATION_CONFIG}: {e}") from None
 

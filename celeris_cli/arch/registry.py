@@ -33,14 +33,17 @@ class Architecture:
     defaults: Mapping[str, Any] = field(default_factory=dict, hash=False)  # under generation_config.json
     when: Mapping[str, Any] = field(default_factory=dict, hash=False)  # config.json keys telling a variant
     generation_config: bool = True  # False: the family's code never reads its generation_config.json
+    from_config: Mapping[str, str] = field(default_factory=dict, hash=False)  # knob -> config.json key (a default)
 
     @property
     def default_strategy(self) -> str:
         return self.strategies[0]
 
-    def layer(self) -> dict[str, Any]:
-        """The architecture's own defaults, under its folders' generation_config.json."""
-        return {"strategy": self.default_strategy, **self.defaults}
+    def layer(self, raw: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The architecture's own defaults, under its folders' generation_config.json; with the folder's
+        config.json, the settings it gives (`from_config`: DiffusionGemma's canvas is its block_length)."""
+        given = {k: raw[key] for k, key in self.from_config.items() if raw is not None and key in raw}
+        return {"strategy": self.default_strategy, **self.defaults, **given}
 
     def check_strategy(self, strategy: str) -> None:
         if strategy not in self.strategies:
@@ -152,6 +155,28 @@ _ENTRIES = (
         attention="block-causal",
         strategies=("nemotron", "ar", "nemotron-spec"),
         defaults={"block_length": 32, "block_steps": 32, "threshold": 1.0},
+    ),
+    # Gemma 4 run as a causal encoder (prompt, then each finished canvas) and a bidirectional decoder that
+    # denoises a canvas of uniformly random tokens over its cache; its generate's released defaults
+    Architecture(
+        name="diffusion_gemma",
+        classes=("DiffusionGemmaForBlockDiffusion",),
+        model_types=("diffusion_gemma",),
+        module="diffusion_gemma",
+        layout="Gemma 4 (MoE beside a dense MLP, sliding and full layers; model.decoder.*)",
+        attention="block-causal",
+        strategies=("diffusion-gemma",),
+        defaults={
+            "gen_length": 256,
+            "block_length": 256,
+            "block_steps": 48,
+            "entropy_bound": 0.1,
+            "temperature": 0.8,
+            "temperature_final": 0.4,
+            "stability_threshold": 1,
+            "confidence_threshold": 0.005,
+        },
+        from_config={"block_length": "canvas_length"},
     ),
     Architecture(
         name="sdar",

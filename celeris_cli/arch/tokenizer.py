@@ -156,7 +156,10 @@ class Tokenizer:
         self.backend = backend
         self.chat_template = chat_template
         mask_id = cfg.mask_token_id
-        if mask_id is None:
+        mask_free = getattr(cfg, "mask_free", False)  # a family with no mask token (DiffusionGemma's)
+        if mask_free:
+            mask_id = -1  # no id: nothing to filter out of an answer, nothing to check
+        elif mask_id is None:
             mask_id = next((i for i in map(backend.find, MASKS) if i is not None), None)
             if mask_id is None:
                 raise ModelError(f"{folder}: config.json has no mask_token_id and the tokenizer no mask token")
@@ -188,7 +191,7 @@ class Tokenizer:
                     f"{folder}: config.json {name}={i} is not in the tokenizer ({size} tokens); "
                     "the tokenizer does not match the config"
                 )
-        piece = backend.piece(self.mask_id) or ""
+        piece = "mask" if mask_free else backend.piece(self.mask_id) or ""
         if "mask" not in piece.lower() and piece != mask_piece and not outside:
             raise ModelError(
                 f"{folder}: config.json mask_token_id={self.mask_id} is {piece!r} in the "
@@ -209,12 +212,24 @@ class Tokenizer:
         return self.backend.decode([i for i in ids if i != self.mask_id])
 
     def continuation(self, prompt: Sequence[int], ids: list[int]) -> str:
-        """The text `ids` add after `prompt`, leading space included, as an OpenAI completion gives it.
-        Decoded alone, a first piece loses its word-start mark (sentencepiece drops the ▁ that begins a
-        text), so the answer is decoded after its prompt and the prompt's own text cut off."""
-        head = self.decode(list(prompt))
-        whole = self.decode([*prompt, *ids])
-        return whole[len(head) :] if whole.startswith(head) else self.decode(ids)
+        """The text `ids` add after `prompt`, leading space included, as an OpenAI completion gives it, without
+        special tokens (as transformers' `skip_special_tokens`). Decoded alone, a first piece loses its
+        word-start mark (sentencepiece drops the ▁ that begins a text), so the answer is decoded after its
+        prompt and the prompt's own text cut off."""
+        plain = [i for i in prompt if i not in self.special_ids]
+        answer = [i for i in ids if i not in self.special_ids]
+        head = self.decode(plain)
+        whole = self.decode([*plain, *answer])
+        return whole[len(head) :] if whole.startswith(head) else self.decode(answer)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The tokens `tokenizer.json` (or `tokenizer_config.json`) marks special: never part of an answer's
+        text. A sentencepiece model's control pieces are left out by its own decoder."""
+        tok = getattr(self.backend, "tok", None)
+        if tok is None:
+            return frozenset()
+        return frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
 
     @functools.cached_property
     def word_pieces(self) -> frozenset[int]:

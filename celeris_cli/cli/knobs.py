@@ -33,9 +33,9 @@ def _option(name: str, knob: Knob) -> inspect.Parameter:
         info, kind = typer.Option(None, f"{flag(name)}/--no-{flag(name)[2:]}", help=text), bool
     else:
         decls = [flag(name), *(flag(a) for a, n in ALIASES.items() if n == name), *([knob.short] if knob.short else [])]
-        metavar = "<" + "|".join(knob.choices) + ">" if knob.choices else _METAVAR[knob.kind]
+        metavar = "<" + "|".join(knob.choices) + ">" if knob.choices else knob.metavar or _METAVAR[knob.kind]
         info = typer.Option(None, *decls, metavar=metavar, help=text, show_default=False)
-        kind = list[str] if knob.kind is tuple else str  # type: ignore[assignment]
+        kind = list[str] if knob.kind is tuple and knob.text is None else str  # type: ignore[assignment]
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=kind)
 
 

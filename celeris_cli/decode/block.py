@@ -43,7 +43,7 @@ from .sampling import Draws, RowNoise, shaper
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """The parts of the settings the block decoders honour (see `params.STRATEGY_PARTS`)."""
+    """The parts of the settings the block decoders honour (see `strategy.STRATEGIES`)."""
 
     blocks: Blocks
     sampling: Sampling

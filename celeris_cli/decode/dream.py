@@ -33,7 +33,7 @@ from .sampling import ORDER, TRANSFER, Draws, RowNoise
 
 @dataclass(frozen=True)
 class DreamPlan:
-    """The parts of the settings Dream's decoder honours (see `params.STRATEGY_PARTS`)."""
+    """The parts of the settings Dream's decoder honours (see `strategy.STRATEGIES`)."""
 
     timeline: Timeline
     sampling: Sampling

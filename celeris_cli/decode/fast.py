@@ -39,7 +39,7 @@ from .sampling import Draws, RowNoise, Shaper, shaper
 
 @dataclass(frozen=True)
 class FastPlan:
-    """The parts of the settings the fast decoder honours (see `params.STRATEGY_PARTS`)."""
+    """The parts of the settings the fast decoder honours (see `strategy.STRATEGIES`)."""
 
     schedule: Schedule
     sampling: Sampling

@@ -60,7 +60,7 @@ def _identity(h: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ReferencePlan:
-    """The parts of the settings the reference decoder honours (see `params.STRATEGY_PARTS`)."""
+    """The parts of the settings the reference decoder honours (see `strategy.STRATEGIES`)."""
 
     schedule: Schedule
     sampling: Sampling

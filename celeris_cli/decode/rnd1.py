@@ -39,7 +39,7 @@ from .sampling import Draws, RowNoise
 
 @dataclass(frozen=True)
 class RND1Plan:
-    """The parts of the settings RND1's decoder honours (see `params.STRATEGY_PARTS`)."""
+    """The parts of the settings RND1's decoder honours (see `strategy.STRATEGIES`)."""
 
     canvas: Canvas
     filters: Filters

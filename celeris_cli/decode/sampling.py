@@ -46,11 +46,14 @@ def request_seed(seed: int, prompt_ids: Sequence[int]) -> int:
 
 class RowNoise:
     """Per-row random streams for one batch. `rows` index the batch as it was first given, so rows that
-    leave early (early exit) do not shift anyone's stream. `seeds` are the rows' own (`request_seed`)."""
+    leave early (early exit) do not shift anyone's stream. `seeds` are the rows' own (`request_seed`);
+    `given` the requests' seeds as given, for a decoder that draws as a family's own code does (DiffusionGemma's
+    `noise: torch`)."""
 
-    def __init__(self, seeds: Sequence[int], device: torch.device) -> None:
+    def __init__(self, seeds: Sequence[int], device: torch.device, given: Sequence[int] = ()) -> None:
         self.seeds = list(seeds)
         self.device = device
+        self.given = list(given)
 
     def at(self, rows: torch.Tensor | Sequence[int], block: int | Sequence[int], step: int | Sequence[int]) -> Draws:
         """The draws of `rows` at (block, step): one (block, step) for all of them, or one per row."""

@@ -25,6 +25,7 @@ from ..errors import UsageError
 from ..params import GenerationParams
 from ..strategy import STRATEGIES
 from .block import BlockPlan, OnBlock, generate_block, generate_block_cached
+from .diffusion_gemma import DiffusionGemmaPlan, generate_diffusion_gemma
 from .dream import DreamPlan, generate_dream
 from .fast import FastPlan, generate_fast
 from .nemotron import ARPlan, SeededPlan, generate_ar, generate_seeded
@@ -263,6 +264,18 @@ def _speculative(
     return generate_speculative(net, prompt, prompt_mask, spec, tokens.mask_id, tokens.stop_ids, noise)
 
 
+def _diffusion_gemma(
+    net: Net,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: GenerationParams,
+    tokens: SpecialTokens,
+    noise: RowNoise,
+) -> torch.Tensor:
+    plan = _plan(DiffusionGemmaPlan, params)
+    return generate_diffusion_gemma(net, prompt, prompt_mask, plan, tokens.stop_ids, tokens.pad_id, noise)
+
+
 @dataclass(frozen=True)
 class Decoder:
     """A decoder as the strategies name it (`strategy.Strategy.decoder`): its settings' class, fed exactly
@@ -282,6 +295,7 @@ DECODERS: dict[str, Decoder] = {
     "seeded": Decoder(SeededPlan, _seeded),
     "ar": Decoder(ARPlan, _ar),
     "speculative": Decoder(SpecPlan, _speculative),
+    "diffusion-gemma": Decoder(DiffusionGemmaPlan, _diffusion_gemma),
 }
 
 

@@ -237,8 +237,9 @@ class WaveScheduler(RunningSet[FastRequest]):
         self.occupancy.rows += len({id(r) for r, _ in seen})
         self.occupancy.positions += N
         picks = []
+        for r in {id(r): r for r, _ in seen}.values():  # one packed forward, whatever the row's views
+            r.forwards += 1
         for (r, _), seg, a in zip(seen, segments, at):
-            r.forwards += 1  # each view's forward, as the static decoder counts its guidance
             s, e = r.span
             lo = seg.begin + s - shift - a  # the hidden state predicting the block's first column
             picks.append(torch.arange(lo, lo + e - s, device=self.device)[r.x[s:e] == self.mask_id])

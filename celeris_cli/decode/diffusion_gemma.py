@@ -1,0 +1,246 @@
+"""DiffusionGemma's own decoding (`DiffusionGemmaForBlockDiffusion.generate` in transformers 5.23.0), as a pure
+function on ids. There is no mask token.
+
+The prompt runs through the causal encoder into the cache. The answer is then made a canvas of block_length
+tokens at a time, ceil(gen_length / block_length) canvases (the last one whole, as its generate makes it):
+
+1. the canvas starts as uniformly random token ids (or the pinned `initial_canvases`);
+2. each of at most block_steps steps (cur counting down from N to 1) runs the bidirectional decoder on the
+   canvas against the cache, adding the self-conditioning signal of the previous step's scaled logits; the
+   logits are divided by T = t_min + (t_max - t_min) * cur / N; every position samples a token from
+   softmax(logits / T); the positions of lowest entropy are kept while their entropy sum minus its largest stays
+   within entropy_bound, and every other position is redrawn uniformly at random (renoising);
+3. with the adaptive stop on (confidence_threshold not None), a canvas ends once the argmax canvas has been the
+   same for stability_threshold steps and the mean entropy is below confidence_threshold;
+4. the canvas kept is the last *argmax* canvas; one causal pass over it appends it to the cache. An answer
+   holding a stop id ends at that canvas: what follows its first stop id is the pad token.
+
+Rows are independent (rule 2): a row's noise comes from its own stream, keyed by canvas and step (`RowNoise`),
+a finished canvas or answer is frozen while its batch mates go on, and left padding is masked with positions
+counted from a row's first token. `noise: torch` draws instead from torch's CPU generator seeded with the row's
+seed, in the order its generate draws for a batch of one (the canvas `randint`, then per step `multinomial` and
+the renoise `randint`), so that answers equal its own; `initial_canvases` pins each loop's starting canvas (its
+`randint` is still drawn, as its generate draws it before taking `decoder_input_ids`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..arch.gemma4 import Mask
+from ..errors import UsageError
+from ..params import Blocks, CanvasNoise, Denoising, StopIds
+from .sampling import RowNoise
+
+INIT, SAMPLE, RENOISE = 0, 1, 2  # the lanes of a row's stream (canvas start; each step's samples and redraws)
+
+
+@dataclass(frozen=True)
+class DiffusionGemmaPlan:
+    """The parts of the settings DiffusionGemma's decoder honours (see `strategy.STRATEGIES`)."""
+
+    blocks: Blocks
+    denoising: Denoising
+    noise: CanvasNoise
+    stops: StopIds
+
+
+class CanvasDraws:
+    """One batch's random numbers: each row's own counter-based stream, or torch generators (`noise: torch`)."""
+
+    def __init__(self, noise: RowNoise, torch_seeds: list[int] | None, vocab: int, device: torch.device) -> None:
+        self.noise, self.vocab, self.device = noise, vocab, device
+        self.gens = None if torch_seeds is None else [torch.Generator().manual_seed(s) for s in torch_seeds]
+
+    def tokens(self, rows: list[int], canvas: int, step: int, lane: int, length: int) -> torch.Tensor:
+        """Uniform token ids (len(rows), length)."""
+        if self.gens is not None:
+            out = [torch.randint(0, self.vocab, (1, length), generator=self.gens[r]) for r in rows]
+            return torch.cat(out).to(self.device)
+        u = self.noise.at(rows, canvas, step).uniform((length,), torch.float64, lane)
+        return (u * self.vocab).long().clamp_max(self.vocab - 1)
+
+    def sample(self, rows: list[int], canvas: int, step: int, probs: torch.Tensor) -> torch.Tensor:
+        """One token per position from probs (len(rows), L, V): torch's `multinomial`, or the inverse of the
+        cumulative distribution at one uniform per position."""
+        if self.gens is not None:
+            V = probs.shape[-1]
+            out = [torch.multinomial(p.cpu().view(-1, V), 1, generator=self.gens[r]) for r, p in zip(rows, probs)]
+            return torch.stack(out).view(probs.shape[:2]).to(self.device)
+        u = self.noise.at(rows, canvas, step).uniform((probs.shape[1],), torch.float64, SAMPLE)
+        cdf = probs.double().cumsum(-1)
+        picked = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None]).squeeze(-1)
+        return picked.clamp_max(probs.shape[-1] - 1)
+
+
+def entropy(scaled: torch.Tensor) -> torch.Tensor:
+    """Each position's entropy (.., V) -> (..), as torch's `Categorical(logits=...)` computes it."""
+    return torch.distributions.Categorical(logits=scaled).entropy()
+
+
+class Context:
+    """The rows' prompts and committed canvases (left-padded), their positions and the cache."""
+
+    def __init__(self, net: Any, prompt: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+        self.net, self.model = net, net.model
+        self.real = prompt_mask.bool()  # (B, S): keys that may be attended to
+        self.next_pos = self.real.long().sum(1)  # (B,): each row's next position
+        self.cache: Any = None
+        self.encode(prompt, (self.real.long().cumsum(1) - 1).clamp_min(0))
+
+    def _masks(self, T: int, causal: bool) -> dict[bool, Mask]:
+        """The masks of T new positions after the S cached ones, for the full layers (True) and the sliding ones
+        (False, over the keys they read: the last `window` cached and the new): causal (each query sees the real
+        keys up to itself, a padding query itself; sliding layers the last sliding_window of them), or
+        bidirectional (every real key). Where no row has padding, transformers' own choice: no mask for the
+        decoder, SDPA's causal flag for a prefill that needs no window."""
+        S, W = self.real.shape[1] - T, self.model.cfg.sliding_window
+        w = self.model.window(S)
+        if bool(self.real.all()) and (not causal or S == 0):
+            if not causal:
+                return {True: "all", False: "all"}
+            if T < W:
+                return {True: "causal", False: "causal"}
+        dev = self.real.device
+        q = torch.arange(S, S + T, device=dev)[:, None]
+        out: dict[bool, Mask] = {}
+        for full, first in ((True, 0), (False, S - w)):
+            k = torch.arange(first, S + T, device=dev)[None, :]
+            seen = self.real[:, None, first:]
+            if causal:
+                mask = (seen & (k <= q) & (full or (q - k < W))) | (k == q)
+            else:
+                mask = seen.expand(-1, T, -1)
+            out[full] = mask[:, None]
+        if causal and S == 0 and bool(self.real.all()):
+            out[True] = "causal"
+        return out
+
+    def encode(self, ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """The causal pass over ids (B, T): its keys and values join the cache."""
+        if self.cache is not None:
+            self.real = torch.cat([self.real, torch.ones_like(ids, dtype=torch.bool)], 1)
+        self.net.nfe += 1
+        self.net.positions_computed += ids.numel()
+        self.cache = self.model.encode(ids, positions, self._masks(ids.shape[1], True), self.cache)
+
+    def denoise(self, canvas: torch.Tensor, self_conditioning: torch.Tensor | None) -> torch.Tensor:
+        L = canvas.shape[1]
+        self.net.nfe += 1
+        self.net.positions_computed += canvas.numel()
+        real = self.real
+        self.real = torch.cat([real, torch.ones_like(canvas, dtype=torch.bool)], 1)
+        masks = self._masks(L, False)
+        self.real = real
+        logits: torch.Tensor = self.model.denoise(canvas, self.positions(L), masks, self.cache, self_conditioning)
+        return logits
+
+    def positions(self, L: int) -> torch.Tensor:
+        return self.next_pos[:, None] + torch.arange(L, device=self.real.device)[None, :]
+
+    def commit(self, canvas: torch.Tensor) -> None:
+        positions = self.positions(canvas.shape[1])
+        self.encode(canvas, positions)
+        self.next_pos = self.next_pos + canvas.shape[1]
+
+
+def temperature(d: Denoising, cur: int, steps: int) -> torch.Tensor:
+    """The step's temperature, t_min + (t_max - t_min) * cur / steps, in float32 arithmetic as its generate
+    computes it (cur is an int32 tensor there), so that the scaled logits are the same numbers."""
+    frac = torch.tensor(cur, dtype=torch.int32) / steps
+    return d.temperature_final + (d.temperature - d.temperature_final) * frac
+
+
+def denoise_canvas(
+    ctx: Context, x: torch.Tensor, steps: int, d: Denoising, draws: CanvasDraws, j: int, done: torch.Tensor
+) -> torch.Tensor:
+    """One canvas's denoising loop over the canvases x (B, L) -> the argmax canvases. Rows already `done` (an
+    answer finished earlier) draw nothing and change nothing."""
+    B, L = x.shape
+    argmax, sc = x, None
+    adaptive = d.confidence_threshold is not None
+    history = torch.full((d.stability_threshold, B, L), -1, dtype=x.dtype, device=x.device)
+    done, gone = done.clone(), done.clone()
+    dtype = ctx.model.model.decoder.embed_tokens.weight.dtype
+    for i, cur in enumerate(range(steps, 0, -1)):
+        live = (~done).nonzero().flatten().tolist()
+        at = (~done).nonzero().flatten()
+        scaled = ctx.denoise(x, sc) / temperature(d, cur, steps).to(x.device)
+        probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
+        drawn = x.clone()
+        drawn[at] = draws.sample(live, j, i + 1, probs[at])  # a finished row draws nothing (as alone)
+        new_argmax = scaled.argmax(-1)
+        ent = entropy(scaled)
+        low, order = torch.sort(ent, dim=-1)
+        keep = torch.zeros_like(done[:, None].expand(B, L)).scatter(1, order, low.cumsum(-1) - low <= d.entropy_bound)
+        fresh = x.clone()
+        fresh[at] = draws.tokens(live, j, i + 1, RENOISE, L)
+        new_x = torch.where(keep, drawn, fresh)
+        if adaptive or bool(gone.any()):
+            frozen = done[:, None]
+            new_argmax = torch.where(frozen, argmax, new_argmax)
+            new_x = torch.where(frozen, x, new_x)
+            if sc is not None:
+                scaled = torch.where(frozen[..., None], sc, scaled)
+        if d.confidence_threshold is not None:
+            if d.stability_threshold == 0:
+                stable = torch.ones_like(done)
+            else:
+                stable = (history == new_argmax[None]).all(-1).all(0)
+                history = torch.roll(history, -1, 0)
+                history[-1] = new_argmax
+            done |= stable & (entropy(scaled).mean(-1) < d.confidence_threshold)
+        x, argmax, sc = new_x, new_argmax, scaled.to(dtype)  # as its generate keeps them, in the weights' dtype
+        if bool(done.all()):
+            break
+    return argmax
+
+
+@torch.no_grad()
+def generate_diffusion_gemma(
+    net: Any,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    plan: DiffusionGemmaPlan,
+    stop_ids: frozenset[int],
+    pad_id: int,
+    noise: RowNoise,
+) -> torch.Tensor:
+    """prompt (B, P) left-padded -> (B, P + canvases * block_length): every row's answer in whole canvases, the
+    positions after its first stop id holding the pad token."""
+    B, P = prompt.shape
+    L, V = plan.blocks.block_length, net.model.cfg.vocab_size
+    pinned = plan.noise.initial_canvases
+    bad = sorted({t for c in pinned for t in c if t >= V})
+    if bad:
+        raise UsageError(f"initial_canvases: token id {bad[0]} is outside the vocabulary of {V}")
+    stops = plan.stops.stop_token_ids or tuple(sorted(stop_ids))
+    stop = torch.tensor(stops, device=prompt.device, dtype=prompt.dtype)
+    seeds = noise.given if plan.noise.noise == "torch" else None
+    if seeds is not None and len(seeds) != B:
+        raise UsageError("noise: torch needs each request's own seed, which this caller does not pass")
+    draws = CanvasDraws(noise, seeds, V, prompt.device)
+    ctx = Context(net, prompt, prompt_mask)
+    out = prompt.new_full((B, len(plan.blocks.canvas_steps()) * L), pad_id)
+    finished = torch.zeros(B, dtype=torch.bool, device=prompt.device)
+    schedule = plan.blocks.canvas_steps()
+    for j, steps in enumerate(schedule):
+        rows = (~finished).nonzero().flatten().tolist()
+        x = prompt.new_zeros((B, L))
+        x[rows] = draws.tokens(rows, j, 0, INIT, L)
+        if j < len(pinned):
+            x[:] = torch.tensor(pinned[j], device=prompt.device, dtype=prompt.dtype)
+        canvas = denoise_canvas(ctx, x, steps, plan.denoising, draws, j, finished)
+        canvas[finished] = pad_id
+        out[:, j * L : (j + 1) * L] = canvas
+        hit = torch.isin(canvas, stop) & ~finished[:, None]
+        after = (hit.cumsum(-1) > 0) & ~((hit.cumsum(-1) == 1) & hit)
+        out[:, j * L : (j + 1) * L][after] = pad_id
+        finished |= hit.any(-1)
+        if bool(finished.all()) or j + 1 == len(schedule):
+            break
+        ctx.commit(canvas)
+    return torch.cat([prompt, out], 1)
