@@ -52,9 +52,9 @@ def test_the_same_request_in_two_files_with_different_neighbours_gives_the_same_
     second = {r["custom_id"]: r["response"]["body"] for r in out["second.jsonl.results.jsonl"]}
     assert first["same"]["text"] == second["same"]["text"]
     assert first["same"]["settings"]["seed"] == 77
-    # requests with different seeds and batch mates decoded together, in one running set as wide as
-    # batch_size, so the equality is not trivial
-    assert first["same"]["timing"]["batch_size"] == second["same"]["timing"]["batch_size"] == 8
+    # requests with different seeds and batch mates decoded together, the three of each file in one running
+    # set (batch_size: its width, or the rows that came when fewer), so the equality is not trivial
+    assert first["same"]["timing"]["batch_size"] == second["same"]["timing"]["batch_size"] == 3
     assert first["a0"]["text"] != first["same"]["text"]
 
 

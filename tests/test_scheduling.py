@@ -36,7 +36,7 @@ def test_the_mixed_workload_runs_static_and_continuous_with_the_same_answers(blo
 
 def test_the_workload_refuses_settings_that_decode_in_static_batches_only(engine) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(UsageError, match="static batches only"):
-        compare_scheduling(engine, n_prompts=2, batch_size=2, settings={"cfg_scale": 1.0})
+        compare_scheduling(engine, n_prompts=2, batch_size=2, settings={"strategy": "reference"})
 
 
 def test_the_mixed_workload_runs_a_bidirectional_model_through_the_waves(engine) -> None:  # type: ignore[no-untyped-def]

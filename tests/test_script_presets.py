@@ -147,7 +147,7 @@ def test_a_request_that_sets_the_presets_knobs_keeps_them_whatever_its_batch_mat
                 str(folder), "--device", "cpu", "--dtype", "float32")  # fmt: skip
     assert p.returncode == 0, p.stderr
     bodies = [json.loads(x)["response"]["body"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [b["timing"]["batch_size"] for b in bodies] == [16, 16]  # one running set, as wide as the default
+    assert [b["timing"]["batch_size"] for b in bodies] == [2, 2]  # one running set: both rows in it together
     assert {k: bodies[1]["settings"][k] for k in own} == own
     e = load_engine(folder, device="cpu", dtype="float32")
     assert bodies[1]["text"] == e.generate([latin], e.params(own))[0].text
