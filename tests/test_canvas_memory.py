@@ -141,3 +141,14 @@ def test_a_budget_below_two_rows_decodes_them_apart_with_the_same_answers() -> N
     alone, together = capped.generate(prompts, params, batch_size=2), free.generate(prompts, params, batch_size=2)
     assert [r.batch_size for r in alone] == [1, 1] and [r.batch_size for r in together] == [2, 2]
     assert [r.text for r in alone] == [r.text for r in together]
+
+
+def test_the_table_in_the_docs_is_what_the_script_prints() -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    script = [sys.executable, str(root / "scripts" / "memory_table.py"), "--family", "diffusion-gemma"]
+    table = subprocess.run(script, capture_output=True, text=True, check=True, cwd=root).stdout.strip()
+    assert table.count("\n") == 4 and "| bf16 | 47.0 GiB |" in table
+    assert table in (root / "docs" / "memory.md").read_text()
