@@ -15,6 +15,8 @@ two peaks (a: the weights' dtype bytes):
 - the draw (`CanvasDraws.sample`): the input (a), the scaled logits and their probabilities (8), the live
   rows' probabilities (an indexed copy, 4), and their float64 cast and cumulative sum (16): a + DRAW_ENTRY.
   The entropies (`Categorical`: normalised logits, a clamped copy, probabilities, p log p: 16) stay below.
+  (`noise: torch` draws with `multinomial` one row at a time from a CPU copy instead of the float64 sum:
+  less on the device; the planner counts the default noise's draw.)
 
 The cache holds every layer's keys and values for the prompt and each committed canvas, all of them: a
 sliding layer reads only its window, but the cache is not trimmed; a full layer's values (its keys'
