@@ -22,8 +22,9 @@ from typing import Literal
 StepsRule = Literal["schedule", "block_steps", "seeded", "per_token", "denoise", "canvases"]
 # what the memory planner counts for one step (`arch.memory.plan`): "fast": the fast decoder's cache and
 # windows; "block-cached": block diffusion's exact cache; "block": block diffusion recomputing its canvas;
-# "canvas-block": a full-canvas forward, the head on a block; "canvas-answer": the same, the head on the answer
-MemoryRule = Literal["fast", "block-cached", "block", "canvas-block", "canvas-answer"]
+# "canvas-block": a full-canvas forward, the head on a block; "canvas-answer": the same, the head on the answer;
+# "canvas-vocab": DiffusionGemma's canvas x vocabulary of float32 logits and sampling buffers over a causal cache
+MemoryRule = Literal["fast", "block-cached", "block", "canvas-block", "canvas-answer", "canvas-vocab"]
 RowKind = Literal["block", "waves"]
 
 
@@ -67,6 +68,6 @@ STRATEGIES: dict[str, Strategy] = {
     "ar": Strategy(("length", "sampling"), "ar", "per_token", None),
     "nemotron-spec": Strategy(("draft", "sampling"), "speculative", "per_token", None),
     "diffusion-gemma": Strategy(
-        ("blocks", "denoising", "noise", "stops"), "diffusion-gemma", "canvases", None, uncapped=True
+        ("blocks", "denoising", "noise", "stops"), "diffusion-gemma", "canvases", "canvas-vocab", uncapped=True
     ),
 }

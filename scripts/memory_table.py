@@ -3,12 +3,20 @@ weights and the largest batch that fits 90% of the card (the default CUDA budget
 and 256 generated tokens, in bfloat16 and with int8 and int4 weights. Estimates, not measurements.
 
     python scripts/memory_table.py
+    python scripts/memory_table.py --family diffusion-gemma
+
+`--family diffusion-gemma`: DiffusionGemma-26B-A4B on 24 and 80 GB cards, from the released shape's
+config.json alone (`tests/data/diffusion_gemma/shape_26b_a4b`, no weights), with its folder's defaults
+(one 256-token canvas), through the code `celeris inspect --memory` runs.
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
+from pathlib import Path
 
+from celeris_cli.arch.budget import folder_report
 from celeris_cli.arch.memory import Request, Shape, largest_batch, plan, shape_from_dims
 
 # model card figures (config.json of each release)
@@ -32,9 +40,29 @@ MODELS: dict[str, tuple[Shape, Request]] = {
     ),
 }  # fmt: skip
 CARDS = (8, 24, 80)
+GEMMA = Path(__file__).resolve().parents[1] / "tests" / "data" / "diffusion_gemma" / "shape_26b_a4b"
+
+
+def diffusion_gemma() -> None:
+    print("| DiffusionGemma-26B-A4B | weights | 1 row | " + " | ".join(f"{c} GB card: rows" for c in (24, 80)) + " |")
+    print("|---|---|---|---|---|")
+    for quantize in ("none", "int8", "int4"):
+        one = folder_report(GEMMA, 1, 64, "bfloat16", quantize)
+        cells = []
+        for card in (24, 80):
+            fits = folder_report(GEMMA, 1, 64, "bfloat16", quantize, f"{int(0.9 * card * 10**9)}B")["largest_batch"]
+            cells.append(str(fits) if fits else "does not fit")
+        label = "bf16" if quantize == "none" else quantize
+        sizes = f"{one['weights'] / 2**30:.1f} GiB | {one['peak'] / 2**30:.1f} GiB"
+        print(f"| {label} | {sizes} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", choices=("published", "diffusion-gemma"), default="published")
+    if parser.parse_args().family == "diffusion-gemma":
+        diffusion_gemma()
+        return
     head = "| model | params | weights | " + " | ".join(f"{c} GB card: largest batch" for c in CARDS) + " |"
     print(head)
     print("|" + "---|" * (3 + len(CARDS)))

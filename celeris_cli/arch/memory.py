@@ -15,7 +15,9 @@ decoders in `decode/`):
   in float32, one layer at a time). Rows leaving move within the cache: nothing is copied;
 - `block` recomputes the prefix up to the active block at every step, without a cache;
 - `reference`, `dream` and `rnd1` run the whole canvas at every step, and the LM head on the positions a
-  step predicts: the active block's masked ones (reference), the answer's (dream, rnd1).
+  step predicts: the active block's masked ones (reference), the answer's (dream, rnd1);
+- `diffusion-gemma` holds a canvas x vocabulary of float32 logits and sampling buffers at every step, not
+  chunked, beside a cache of every layer's keys and values (`canvas_memory`).
 
 The LM head and the sampling run on at most `logit_chunk` positions at a time (`decode.predict.in_chunks`),
 so a step's logits stay within LOGIT_BUDGET per view however wide the batch and long the block. A position's
@@ -67,6 +69,13 @@ class Shape:
     matrix_rows: int  # output rows summed over the quantizable matrices (the int8 scales)
     other_params: int
     tied: bool = False  # the LM head is the embedding (read as a matrix; int4 keeps it int8)
+    # layers with key/value heads and a head size of their own (DiffusionGemma's full layers)
+    full_layers: int = 0
+    full_kv_heads: int = 0
+    full_head_dim: int = 0
+    experts: int = 0  # a mixture of experts beside the dense MLP (`canvas_memory`): routed experts,
+    experts_per_token: int = 0  # each token's, and each expert's intermediate size
+    expert_ffn: int = 0
 
     @property
     def params(self) -> int:
@@ -247,6 +256,10 @@ def plan(shape: Shape, req: Request) -> Estimate:
             phases.append(Estimate(weights, cache, _activations(shape, prefill, a, req.upcast), 0))
             step = _activations(shape, B * W, a, req.upcast) + (_kv(shape, B, C, 4) // shape.layers if f32 else 0)
             phases.append(Estimate(weights, cache, step, _head(shape, masked, req, int8, kernel)))
+    elif rule == "canvas-vocab":
+        from .canvas_memory import canvas_phases
+
+        phases.extend(canvas_phases(shape, req, weights_bytes(shape, req.dtype, req.quantize)))
     elif rule in ("canvas-block", "canvas-answer"):
         act = _activations(shape, B * L, a, req.upcast)
         predicted = B * (W if rule == "canvas-block" else req.gen_length)  # a block's, or the whole answer's
@@ -304,14 +317,13 @@ def _dim(cfg: object, *names: str) -> int:
     raise UsageError(f"{type(cfg).__name__} names none of {', '.join(names)}: no memory plan for it")
 
 
-def shape_of_model(model: Any) -> Shape:
-    """The Shape of a built model (on the meta device is enough): the quantizable parameters counted from
-    its linear layers and embedding, the sizes read from its config."""
+def count_matrices(model: Any) -> tuple[list[tuple[int, int]], int]:
+    """(rows, columns) of each linear layer and embedding of a built model (what quantization reads as a
+    matrix), and the count of its other parameters (norms, biases, routers, stacked experts)."""
     import torch
     from torch import nn
 
-    cfg = model.cfg
-    matrices: list[tuple[int, int]] = []  # (rows, columns) of each linear layer and embedding
+    matrices: list[tuple[int, int]] = []
     other = 0
     for m in model.modules():
         weight = m.qweight if hasattr(m, "qweight") else getattr(m, "weight", None)  # int8 (`quantize`) or float
@@ -321,6 +333,18 @@ def shape_of_model(model: Any) -> Shape:
             other += bias.numel() if isinstance(bias, torch.Tensor) else 0
         else:
             other += sum(p.numel() for p in m.parameters(recurse=False))
+    return matrices, other
+
+
+def shape_of_model(model: Any) -> Shape:
+    """The Shape of a built model (on the meta device is enough): the quantizable parameters counted from
+    its linear layers and embedding, the sizes read from its config."""
+    cfg = model.cfg
+    if getattr(cfg, "model_type", None) == "diffusion_gemma":
+        from .canvas_memory import shape_of_diffusion_gemma
+
+        return shape_of_diffusion_gemma(model)
+    matrices, other = count_matrices(model)
     matrix_params = sum(r * c for r, c in matrices)
     heads = _dim(cfg, "n_heads", "num_attention_heads")
     hidden = _dim(cfg, "d_model", "hidden_size")
