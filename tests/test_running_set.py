@@ -131,7 +131,24 @@ def test_a_row_cancelled_in_flight_leaves_as_the_next_round_begins(kind_engine: 
     live.before_round = hook
     live.add(0, LONG, engine.encode_prompt(LONG), params, 0)
     live.add(1, SHORT[1], engine.encode_prompt(SHORT[1]), params, 1)
+    live.add(2, SHORT[2], engine.encode_prompt(SHORT[2]), params, 2)  # waiting: it takes the freed place
     got = dict(live.answers())
     assert seen[2] == [0, 1] and all(0 not in keys for keys in seen[3:])
-    assert list(got) == [1] and got[1].text == _text(engine, SHORT[1], params, 1)  # type: ignore[union-attr]
-    assert not live.pending
+    assert sorted(got) == [1, 2] and not live.pending
+    assert {k: r.text for k, r in got.items()} == {k: _text(engine, SHORT[k], params, k) for k in (1, 2)}  # type: ignore[union-attr]
+
+
+def test_cancelling_the_last_row_in_flight_ends_the_run_cleanly(kind_engine: Any) -> None:
+    kind, engine = kind_engine
+    params = engine.params({**KINDS[kind], "temperature": 1.0})
+    live = engine.live(max_batch=2)
+    rounds: list[int] = []
+
+    def hook() -> None:
+        rounds.append(1)
+        if len(rounds) == 2:
+            live.cancel(0)
+
+    live.before_round = hook
+    live.add(0, LONG, engine.encode_prompt(LONG), params, 0)
+    assert dict(live.answers()) == {} and not live.pending

@@ -177,7 +177,10 @@ class WaveScheduler(RunningSet[FastRequest]):
     def run(self, requests: Iterable[FastRequest] = ()) -> Iterator[tuple[int, list[int], int]]:
         self.add(requests)
         while self.waiting or self.in_flight:
-            self.fresh.extend(self._admit(req) for req in self.admit())
+            joining = self.admit()  # (it may drop rows cancelled meanwhile: `fresh` is replaced then)
+            self.fresh.extend(self._admit(req) for req in joining)
+            if not self.in_flight:  # the last rows in flight were dropped, and none waits
+                continue
             stepped = self._tick(self.fresh)
             self._commit(stepped)
             self.fresh = []  # those starting a block this tick are in their lanes now, or stepped without one
