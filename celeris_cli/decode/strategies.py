@@ -201,67 +201,38 @@ def _rnd1(
     return generate_rnd1(net, prompt, prompt_mask, _plan(RND1Plan, params), tokens.mask_id, tokens.pad_id, noise)
 
 
-def _block(
-    net: Net,
-    prompt: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    params: GenerationParams,
-    tokens: SpecialTokens,
-    noise: RowNoise,
-    on_block: OnBlock | None = None,
-) -> torch.Tensor:
-    plan = _plan(BlockPlan, params)
-    args = (tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces, on_block)
-    return generate_block(net, prompt, prompt_mask, plan, *args)
+def _blocks(decode: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A block decoder (`generate_block`, `generate_block_cached`) fed its plan and tokens, with `on_block`."""
+
+    def run(
+        net: Net,
+        prompt: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: GenerationParams,
+        tokens: SpecialTokens,
+        noise: RowNoise,
+        on_block: OnBlock | None = None,
+    ) -> torch.Tensor:
+        args = (tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces, on_block)
+        return decode(net, prompt, prompt_mask, _plan(BlockPlan, params), *args)
+
+    return run
 
 
-def _block_cached(
-    net: Net,
-    prompt: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    params: GenerationParams,
-    tokens: SpecialTokens,
-    noise: RowNoise,
-    on_block: OnBlock | None = None,
-) -> torch.Tensor:
-    plan = _plan(BlockPlan, params)
-    args = (tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces, on_block)
-    return generate_block_cached(net, prompt, prompt_mask, plan, *args)
+def _stopping(decode: Callable[..., torch.Tensor], plan: type) -> Decode:
+    """A decoder of the form (net, prompt, prompt_mask, plan, mask_id, stop_ids, noise): Nemotron's three."""
 
+    def run(
+        net: Net,
+        prompt: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: GenerationParams,
+        tokens: SpecialTokens,
+        noise: RowNoise,
+    ) -> torch.Tensor:
+        return decode(net, prompt, prompt_mask, _plan(plan, params), tokens.mask_id, tokens.stop_ids, noise)
 
-def _seeded(
-    net: Net,
-    prompt: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    params: GenerationParams,
-    tokens: SpecialTokens,
-    noise: RowNoise,
-) -> torch.Tensor:
-    plan = _plan(SeededPlan, params)
-    return generate_seeded(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise)
-
-
-def _ar(
-    net: Net,
-    prompt: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    params: GenerationParams,
-    tokens: SpecialTokens,
-    noise: RowNoise,
-) -> torch.Tensor:
-    return generate_ar(net, prompt, prompt_mask, _plan(ARPlan, params), tokens.mask_id, tokens.stop_ids, noise)
-
-
-def _speculative(
-    net: Net,
-    prompt: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    params: GenerationParams,
-    tokens: SpecialTokens,
-    noise: RowNoise,
-) -> torch.Tensor:
-    spec = _plan(SpecPlan, params)
-    return generate_speculative(net, prompt, prompt_mask, spec, tokens.mask_id, tokens.stop_ids, noise)
+    return run
 
 
 def _diffusion_gemma(
@@ -290,11 +261,11 @@ DECODERS: dict[str, Decoder] = {
     "fast": Decoder(FastPlan, _fast),
     "dream": Decoder(DreamPlan, _dream),
     "rnd1": Decoder(RND1Plan, _rnd1),
-    "block": Decoder(BlockPlan, _block),
-    "block-cached": Decoder(BlockPlan, _block_cached),
-    "seeded": Decoder(SeededPlan, _seeded),
-    "ar": Decoder(ARPlan, _ar),
-    "speculative": Decoder(SpecPlan, _speculative),
+    "block": Decoder(BlockPlan, _blocks(generate_block)),
+    "block-cached": Decoder(BlockPlan, _blocks(generate_block_cached)),
+    "seeded": Decoder(SeededPlan, _stopping(generate_seeded, SeededPlan)),
+    "ar": Decoder(ARPlan, _stopping(generate_ar, ARPlan)),
+    "speculative": Decoder(SpecPlan, _stopping(generate_speculative, SpecPlan)),
     "diffusion-gemma": Decoder(DiffusionGemmaPlan, _diffusion_gemma),
 }
 
