@@ -87,6 +87,11 @@ class Result:
     seed: int = 0
     peak_memory_mb: float = 0.0  # the batch's peak: CUDA's allocator, or the process's resident memory (CPU)
     settings: dict[str, Any] = field(default_factory=dict)
+    # with `logprobs`: one entry per output token, OpenAI chat's shape: {"token", "logprob", "bytes",
+    # "top_logprobs": [{"token", "logprob", "bytes"}, ...]} (`structured.commit.Record.entries`)
+    logprobs: list[dict[str, Any]] | None = None
+    # why an answer under a constraint ended unfinished (finish_reason "length"): its grammar's dead end
+    error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

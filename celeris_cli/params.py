@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from .errors import PromptTooLong, UsageError
 from .strategy import STRATEGIES
+from .structured.spec import canonical
 
 Remasking = Literal["low_confidence", "random", "sequential"]
 CacheMode = Literal["none", "prefix", "dual"]
@@ -36,6 +37,7 @@ MAX_SEED = 2**63 - 1
 MAX_SIZE = 1 << 20
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1000
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class Knob:
     nullable: bool = False  # null is a value of its own (confidence_threshold: off)
     text: Callable[[str], Any] | None = None  # how a command-line text becomes the value (a file, a list)
     metavar: str = ""
+    # how a value given under a key becomes the knob's (key: as the user wrote it, e.g. response_format)
+    convert: Callable[[str, Any], Any] | None = None
 
 
 MAX_CANVAS_FILE = 64 * 2**20  # the largest --initial-canvases file read
@@ -334,6 +338,30 @@ KNOBS: dict[str, Knob] = {
         help="diffusion-gemma: the canvases each denoising loop starts from, in order (a JSON list of token-id "
         "lists); a verification tool.",
     ),
+    # structured output and log probabilities (the running sets' strategies: `structured.commit`)
+    "structured_outputs": Knob(
+        str,
+        None,
+        nullable=True,
+        convert=lambda key, value: canonical(key, value),
+        metavar="JSON",
+        help='Hold the answer to a constraint (vLLM\'s structured_outputs): {"json": SCHEMA}, {"regex": "..."}, '
+        '{"choice": [...]}, {"grammar": LARK} or {"json_object": true}; OpenAI\'s response_format is the '
+        "same setting. Nothing outside it is ever committed; a grammar that reaches a dead end ends the answer "
+        "with finish_reason length and an error.",
+    ),
+    "logprobs": Knob(
+        bool,
+        False,
+        help="Report each answer token's log probability under the step that committed it (after a constraint's mask).",
+    ),
+    "top_logprobs": Knob(
+        int,
+        0,
+        lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+        f"an integer in 0..{MAX_TOP_LOGPROBS}",
+        help="With --logprobs: also the N likeliest tokens at each answer position, from the same distribution.",
+    ),
     # per request
     "seed": Knob(
         int,
@@ -369,7 +397,7 @@ KNOBS: dict[str, Knob] = {
         help="Cut the answer before this string; repeat for several.",
     ),
 }
-ALIASES = {"steps": "denoise_steps"}
+ALIASES = {"steps": "denoise_steps", "response_format": "structured_outputs"}
 _TYPE_NAMES = {
     int: "an integer",
     float: "a number",
@@ -620,6 +648,20 @@ class StopIds:
 
 
 @dataclass(frozen=True)
+class Structure:
+    """What a row's answer is held to (`structured_outputs`: canonical text, `structured.spec`; None: nothing)
+    and whether its tokens' log probabilities are recorded (with the top_logprobs likeliest at each)."""
+
+    structured_outputs: str | None
+    logprobs: bool
+    top_logprobs: int
+
+    @property
+    def active(self) -> bool:
+        return self.structured_outputs is not None or self.logprobs
+
+
+@dataclass(frozen=True)
 class Commit:
     """Block diffusion's threshold: every masked position above it commits, and at least the schedule's."""
 
@@ -646,6 +688,7 @@ PARTS: dict[str, type] = {
     "denoising": Denoising,
     "noise": CanvasNoise,
     "stops": StopIds,
+    "structure": Structure,
 }
 PER_REQUEST = ("seed", "strategy", "deterministic", "stop")  # honoured by every strategy, outside the decoder
 
@@ -694,6 +737,9 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = KNOBS["stop_token_ids"].default
     noise: str = KNOBS["noise"].default
     initial_canvases: tuple[tuple[int, ...], ...] = KNOBS["initial_canvases"].default
+    structured_outputs: str | None = KNOBS["structured_outputs"].default
+    logprobs: bool = KNOBS["logprobs"].default
+    top_logprobs: int = KNOBS["top_logprobs"].default
     seed: int = KNOBS["seed"].default
     strategy: str = KNOBS["strategy"].default
     deterministic: bool = KNOBS["deterministic"].default
@@ -715,6 +761,11 @@ class GenerationParams:
         """`values` (one layer of user input: a config, a request, flags) on top of `base`, validated.
         Unknown keys and wrong types are errors that name the key. Keys set by any user layer stay
         explicit; a model folder's defaults are not (see `as_defaults`)."""
+        named = [_canonical(k) for k in values]
+        twice = sorted({k for k in named if named.count(k) > 1})
+        if twice:
+            said = [k for k in values if _canonical(k) == twice[0]]
+            raise UsageError(f"{' and '.join(said)}: give one (two spellings of one setting)")
         layer = dict(_coerce(k, v) for k, v in values.items())
         base = base or cls()
         explicit = base.explicit | frozenset(layer)
@@ -801,6 +852,13 @@ class GenerationParams:
             )
         if canvases:
             self._check_canvases(name)
+        if self.top_logprobs > 0 and not self.logprobs and "top_logprobs" in layer:
+            raise UsageError(f"{name('top_logprobs')}: needs {name('logprobs')} on")
+        if self.structured_outputs is not None and self.stop and {"stop", "structured_outputs"} & layer:
+            raise UsageError(
+                f"{name('stop')} with {name('structured_outputs')}: a constrained answer ends where its grammar "
+                "ends; a stop string could cut it where the grammar is not complete"
+            )
         if self.subword_min_p > 0 and self.temperature == 0 and "subword_min_p" in self.explicit:
             raise UsageError(
                 f"{name('subword_min_p')}: only sampling draws unlikely pieces; at temperature 0 set it to 0"
@@ -964,6 +1022,8 @@ def _coerce(key: str, value: Any) -> tuple[str, Any]:
     if knob is None:
         near = difflib.get_close_matches(name, [*KNOBS, *ALIASES], n=1)
         raise UsageError(f"unknown generation parameter {key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    if knob.convert is not None:
+        value = knob.convert(key.lstrip("-").replace("-", "_"), value)
     if value is None and knob.nullable:
         return name, None
     if knob.kind is float and isinstance(value, int) and not isinstance(value, bool):

@@ -43,11 +43,15 @@ class Strategy:
     end_slot: bool = False  # its family's sampler keeps the canvas's last position for the end of text
 
 
-_BLOCK_PARTS = ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing")
+_BLOCK_PARTS = ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing", "structure")
 
 STRATEGIES: dict[str, Strategy] = {
     "fast": Strategy(
-        ("schedule", "sampling", "ordering", "guidance", "parallel", "shaping"), "fast", "schedule", "fast", "waves"
+        ("schedule", "sampling", "ordering", "guidance", "parallel", "shaping", "structure"),
+        "fast",
+        "schedule",
+        "fast",
+        "waves",
     ),
     "reference": Strategy(("schedule", "sampling", "ordering", "guidance"), "reference", "schedule", "canvas-block"),
     "dream": Strategy(

@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from ..arch.kv import KV, KVCache, LayerKV
-from ..params import Guidance, Ordering, Parallel, Sampling, Schedule, Shaping
+from ..params import Guidance, Ordering, Parallel, Sampling, Schedule, Shaping, Structure
 from .predict import Places, StepLogits, choose
 from .reference import commit_order, leave_when_finished, num_transfer_tokens, select_top_k, unconditional
 from .sampling import Draws, RowNoise, Shaper, shaper
@@ -47,6 +47,7 @@ class FastPlan:
     guidance: Guidance
     parallel: Parallel
     shaping: Shaping
+    structure: Structure = Structure(None, False, 0)  # the rows' rules come per row (`structured.commit`)
 
 
 class CachedNet(Protocol):
