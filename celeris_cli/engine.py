@@ -35,6 +35,8 @@ from .device import resolve_device, resolve_dtype
 from .errors import ModelError, TooLarge, UsageError
 from .params import GenerationParams, check_fits, model_layer, script_layers, script_of
 from .strategy import STRATEGIES
+from .structured.commit import Record, Rule, Rules
+from .structured.grammar import Grammar, vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,17 @@ class Result:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """A row's answer as its request sees it (`Engine.outcome`): what every caller reports."""
+
+    text: str
+    output_tokens: int
+    finish_reason: str
+    logprobs: list[dict[str, Any]] | None = None
+    error: str | None = None
+
+
 class Engine:
     def __init__(
         self,
@@ -150,7 +163,27 @@ class Engine:
         self.arch.check_strategy(params.strategy)
         if params.subword_min_p > 0:
             self.tokenizer.require_word_pieces()
+        self.check_structure(params)
         return params
+
+    def check_structure(self, params: GenerationParams) -> None:
+        """A constraint the grammar engine cannot build (a bad regex, a schema keyword it lacks) is the
+        user's error before anything decodes (`structured.grammar.compiled`)."""
+        if params.structured_outputs is not None:
+            self.vocabulary()  # built once
+            Grammar(params.structured_outputs, self.vocabulary())
+
+    def vocabulary(self) -> Any:
+        """The tokenizer as the grammar engine sees it (`structured.grammar.Vocabulary`), built once."""
+        return vocabulary(self.tokenizer, self.model.cfg.rows)
+
+    def rule_for(self, params: GenerationParams) -> Rule | None:
+        """A fresh rule for one row (`structured.commit`): its grammar at the answer's start and an empty
+        log-probability record; None when its request asks for neither."""
+        if params.structured_outputs is None and not params.logprobs:
+            return None
+        grammar = None if params.structured_outputs is None else Grammar(params.structured_outputs, self.vocabulary())
+        return Rule(grammar, Record(params.top_logprobs) if params.logprobs else None)
 
     # -- token level -------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
@@ -166,16 +199,21 @@ class Engine:
         params: GenerationParams,
         seeds: Sequence[int] | None = None,
         on_block: OnBlock | None = None,
+        rules: Rules | None = None,
     ) -> tuple[list[list[int]], int]:
         """Decode one batch of token-id prompts; returns each row's generated ids (uncut) and the NFE. Row
         b draws its randomness from seeds[b] and its own prompt alone (default seed: params.seed). Rows the
         running set can decode go through it, all admitted at once. on_block(row, generated ids so far):
-        called as each row's block is committed (strategies that stream blocks only)."""
+        called as each row's block is committed (strategies that stream blocks only). rules: each row's
+        (`rule_for`), to read its log probabilities and dead end from (`outcome`); made here if not given."""
         seeds = seeds if seeds is not None else [params.seed] * len(batch)
+        rules = rules if rules is not None else [self.rule_for(params) for _ in batch]
         streams = STRATEGIES[params.strategy].streams_blocks
         if self.continuous(params) and (on_block is None or streams):
             scheduler, net = self._scheduler([params], len(batch), on_block=on_block)
-            requests = [self._request(i, ids, params, s) for i, (ids, s) in enumerate(zip(batch, seeds))]
+            requests = [
+                self._request(i, ids, params, s, rule) for i, (ids, s, rule) in enumerate(zip(batch, seeds, rules))
+            ]
             with invariant.enabled(params.deterministic):
                 outs: dict[int, list[int]] = {i: out for i, out, _ in scheduler.run(requests)}
             self._account(scheduler, net)
@@ -188,8 +226,11 @@ class Engine:
         prompt_mask = torch.tensor([[False] * (P - len(ids)) + [True] * len(ids) for ids in batch], device=self.device)
         noise = RowNoise([request_seed(s, ids) for s, ids in zip(seeds, batch)], self.device, seeds)
         net = Net(self.model)
+        extra: dict[str, Any] = {"rules": rules} if any(r is not None for r in rules) else {}
         with invariant.enabled(params.deterministic):
-            if on_block is None:
+            if extra:  # only strategies with the `structure` part get here with rules (params refuses others)
+                out = decode(net, prompt, prompt_mask, params, self._special(params), noise, on_block, **extra)  # type: ignore[call-arg]
+            elif on_block is None:
                 out = decode(net, prompt, prompt_mask, params, self._special(params), noise)
             elif streams:
                 out = decode(net, prompt, prompt_mask, params, self._special(params), noise, on_block)  # type: ignore[call-arg]
@@ -220,11 +261,11 @@ class Engine:
         return BlockScheduler(*args, refill=refill, on_block=on_block, before_round=before_round), net
 
     @staticmethod
-    def _request(key: int, ids: list[int], params: GenerationParams, seed: int) -> Any:
-        """A row for the running set of its kind, with its row seed (`request_seed`)."""
+    def _request(key: int, ids: list[int], params: GenerationParams, seed: int, rule: Rule | None = None) -> Any:
+        """A row for the running set of its kind, with its row seed (`request_seed`) and its rule."""
         if _running_kind(params) == "waves":
-            return waves.FastRequest(key, list(ids), fast_plan_of(params), request_seed(seed, ids))
-        return BlockRequest(key, list(ids), plan_of(params), request_seed(seed, ids))
+            return waves.FastRequest(key, list(ids), fast_plan_of(params), request_seed(seed, ids), rule)
+        return BlockRequest(key, list(ids), plan_of(params), request_seed(seed, ids), rule)
 
     def _account(self, scheduler: RunningSet[Any], net: Net) -> None:
         self.positions_computed += net.positions_computed
@@ -263,6 +304,27 @@ class Engine:
                     lo = mid + 1
             ids = ids[:lo]
         return text, len(ids), reason
+
+    def outcome(
+        self, ids: list[int], params: GenerationParams, prompt: Sequence[int], rule: Rule | None = None
+    ) -> Outcome:
+        """A row's answer from its generated ids (`finish`) and its rule: the log probabilities of its output
+        tokens, and under a constraint the error of an answer that ended before its grammar did (finish
+        reason "length", never "stop": a dead end commits a stop token to end the row)."""
+        text, n_out, reason = self.finish(ids, params.stop, prompt, params.stop_token_ids)
+        error = None
+        if rule is not None and rule.grammar is not None:
+            if rule.dead is not None:
+                reason, error = "length", f"structured_outputs: {rule.dead}"
+            elif reason != "stop":
+                error = (
+                    f"structured_outputs: the answer reached its {params.gen_length} tokens before its grammar was "
+                    "complete; raise max_tokens"
+                )
+        logprobs = None
+        if rule is not None and rule.record is not None:
+            logprobs = rule.record.entries(self.vocabulary(), n_out)
+        return Outcome(text, n_out, reason, logprobs, error)
 
     def decode_batch(
         self,
@@ -317,12 +379,13 @@ class Engine:
     ) -> list[Result]:
         reset_peak(self.device)
         t0 = time.perf_counter()
-        outs, nfe = self.decode_ids(encoded, params, seeds)
+        rules = [self.rule_for(params) for _ in encoded]
+        outs, nfe = self.decode_ids(encoded, params, seeds, rules=rules)
         wall = time.perf_counter() - t0
         peak = round(read_peak(self.device) / 2**20, 1)
         return [
-            self._result(prompt, ids_in, out, params, seed, nfe, wall, len(encoded), peak)
-            for prompt, ids_in, out, seed in zip(prompts, encoded, outs, seeds)
+            self._result(prompt, ids_in, out, params, seed, nfe, wall, len(encoded), peak, rule)
+            for prompt, ids_in, out, seed, rule in zip(prompts, encoded, outs, seeds, rules)
         ]
 
     def _result(
@@ -336,26 +399,29 @@ class Engine:
         wall: float,
         batch_size: int,
         peak_memory_mb: float,
+        rule: Rule | None = None,
     ) -> Result:
-        text, n_out, reason = self.finish(out, params.stop, ids_in, params.stop_token_ids)
+        answer = self.outcome(out, params, ids_in, rule)
         steps = params.steps_for(len(ids_in))
         return Result(
             prompt=prompt,
-            text=text,
-            finish_reason=reason,
+            text=answer.text,
+            finish_reason=answer.finish_reason,
             prompt_tokens=len(ids_in),
-            output_tokens=n_out,
+            output_tokens=answer.output_tokens,
             denoise_steps=sum(steps),
             steps_per_block=steps,
             nfe=nfe,
             wall_s=round(wall, 4),
-            tokens_per_s=round(n_out / wall, 2) if wall > 0 else 0.0,
+            tokens_per_s=round(answer.output_tokens / wall, 2) if wall > 0 else 0.0,
             batch_size=batch_size,
             device=str(self.device),
             dtype=str(self.dtype).replace("torch.", ""),
             seed=seed,
             peak_memory_mb=peak_memory_mb,
             settings={**params.report(), "seed": seed},
+            logprobs=answer.logprobs,
+            error=answer.error,
         )
 
     def decode_running(
@@ -529,6 +595,7 @@ class LiveRun:
         self.on_block: OnBlock | None = None  # (key, generated ids so far) as each row's block is committed
         self.before_round: Callable[[], None] | None = None  # called as each round begins (rows may be cancelled)
         self.refused: list[tuple[int, TooLarge]] = []  # rows over the memory budget alone, by key
+        self.rules: dict[int, Rule | None] = {}  # by key: each row's rule, fresh each time it is enqueued
         self.added = 0  # rows added in all (an answer's batch_size is the width, or fewer if fewer came)
 
     def accepts(self, params: GenerationParams) -> bool:
@@ -592,7 +659,8 @@ class LiveRun:
             row = self.rows[key].row
             if row.params.subword_min_p > 0:  # word pieces, once a row needs them
                 self.scheduler.use_word_pieces(self.engine._special(row.params).word_pieces)
-            requests.append(self.engine._request(key, row.ids, row.params, row.seed))
+            self.rules[key] = self.engine.rule_for(row.params)
+            requests.append(self.engine._request(key, row.ids, row.params, row.seed, self.rules[key]))
         self.scheduler.add(requests)
 
     def cancel(self, key: int) -> None:
@@ -600,6 +668,7 @@ class LiveRun:
         waiting leaves at once and never decodes; one in flight leaves its running set as the next round
         begins, its slot freed (`RunningSet.drop`). Call it from the thread that runs `answers`: between two
         answers, or from `before_round`, called as each round of the running set begins."""
+        self.rules.pop(key, None)
         if self.rows.pop(key, None) is not None and self.scheduler is not None:
             self.scheduler.drop([key])
 
@@ -627,7 +696,7 @@ class LiveRun:
                     wall = time.perf_counter() - t0
                     rows = min(self.width, self.added)  # the set's width, or fewer rows if fewer came
                     args = (row.prompt, row.ids, out, row.params, row.seed, forwards, wall, rows, peak)
-                    yield key, self.engine._result(*args)
+                    yield key, self.engine._result(*args, self.rules.pop(key, None))
                     while self.refused:  # rows added meanwhile over the budget alone
                         yield self.refused.pop(0)
                 if scheduler is self.scheduler:

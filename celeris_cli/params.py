@@ -854,6 +854,11 @@ class GenerationParams:
             self._check_canvases(name)
         if self.top_logprobs > 0 and not self.logprobs and "top_logprobs" in layer:
             raise UsageError(f"{name('top_logprobs')}: needs {name('logprobs')} on")
+        if self.structured_outputs is not None and self.part("editing").active and "structured_outputs" in layer:
+            raise UsageError(
+                f"{name('structured_outputs')} with {name('edit_threshold')}: token editing rewrites decided tokens, "
+                "which the grammar has already accepted; set edit_threshold to 1"
+            )
         if self.structured_outputs is not None and self.stop and {"stop", "structured_outputs"} & layer:
             raise UsageError(
                 f"{name('stop')} with {name('structured_outputs')}: a constrained answer ends where its grammar "

@@ -87,7 +87,10 @@ def test_every_strategy_declares_what_it_honours() -> None:
     assert set(KNOBS) - set(honoured("fast")) == dream | block | editing | rnd1 | draft | gemma  # the rest
     shaping = {"presence_penalty", "min_tokens", "subword_min_p"}
     fast_only = {"threshold", "cache", "confidence", "early_exit", "suffix_window"} | shaping
-    assert set(KNOBS) - set(honoured("reference")) == fast_only | dream | block | editing | rnd1 | draft | gemma
+    structure = {"structured_outputs", "logprobs", "top_logprobs"}  # the running sets' strategies and block
+    assert set(KNOBS) - set(honoured("reference")) == (
+        fast_only | dream | block | editing | rnd1 | draft | gemma | structure
+    )
     assert set(honoured("diffusion-gemma")) == {"gen_length", "block_length", "denoise_steps", "temperature"} | (
         block | gemma | set(PER_REQUEST)
     )
@@ -106,7 +109,7 @@ def test_every_strategy_declares_what_it_honours() -> None:
         assert set(honoured(strategy)) == {
             "gen_length", "block_length", "denoise_steps", "temperature", "min_p", "top_p", "top_k", "threshold",
             "remasking", "order_temperature", "cfg_scale",
-        } | shaping | block | editing | set(PER_REQUEST)  # fmt: skip
+        } | shaping | block | editing | structure | set(PER_REQUEST)  # fmt: skip
     sampling = {"temperature", "min_p", "top_p", "top_k"}
     assert set(honoured("ar")) == {"gen_length"} | sampling | set(PER_REQUEST)
     assert set(honoured("nemotron")) == {

@@ -36,7 +36,8 @@ import torch
 
 from ..arch.kv import KV, KVCache, LayerKV
 from ..params import Blocks, Commit, Editing, Guidance, Ordering, Sampling, Shaping, Structure
-from .predict import Places, StepLogits, choose, in_chunks
+from ..structured.commit import Rules, settle
+from .predict import Places, StepLogits, choose, in_chunks, sample_with_probability
 from .reference import commit_order, select_top_k
 from .sampling import Draws, RowNoise, shaper
 
@@ -138,6 +139,8 @@ def commit_step(
     answer: tuple[torch.Tensor | None, torch.Tensor] | None,
     stop: torch.Tensor,
     pieces: torch.Tensor | None = None,
+    rules: Rules | None = None,
+    offsets: list[int] | None = None,
 ) -> torch.Tensor:
     """The block (B, W) after one step, from its hidden states (B, W, d) in each view (the canvas, and
     under guidance the unconditional view): for each row b, its k[b] first-ranked masked positions, and
@@ -146,21 +149,31 @@ def commit_step(
     distribution (top-k, top-p and min-p renormalise it even at temperature 0, where they change only the
     threshold's decisions: LLaDA2's own generate returns the unfiltered probability there; filtering keeps
     these options meaningful, as Dream's generate does). The presence penalty and min_tokens shape the
-    logits first, from the rows' answers so far."""
+    logits first, from the rows' answers so far. `rules`: each row's constraint and log-probability record
+    (`structured.commit`; offsets[b]: the answer position of row b's first column), or None."""
     masked = block == mask_id
     t = plan.sampling.temperature
     shape = None if answer is None else shaper(plan.shaping, *answer, mask_id, stop, t, pieces)
     where = masked.nonzero() if shape else None
     logits = StepLogits(net.step_head(), [h[masked] for h in hs], plan.guidance.cfg_scale, shape, where)
     left = masked.sum(1)
-    x0, conf = choose(logits, Places.counted(left.tolist(), block.device), plan.sampling, None, draws, net.chunk)
+    places = Places.counted(left.tolist(), block.device)
+    x0, conf = choose(logits, places, plan.sampling, None, draws, net.chunk)
     confidence = torch.zeros(block.shape, device=block.device).masked_scatter(masked, conf.float())
     fade = left[:, None] / block.shape[1]  # the share of the block still masked
     rank = torch.where(masked, commit_order(confidence, plan.ordering, fade, draws), float("-inf"))
     chosen = select_top_k(rank, k) | (masked & (confidence > plan.commit.threshold))
     out = block.clone()
     out[masked] = torch.where(chosen[masked], x0, mask_id)
-    return out
+    if rules is None or all(r is None for r in rules):
+        return out
+    proposal = block.masked_scatter(masked, x0)
+
+    def one(scores: torch.Tensor, i: int) -> torch.Tensor:
+        return sample_with_probability(scores, plan.sampling, places[i : i + 1], draws)[0]
+
+    assert offsets is not None, "rules need each row's answer offset"
+    return settle(block, proposal, chosen, logits, one, rules, offsets, mask_id)
 
 
 def top_choice(net: BlockNet, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,31 +284,39 @@ def generate_block(
     noise: RowNoise,
     word_pieces: frozenset[int] = frozenset(),
     on_block: OnBlock | None = None,
+    rules: Rules | None = None,
 ) -> torch.Tensor:
     """LLaDA2's reference block decoding. prompt: (B, P) left-padded; returns (B, P + gen_length).
-    word_pieces: the tokenizer's pieces that continue a word (for subword_min_p)."""
+    word_pieces: the tokenizer's pieces that continue a word (for subword_min_p). rules: each row's
+    constraint and log-probability record (`structured.commit`); a row under a constraint takes steps past
+    its schedule, one token at least each, until its block is full (the others keep their own steps)."""
     cv = _canvas(prompt, prompt_mask, plan, mask_id)
     steps, ks = schedule(cv, prompt_mask.sum(1).tolist(), plan.blocks)
     stop = torch.tensor(sorted(stop_ids), device=prompt.device)
     pieces = torch.tensor(sorted(word_pieces), device=prompt.device, dtype=torch.long)
     views = _views(cv, plan)
     rows = torch.arange(prompt.shape[0], device=prompt.device)
+    constrained = torch.tensor([r is not None and r.constrained for r in rules or [None] * len(rows)], dtype=torch.bool)
     W = cv.width
     for j in range(cv.start_block, cv.num_blocks):
         s, e, g = j * W, (j + 1) * W, j - cv.start_block
         rows = rows[cv.end[rows] > s]  # a row whose blocks are all decoded has nothing left to do
         if plan.editing.active:
             _edit_block(net, cv, rows, j, steps[:, g], ks[:, g], plan, views, mask_id, noise, stop, pieces)
-        for i in range(int(steps[rows, g].max()) if rows.numel() and not plan.editing.active else 0):
-            if not (cv.x[rows, s:e] == mask_id).any():
+        scheduled = int(steps[rows, g].max()) if rows.numel() and not plan.editing.active else 0
+        for i in range(scheduled + (W if scheduled and constrained.any() else 0)):
+            live = rows if i < scheduled else rows[constrained[rows]]  # past the schedule: constrained rows
+            if not (cv.x[live, s:e] == mask_id).any():
                 break
-            mask = block_mask(cv.real[rows], 0, e, e, W)
-            hs = [net.hidden(v.ids(cv, rows, 0, e, mask_id), cv.pos[rows, :e], mask, keep_kv=False)[0] for v in views]
-            draws, answer = _noise(noise, cv, rows, j, i), _answer(cv, rows, s, e, mask_id, plan.shaping)
-            block = cv.x[rows, s:e]
-            k = ks[rows, g, i]
-            cv.x[rows, s:e] = commit_step(
-                block, [h[:, s:e] for h in hs], net, plan, k, mask_id, draws, answer, stop, pieces
+            mask = block_mask(cv.real[live], 0, e, e, W)
+            hs = [net.hidden(v.ids(cv, live, 0, e, mask_id), cv.pos[live, :e], mask, keep_kv=False)[0] for v in views]
+            draws, answer = _noise(noise, cv, live, j, i), _answer(cv, live, s, e, mask_id, plan.shaping)
+            block = cv.x[live, s:e]
+            k = ks[live, g, i] if i < ks.shape[2] else torch.ones_like(live)
+            row_rules = None if rules is None else [rules[b] for b in live.tolist()]
+            offsets = (s - cv.gen[live]).tolist()
+            cv.x[live, s:e] = commit_step(
+                block, [h[:, s:e] for h in hs], net, plan, k, mask_id, draws, answer, stop, pieces, row_rules, offsets
             )
         _committed(cv, rows, e, plan.blocks.gen_length, on_block)
         rows = rows[~finished(cv, rows, e, mask_id, stop)]
@@ -366,7 +387,8 @@ def generate_block_cached(
     word_pieces: frozenset[int] = frozenset(),
     on_block: OnBlock | None = None,
 ) -> torch.Tensor:
-    """Block decoding over an exact cache of committed blocks; rows leave at the step they finish."""
+    """Block decoding over an exact cache of committed blocks; rows leave at the step they finish. (Rows
+    under a constraint or recording log probabilities decode in the running set, `decode.running`.)"""
     cv = _canvas(prompt, prompt_mask, plan, mask_id)
     steps, ks = schedule(cv, prompt_mask.sum(1).tolist(), plan.blocks)
     stop = torch.tensor(sorted(stop_ids), device=prompt.device)

@@ -32,7 +32,8 @@ import torch
 
 from ..arch.kv import KV, KVCache, LayerKV
 from ..params import Guidance, Ordering, Parallel, Sampling, Schedule, Shaping, Structure
-from .predict import Places, StepLogits, choose
+from ..structured.commit import Rules, settle
+from .predict import Places, StepLogits, choose, sample_masked
 from .reference import commit_order, leave_when_finished, num_transfer_tokens, select_top_k, unconditional
 from .sampling import Draws, RowNoise, Shaper, shaper
 
@@ -175,12 +176,16 @@ def commit_step(
     mask_id: int,
     draws: Draws,
     shape: Shaper | None,
+    rules: Rules | None = None,
+    offsets: list[int] | None = None,
 ) -> torch.Tensor:
     """The fast decoder's step, for rows alone (`generate_fast`) and in the running set (`decode.waves`): the
     block (b, T) after one step, from the hidden states of its masked positions in each view (row order;
     under guidance the unconditional view too). Each row commits its k[b] (at least one) first-ranked masked
     positions, and every masked one whose confidence reaches the threshold (not under `sequential`
-    remasking, which commits in order). `shape`: the step's logit shaping (`sampling.shaper`), or None."""
+    remasking, which commits in order). `shape`: the step's logit shaping (`sampling.shaper`), or None.
+    `rules`: each row's constraint and log-probability record (`structured.commit`; offsets[b]: the answer
+    position of row b's first column), or None."""
     masked = block == mask_id  # (b, T): the only positions predicted
     where = masked.nonzero() if shape else None
     logits = StepLogits(net.step_head(), hs, plan.guidance.cfg_scale, shape, where)
@@ -196,4 +201,11 @@ def commit_step(
     commit = select_top_k(rank, k.clamp_min(1))  # at least one commit per row that still has masks
     if plan.ordering.remasking != "sequential":  # sequential commits in order: no threshold (even 1.0 >= 1)
         commit |= masked & (conf >= plan.parallel.threshold)
-    return torch.where(commit, proposal, block)
+    if rules is None or all(r is None for r in rules):
+        return torch.where(commit, proposal, block)
+
+    def one(scores: torch.Tensor, i: int) -> torch.Tensor:
+        return sample_masked(scores, plan.sampling, places[i : i + 1], draws)
+
+    assert offsets is not None, "rules need each row's answer offset"
+    return settle(block, proposal, commit, logits, one, rules, offsets, mask_id)

@@ -26,13 +26,14 @@ prefilled and stepped in the same round as its first, as `generate_block_cached`
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from ..arch.kv import KVCache
-from ..params import Blocks
+from ..params import Blocks, Structure
+from ..structured.commit import Rule
 from .block import BlockNet, BlockPlan, OnBlock, block_mask, commit_step, top_choice
 from .reference import finished_rows
 from .runset import Lane, RunningSet
@@ -47,6 +48,7 @@ class BlockRequest:
     prompt: list[int]
     plan: BlockPlan
     seed: int
+    rule: Rule | None = field(default=None, compare=False)  # its constraint and log probabilities, if any
 
     @property
     def gen_length(self) -> int:
@@ -172,7 +174,8 @@ class BlockScheduler(RunningSet[BlockRequest]):
         x = torch.full((end,), self.mask_id, dtype=torch.long, device=self.device)
         x[:P] = torch.tensor(req.prompt, device=self.device)
         transfers = [blocks.transfers(n, m) for n, m in zip(blocks.steps_for(P), blocks.masked(P))]
-        row = _Row(req, x, transfers, first=P // W, block=P // W, commit=replace(req.plan, blocks=_NO_BLOCKS))
+        commit = replace(req.plan, blocks=_NO_BLOCKS, structure=_NO_STRUCTURE)  # a row's rule comes with the row
+        row = _Row(req, x, transfers, first=P // W, block=P // W, commit=commit)
         views = [(self.lanes, x)]
         if row.guided:  # its unconditional view: a slot of the lane's shadow, the prompt masked
             views.append((self.shadows, row.unconditional(0, end, self.mask_id)))
@@ -237,8 +240,9 @@ class BlockScheduler(RunningSet[BlockRequest]):
                 # would never fill it, so it also ends after W more (the static decoder would loop on)
                 complete = not live or r.step >= steps + W + ed.max_post_edit_steps
                 finished = finished and complete  # an edit may still rewrite its stop token
-            else:
-                complete = full or r.step >= steps
+            else:  # a row under a constraint commits at least one token a step: its block ends full
+                constrained = r.req.rule is not None and r.req.rule.constrained
+                complete = full or (r.step >= steps and not constrained)
             if self.on_block is not None and (finished or complete):
                 self.on_block(r.req.key, r.x[r.gen : min(e, r.gen + r.req.plan.blocks.gen_length)].tolist())
             if finished or (complete and e >= len(r.x)):
@@ -274,7 +278,10 @@ class BlockScheduler(RunningSet[BlockRequest]):
         k = torch.tensor([_transfer(r) for r in rows], dtype=torch.long, device=self.device)
         draws = Draws([stream_seed(r.req.seed, r.block, r.step) for r in rows], self.device)
         answer = self._answer(rows, plan)
-        out = commit_step(block, hs, self.net, plan, k, self.mask_id, draws, answer, self.stop, self.pieces)
+        rules = [r.req.rule for r in rows]
+        offsets = [r.start - r.gen for r in rows]
+        args = (self.mask_id, draws, answer, self.stop, self.pieces, rules, offsets)
+        out = commit_step(block, hs, self.net, plan, k, *args)
         if plan.editing.active:  # LLaDA2.1: from the same forward, rewrite decided answer tokens the model doubts
             p, x0 = top_choice(self.net, hs[0])
             cols = torch.stack([torch.arange(r.start, r.start + W, device=self.device) for r in rows])
@@ -347,3 +354,4 @@ def _transfer(r: _Row) -> int:
 
 # commit_step reads every part of a plan but its blocks: rows group by the rest (their width apart)
 _NO_BLOCKS = Blocks(gen_length=0, block_length=0, block_steps=0, denoise_steps=0, steps_total=False)
+_NO_STRUCTURE = Structure(None, False, 0)

@@ -24,6 +24,7 @@ from ..arch.packed import PackedLayer
 from ..errors import UsageError
 from ..params import GenerationParams
 from ..strategy import STRATEGIES
+from ..structured.commit import Rules
 from .block import BlockPlan, OnBlock, generate_block, generate_block_cached
 from .diffusion_gemma import DiffusionGemmaPlan, generate_diffusion_gemma
 from .dream import DreamPlan, generate_dream
@@ -212,8 +213,11 @@ def _blocks(decode: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         tokens: SpecialTokens,
         noise: RowNoise,
         on_block: OnBlock | None = None,
+        rules: Rules | None = None,
     ) -> torch.Tensor:
         args = (tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces, on_block)
+        if rules is not None and any(r is not None for r in rules):
+            return decode(net, prompt, prompt_mask, _plan(BlockPlan, params), *args, rules=rules)
         return decode(net, prompt, prompt_mask, _plan(BlockPlan, params), *args)
 
     return run

@@ -38,6 +38,7 @@ import torch
 
 from ..arch.kv import DeferredKVCache, KVCache
 from ..arch.packed import Segment, packed_layers
+from ..structured.commit import Rule
 from .fast import FastPlan, commit_step
 from .reference import finished_rows, num_transfer_tokens
 from .runset import Lane, RunningSet
@@ -53,6 +54,7 @@ class FastRequest:
     prompt: list[int]
     plan: FastPlan
     seed: int
+    rule: Rule | None = field(default=None, compare=False)  # its constraint and log probabilities, if any
 
     @property
     def gen_length(self) -> int:
@@ -286,9 +288,12 @@ class WaveScheduler(RunningSet[FastRequest]):
                 t = plan.sampling.temperature
                 shape = shaper(plan.shaping, *self._answer(rows), self.mask_id, self.stop, t, self.pieces)
             draws = Draws([stream_seed(r.req.seed, r.block, r.step) for r in rows], self.device)
-            k = torch.stack([r.schedule[r.step] for r in rows])
+            # past its steps (a row under a constraint, its block not yet full) a row commits one token a step
+            k = torch.stack([r.schedule[r.step] if r.step < len(r.schedule) else r.schedule.new_ones(()) for r in rows])
             hidden = [torch.cat([p.hidden[v] for p in parts]) for v in rows[0].views]
-            new = commit_step(block, hidden, self.net, plan, k, self.mask_id, draws, shape)
+            rules = [r.req.rule for r in rows]
+            offsets = [r.span[0] - r.P for r in rows]
+            new = commit_step(block, hidden, self.net, plan, k, self.mask_id, draws, shape, rules, offsets)
             for r, row_block in zip(rows, new):
                 s, e = r.span
                 r.x[s:e] = row_block
@@ -314,7 +319,10 @@ class WaveScheduler(RunningSet[FastRequest]):
             s, e = r.span
             # a block ends with no masks left or after its steps (a model may predict the mask token itself,
             # which commits nothing; the static decoder's blocks end after their steps too)
-            complete = done or r.step >= r.steps or not bool((r.x[s:e] == self.mask_id).any())
+            # (a row under a constraint commits at least one token a step: its block ends full)
+            constrained = r.req.rule is not None and r.req.rule.constrained
+            over = r.step >= r.steps and not constrained
+            complete = done or over or not bool((r.x[s:e] == self.mask_id).any())
             if not complete:
                 if r.mode == "none":  # no cache to step against: its next step is a full forward again
                     yield r, "again"

@@ -1,0 +1,217 @@
+"""The grammar engine (llguidance) over a model's vocabulary: a constraint's canonical text (`spec`) compiled
+once per request, and per row a matcher that says which tokens may come next.
+
+Why llguidance: its masks are computed lazily over a token trie (tens of microseconds on the embedded
+models' 9,280 tokens; docs/benchmarks.md has the 150k-vocabulary figures beside xgrammar's), it compiles a
+JSON schema, a regular expression and a Lark grammar with no ahead-of-time step per vocabulary, and it takes
+any vocabulary as a list of byte strings, so every tokenizer Celeris loads (sentencepiece, tokenizer.json,
+Qwen2's BPE) works alike.
+
+A token's bytes are the text it adds to an answer (`Tokenizer.continuation`): sentencepiece's ▁ is a
+space, its byte pieces (<0x7B>) are their byte, byte-level BPE's Ġ-alphabet maps back to bytes; special
+tokens have none and are never allowed, except that every stop token is allowed wherever the grammar may
+end. Where two tokens spell the same bytes, the ordinary piece is preferred over the byte piece when the
+engine forces text (a JSON key, a closing quote).
+
+JSON is compiled compact, with no whitespace between its tokens (`JSON_OPTIONS`): unbounded whitespace
+would let a model spend its whole answer on blanks, and with none the grammar alone decides every key,
+quote and separator of a schema's fixed parts, which the commit rule then lays down without the model
+(`Grammar.forced`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..arch.tokenizer import Tokenizer
+from ..errors import UsageError
+from .spec import parse
+
+JSON_OPTIONS: Any = {"whitespace_flexible": False}
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table, inverted: the character byte-level BPE writes for each byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tok: Tokenizer) -> tuple[list[bytes], list[int]]:
+    """Each token's bytes (empty for special ones) and the special tokens' ids."""
+    backend: Any = tok.backend
+    size = backend.size()
+    sp = getattr(backend, "sp", None)
+    out: list[bytes] = []
+    special: list[int] = []
+    hf = getattr(backend, "tok", None)
+    added = {i for i, t in hf.get_added_tokens_decoder().items() if t.special} if hf is not None else set()
+    byte_level = hf is not None and sum(1 for i in range(min(size, 2000)) if "Ġ" in (backend.piece(i) or "")) > 20
+    for i in range(size):
+        piece = backend.piece(i) or ""
+        if sp is not None and (sp.is_control(i) or sp.is_unknown(i)) or i in added or i == tok.mask_id:
+            out.append(b"")
+            special.append(i)
+        elif sp is not None and sp.is_byte(i):
+            out.append(bytes([int(piece[3:5], 16)]))
+        elif sp is not None:
+            out.append(piece.replace("▁", " ").encode())
+        elif byte_level:
+            try:
+                out.append(bytes(BYTE_LEVEL[c] for c in piece))
+            except KeyError:  # an added, non-special token written as plain text
+                out.append(piece.encode())
+        else:  # a tokenizer.json of another kind (metaspace, WordPiece): its decoder's text for the token
+            text = backend.decode([i])
+            out.append((" " + text if piece.startswith("▁") and not text.startswith(" ") else text).encode())
+    return out, special
+
+
+class _Wrapper:
+    """What llguidance's TokenizerWrapper reads: the tokens' bytes and a tokenizer for text it forces
+    (greedy longest match over the tokens)."""
+
+    def __init__(self, tokens: list[bytes], special: list[int], eos: int, bos: int | None) -> None:
+        self.tokens, self.special_token_ids = tokens, special
+        self.eos_token_id, self.bos_token_id = eos, bos
+        index: dict[bytes, int] = {}
+        for i, b in enumerate(tokens):
+            if b:
+                index.setdefault(b, i)
+        self.index, self.longest = index, max((len(b) for b in index), default=1)
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        data = text.encode() if isinstance(text, str) else text
+        out, i = [], 0
+        while i < len(data):
+            for n in range(min(self.longest, len(data) - i), 0, -1):
+                t = self.index.get(data[i : i + n])
+                if t is not None:
+                    out.append(t)
+                    i += n
+                    break
+            else:
+                raise ValueError(f"byte {data[i]:#x} has no token")
+        return out
+
+
+class Vocabulary:
+    """A tokenizer as the grammar engine sees it, built once per tokenizer (`vocabulary`)."""
+
+    def __init__(self, tok: Tokenizer, rows: int) -> None:
+        import llguidance
+
+        tokens, special = token_bytes(tok)
+        sp = getattr(tok.backend, "sp", None)
+        wrapper = _Wrapper(tokens, special, tok.eos_id, tok.bos_id)
+        if sp is not None:  # prefer ordinary pieces to sentencepiece's byte pieces for forced text
+            for i, b in enumerate(tokens):
+                if b and not sp.is_byte(i) and len(b) == 1:
+                    wrapper.index[b] = i
+        self.tokens = tokens
+        self.tokens_of = wrapper  # text -> tokens, greedy longest match (what the engine forces text with)
+        self.size = len(tokens)
+        self.rows = rows  # the model's logits: at least the tokenizer's size
+        self.stop_ids = sorted(tok.stop_ids)
+        self.eos_id = tok.eos_id
+        self.llg = llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapper), n_vocab=self.size)
+
+    def text(self, i: int) -> str:
+        return self.tokens[i].decode("utf-8", errors="replace") if 0 <= i < self.size else ""
+
+
+@functools.lru_cache(maxsize=8)
+def vocabulary(tok: Tokenizer, rows: int) -> Vocabulary:
+    return Vocabulary(tok, rows)
+
+
+def grammar_of(spec_text: str) -> str:
+    """The engine's grammar for a canonical constraint (`spec.canonical`)."""
+    from llguidance import LLMatcher
+
+    kind, body = parse(spec_text)
+    if kind == "json":
+        return str(LLMatcher.grammar_from_json_schema(json.dumps(body), overrides=JSON_OPTIONS))
+    if kind == "json_object":
+        return str(LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=JSON_OPTIONS))
+    if kind == "regex":
+        return str(LLMatcher.grammar_from_regex(body))
+    if kind == "choice":
+        alternatives = " | ".join(json.dumps(c) for c in body)
+        return str(LLMatcher.grammar_from_lark(f"start: {alternatives}\n"))
+    return str(LLMatcher.grammar_from_lark(body))
+
+
+@functools.lru_cache(maxsize=256)
+def compiled(spec_text: str, vocab: Vocabulary) -> str:
+    """The grammar of a constraint, checked against the vocabulary: a constraint the engine cannot build
+    (a bad regex, a schema keyword it does not support, a Lark error) is the user's error, naming it."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = grammar_of(spec_text)
+    except ValueError as e:
+        raise UsageError(f"structured_outputs: {e}") from None
+    error = LLMatcher.validate_grammar(grammar, vocab.llg)
+    if error and not error.startswith("WARNING"):
+        raise UsageError(f"structured_outputs: the grammar engine cannot honour it: {error.strip()[:500]}")
+    return grammar
+
+
+class Grammar:
+    """One row's matcher: the answer's committed prefix consumed, and which tokens may come next."""
+
+    def __init__(self, spec_text: str, vocab: Vocabulary) -> None:
+        from llguidance import LLMatcher
+
+        self.vocab = vocab
+        self.matcher = LLMatcher(vocab.llg, compiled(spec_text, vocab), log_level=0)
+        if self.matcher.is_error():
+            raise UsageError(f"structured_outputs: {self.matcher.get_error()}")
+
+    def allowed(self, device: torch.device) -> torch.Tensor:
+        """(rows,) bool: the tokens that may come next; every stop token where the grammar may end."""
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8), bitorder="little")
+        out = torch.zeros(self.vocab.rows, dtype=torch.bool)
+        out[: self.vocab.size] = torch.from_numpy(bits[: self.vocab.size].astype(bool))
+        stops = torch.tensor(self.vocab.stop_ids, dtype=torch.long)
+        out[stops] = self.matcher.is_accepting()
+        return out.to(device)
+
+    def take(self, token: int) -> bool:
+        """Consume `token` if the grammar allows it here (a stop token where it may end); False leaves the
+        state unchanged."""
+        if token in self.vocab.stop_ids:
+            return bool(self.matcher.is_accepting())
+        return bool(self.matcher.try_consume_tokens([token]) == 1)
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar alone decides from here (the only way on: a key, a quote, a separator)."""
+        return list(self.matcher.compute_ff_tokens())
+
+    def error(self) -> str | None:
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+
+def check(spec_text: str | None, tok: Tokenizer, rows: int) -> None:
+    """A constraint the engine cannot build is refused before anything decodes (`compiled`)."""
+    if spec_text is not None:
+        compiled(spec_text, vocabulary(tok, rows))
+
+
+def texts(vocab: Vocabulary, ids: Sequence[int]) -> list[str]:
+    return [vocab.text(i) for i in ids]

@@ -1,0 +1,296 @@
+"""Structured output in the decoders (issue 45): answers under a constraint always parse and match, a dead end
+is never reported as "stop", the commit rule keeps a row's parallel commits only while the grammar accepts
+them, an answer is the same alone and beside other rows (rule 2), and log probabilities come one per output
+token from the distribution that committed it."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+
+from celeris_cli.engine import Engine, load_engine
+from celeris_cli.errors import UsageError
+from celeris_cli.structured.commit import Record, Rule, settle
+from celeris_cli.structured.grammar import Grammar
+from celeris_cli.structured.spec import canonical
+
+PROMPTS = [
+    "Extract the person as JSON: Ada Lovelace, 36, mathematician.",
+    "The quick brown fox",
+    "Bob is 7 and likes trains and boats.",
+    "床前明月光，",
+]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "job": {"enum": ["engineer", "poet", "mathematician"]},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 8}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "job", "tags", "address"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def block() -> Engine:
+    return load_engine("celeris-block", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Engine:
+    return load_engine("celeris-tiny", device="cpu", dtype="float32")
+
+
+def _valid(text: str, schema: dict[str, Any]) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("model", ["block", "tiny"])
+def test_every_stop_answer_under_a_schema_parses_and_validates(model: str, request: pytest.FixtureRequest) -> None:
+    engine: Engine = request.getfixturevalue(model)
+    params = engine.params({"structured_outputs": {"json": PERSON}, "gen_length": 128, "seed": 3})
+    results = engine.generate(PROMPTS * 2, params, batch_size=4, seeds=list(range(8)))
+    stops = [r for r in results if r.finish_reason == "stop"]
+    assert len(stops) >= 6, [(r.text, r.finish_reason, r.error) for r in results]
+    for r in results:
+        if r.finish_reason == "stop":
+            assert _valid(r.text, PERSON), r.text
+            assert r.error is None
+        else:
+            assert r.error is not None and "structured_outputs" in r.error
+
+
+def test_unconstrained_answers_of_the_same_requests_do_not_parse(block: Engine) -> None:
+    """The embedded model does not write valid JSON by itself: the constraint is what makes the answers valid."""
+    results = block.generate(PROMPTS * 2, block.params({"gen_length": 128}), batch_size=4, seeds=list(range(8)))
+    assert not any(_valid(r.text, PERSON) for r in results)
+
+
+def test_choice_and_regex_answers_always_match(block: Engine, tiny: Engine) -> None:
+    for engine in (block, tiny):
+        choice = engine.params({"structured_outputs": {"choice": ["yes", "no", "not sure"]}})
+        for r in engine.generate(PROMPTS, choice, seeds=[1, 2, 3, 4]):
+            assert r.finish_reason == "stop" and r.text in ("yes", "no", "not sure"), r.text
+        pattern = "[0-9]{3}-[a-z]{2,5}( [A-Z][a-z]{1,6})?"
+        regex = engine.params({"structured_outputs": {"regex": pattern}})
+        for r in engine.generate(PROMPTS, regex, seeds=[1, 2, 3, 4]):
+            assert r.finish_reason == "stop" and re.fullmatch(pattern, r.text), r.text
+
+
+def test_a_lark_grammar_and_json_object(block: Engine) -> None:
+    lark = 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]{1,3}/\n'
+    for r in block.generate(PROMPTS, block.params({"structured_outputs": {"grammar": lark}})):
+        assert r.finish_reason == "stop" and re.fullmatch(r"\([0-9]{1,3}(\+[0-9]{1,3})*\)", r.text), r.text
+    params = block.params({"response_format": {"type": "json_object"}, "gen_length": 96})
+    for r in block.generate(PROMPTS, params):
+        if r.finish_reason == "stop":
+            assert isinstance(json.loads(r.text), dict), r.text
+
+
+def test_the_static_block_strategy_is_constrained_too(block: Engine) -> None:
+    params = block.params({"strategy": "block", "structured_outputs": {"regex": "[0-9]{3}-[a-z]{2,5}"}})
+    for r in block.generate(PROMPTS, params, scheduling="static"):
+        assert r.finish_reason == "stop" and re.fullmatch("[0-9]{3}-[a-z]{2,5}", r.text), r.text
+
+
+@pytest.mark.parametrize("model", ["block", "tiny"])
+def test_an_answer_under_a_constraint_is_the_same_alone_and_beside_others(
+    model: str, request: pytest.FixtureRequest
+) -> None:
+    """Rule 2: constrained and free rows, different constraints, widths 1 and 4, in one running set."""
+    engine: Engine = request.getfixturevalue(model)
+    kinds = [
+        {"structured_outputs": {"json": PERSON}, "gen_length": 96},
+        {"gen_length": 96},
+        {"structured_outputs": {"regex": "[a-z]+( [a-z]+){2,4}"}, "gen_length": 96},
+        {"structured_outputs": {"json": PERSON}, "gen_length": 96, "logprobs": True, "top_logprobs": 2},
+    ]
+    params = [engine.params_for(p, engine.params(k)) for p, k in zip(PROMPTS, kinds)]
+    encoded = [engine.encode_prompt(p) for p in PROMPTS]
+    seeds = [5, 6, 7, 8]
+    together = engine.decode_running(PROMPTS, encoded, params, seeds, 4)
+    for i in range(4):
+        [alone] = engine.decode_running(PROMPTS[i : i + 1], encoded[i : i + 1], params[i : i + 1], seeds[i : i + 1], 1)
+        assert (alone.text, alone.finish_reason, alone.logprobs) == (
+            together[i].text,
+            together[i].finish_reason,
+            together[i].logprobs,
+        )
+
+
+def test_a_row_under_a_schema_commits_several_tokens_a_step(block: Engine) -> None:
+    """The schema's fixed parts are laid down with the model's picks: far fewer forwards than tokens."""
+    params = block.params({"structured_outputs": {"json": PERSON}, "gen_length": 128, "temperature": 0.0})
+    [r] = block.generate([PROMPTS[0]], params)
+    assert r.finish_reason == "stop"
+    assert r.nfe < 0.75 * r.output_tokens, (r.nfe, r.output_tokens)
+
+
+# -- the commit rule, on the step's own pieces ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Logits:
+    """A step's logits over its masked positions (row order), as `StepLogits` is called."""
+
+    rows: torch.Tensor
+    shape: None = None
+
+    def __call__(self, part: slice) -> torch.Tensor:
+        return self.rows[part]
+
+
+def _step(engine: Engine, spec: dict[str, Any], text: str, wanted: str, chosen: int) -> tuple[str, Rule]:
+    """One commit step of a row whose block is all masked: the model proposes `wanted`'s tokens in order, the
+    step chose the first `chosen` positions; returns the committed text."""
+    vocab = engine.vocabulary()
+    rule = Rule(Grammar(canonical("structured_outputs", spec), vocab), Record(2))
+    for t in vocab.tokens_of(text):
+        assert rule.grammar is not None and rule.grammar.take(t)
+    ids = vocab.tokens_of(wanted)
+    W, mask = len(ids) + 2, engine.tokenizer.mask_id
+    block_ = torch.full((1, W), mask)
+    proposal = block_.clone()
+    proposal[0, : len(ids)] = torch.tensor(ids)
+    logits = torch.full((W, vocab.rows), -5.0)
+    for c, t in enumerate(ids):
+        logits[c, t] = 5.0
+    picked = torch.zeros(1, W, dtype=torch.bool)
+    picked[0, :chosen] = True
+
+    def one(scores: torch.Tensor, i: int) -> torch.Tensor:
+        return scores.argmax(-1)
+
+    out = settle(block_, proposal, picked, _Logits(logits), one, [rule], [0], mask)
+    got = [int(t) for t in out[0] if int(t) != mask]
+    return "".join(vocab.text(t) for t in got), rule
+
+
+def test_the_chosen_positions_commit_in_order_while_the_grammar_accepts(block: Engine) -> None:
+    spec = {"regex": "[a-z]+-[0-9]+"}
+    n = len(block.vocabulary().tokens_of("ab-12"))
+    assert n >= 3
+    assert _step(block, spec, "", "ab-12", chosen=n)[0] == "ab-12"  # every chosen position, in order
+    first = block.vocabulary().text(block.vocabulary().tokens_of("ab-12")[0])
+    assert _step(block, spec, "", "ab-12", chosen=1)[0] == first  # the step chose one: the leftmost only
+    assert _step(block, spec, "", "a1-2", chosen=4)[0] == "a"  # "1" after a letter: nothing from it on
+
+
+def test_what_the_grammar_alone_decides_is_laid_down_without_the_model(block: Engine) -> None:
+    """After "{", a schema of one required key forces its key, quote and colon: they commit in the same step
+    even where the step chose only the leftmost position (the value's opening quote belongs to the value)."""
+    spec = {"json": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    text, _ = _step(block, spec, "", '{"city":"', chosen=1)
+    assert text in ('{"city":', '{"city":"')
+
+
+def test_the_leftmost_position_is_decided_under_the_mask(block: Engine) -> None:
+    """The model proposes a digit where the grammar wants a letter: the leftmost position takes the likeliest
+    allowed token instead, and the invalid proposal never commits."""
+    text, rule = _step(block, {"regex": "[a-z]+"}, "", "1abc", chosen=4)
+    assert re.fullmatch("[a-z]+", text), text
+    assert rule.record is not None and all(math.isfinite(v[1]) and v[1] <= 0 for v in rule.record.at.values())
+
+
+def test_a_dead_end_ends_the_answer_as_length_with_an_error(block: Engine) -> None:
+    class Stuck(Grammar):
+        def allowed(self, device: torch.device) -> torch.Tensor:
+            return torch.zeros(self.vocab.rows, dtype=torch.bool)
+
+    engine = block
+    params = engine.params({"structured_outputs": {"regex": "[a-z]+"}})
+    rule = Rule(Stuck(params.structured_outputs or "", engine.vocabulary()))
+    ids = engine.encode_prompt(PROMPTS[1])
+    outs, _ = engine.decode_ids([ids], params, rules=[rule])
+    answer = engine.outcome(outs[0], params, ids, rule)
+    assert answer.finish_reason == "length" and answer.error is not None and "dead end" in answer.error
+    assert answer.text == ""
+
+
+def test_an_answer_cut_by_its_length_is_length_with_an_error(block: Engine) -> None:
+    params = block.params({"structured_outputs": {"regex": "a{40}"}, "gen_length": 8, "block_length": 8})
+    [r] = block.generate([PROMPTS[1]], params)
+    assert r.finish_reason == "length" and r.error is not None and "8 tokens" in r.error
+    assert re.fullmatch("a*", r.text)
+
+
+def test_min_tokens_yields_to_the_grammar(block: Engine) -> None:
+    """A choice of one token cannot wait for min_tokens: the grammar's end wins over the shaping's ban."""
+    params = block.params({"structured_outputs": {"choice": ["no"]}, "min_tokens": 8})
+    [r] = block.generate(["The quick brown fox"], params)
+    assert (r.text, r.finish_reason) == ("no", "stop")
+
+
+# -- log probabilities ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [{}, {"structured_outputs": {"json": PERSON}, "gen_length": 128}])
+def test_logprobs_come_one_per_output_token_and_do_not_change_the_answer(block: Engine, extra: dict[str, Any]) -> None:
+    base = {"temperature": 0.0, **extra}
+    plain = block.generate(PROMPTS, block.params(base), seeds=[1, 2, 3, 4])
+    logged = block.generate(PROMPTS, block.params({**base, "logprobs": True, "top_logprobs": 3}), seeds=[1, 2, 3, 4])
+    vocab = block.vocabulary()
+    for a, b in zip(plain, logged):
+        assert (a.text, a.finish_reason) == (b.text, b.finish_reason)
+        assert a.logprobs is None and b.logprobs is not None
+        assert len(b.logprobs) == b.output_tokens
+        assert "".join(e["token"] for e in b.logprobs).strip() == b.text.strip()
+        for e in b.logprobs:
+            assert math.isfinite(e["logprob"]) and e["logprob"] <= 0
+            # three alternatives, or fewer where the constraint allows fewer tokens
+            assert len(e["top_logprobs"]) == 3 or (extra and 1 <= len(e["top_logprobs"]) < 3)
+            top = e["top_logprobs"][0]
+            assert top["logprob"] >= e["logprob"] - 1e-6
+            # greedy: the chosen token is the likeliest of the distribution it was committed from
+            assert top["token"] == e["token"] or math.isclose(top["logprob"], e["logprob"], abs_tol=1e-6)
+            assert bytes(e["bytes"]).decode("utf-8", "replace") == e["token"]
+    assert vocab.size > 0
+
+
+def test_top_logprobs_zero_gives_no_alternatives(block: Engine) -> None:
+    [r] = block.generate([PROMPTS[1]], block.params({"logprobs": True}))
+    assert r.logprobs is not None and all(e["top_logprobs"] == [] for e in r.logprobs)
+
+
+# -- refusals ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"strategy": "dream", "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+        ({"strategy": "reference", "logprobs": True}, "logprobs"),
+        ({"structured_outputs": {"regex": "a"}, "stop": ["x"]}, "stop"),
+        ({"structured_outputs": {"regex": "a"}, "edit_threshold": 0.5}, "edit_threshold"),
+        ({"structured_outputs": {"regex": "(a"}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "start: nothing_defined"}}, "structured_outputs"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}}}, "extra"),
+        ({"response_format": {"type": "text"}, "structured_outputs": {"regex": "a"}}, "response_format"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused_by_name(block: Engine, settings: dict[str, Any], named: str) -> None:
+    with pytest.raises(UsageError, match=named):
+        block.params(settings)
