@@ -37,6 +37,7 @@ from .params import GenerationParams, check_fits, model_layer, script_layers, sc
 from .strategy import STRATEGIES
 from .structured.commit import Record, Rule, Rules
 from .structured.grammar import Grammar, vocabulary
+from .structured.template import template_for
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +171,8 @@ class Engine:
         """A constraint the grammar engine cannot build (a bad regex, a schema keyword it lacks) is the
         user's error before anything decodes (`structured.grammar.compiled`)."""
         if params.structured_outputs is not None:
-            self.vocabulary()  # built once
             Grammar(params.structured_outputs, self.vocabulary())
+            template_for(params.structured_outputs, params.structured_layout, self.vocabulary(), params.gen_length)
 
     def vocabulary(self) -> Any:
         """The tokenizer as the grammar engine sees it (`structured.grammar.Vocabulary`), built once."""
@@ -182,8 +183,14 @@ class Engine:
         log-probability record; None when its request asks for neither."""
         if params.structured_outputs is None and not params.logprobs:
             return None
-        grammar = None if params.structured_outputs is None else Grammar(params.structured_outputs, self.vocabulary())
-        return Rule(grammar, Record(params.top_logprobs) if params.logprobs else None)
+        record = Record(params.top_logprobs) if params.logprobs else None
+        if params.structured_outputs is None:
+            return Rule(None, record)
+        spec, vocab = params.structured_outputs, self.vocabulary()
+        template = template_for(spec, params.structured_layout, vocab, params.gen_length)
+        if template is not None:  # its value slots carry their own grammars
+            return Rule(None, record, template)
+        return Rule(Grammar(spec, vocab), record)
 
     # -- token level -------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
@@ -313,9 +320,10 @@ class Engine:
         reason "length", never "stop": a dead end commits a stop token to end the row)."""
         text, n_out, reason = self.finish(ids, params.stop, prompt, params.stop_token_ids)
         error = None
-        if rule is not None and rule.grammar is not None:
-            if rule.dead is not None:
-                reason, error = "length", f"structured_outputs: {rule.dead}"
+        if rule is not None and rule.constrained:
+            unfinished = rule.unfinished()
+            if rule.dead is not None or unfinished is not None:
+                reason, error = "length", f"structured_outputs: {rule.dead or unfinished}"
             elif reason != "stop":
                 error = (
                     f"structured_outputs: the answer reached its {params.gen_length} tokens before its grammar was "

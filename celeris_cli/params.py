@@ -350,6 +350,15 @@ KNOBS: dict[str, Knob] = {
         "same setting. Nothing outside it is ever committed; a grammar that reaches a dead end ends the answer "
         "with finish_reason length and an error.",
     ),
+    "structured_layout": Knob(
+        str,
+        "left-to-right",
+        choices=("left-to-right", "template"),
+        help="How a constraint is decoded: left-to-right decides the leftmost open position under the grammar "
+        "each step, keeping the step's other picks while the grammar accepts them; template lays a fixed-shape "
+        "JSON schema's keys and punctuation into the canvas and denoises its values in parallel, each under its "
+        "own grammar (slower than left-to-right on the embedded models: docs/benchmarks.md).",
+    ),
     "logprobs": Knob(
         bool,
         False,
@@ -653,6 +662,7 @@ class Structure:
     and whether its tokens' log probabilities are recorded (with the top_logprobs likeliest at each)."""
 
     structured_outputs: str | None
+    structured_layout: str
     logprobs: bool
     top_logprobs: int
 
@@ -738,6 +748,7 @@ class GenerationParams:
     noise: str = KNOBS["noise"].default
     initial_canvases: tuple[tuple[int, ...], ...] = KNOBS["initial_canvases"].default
     structured_outputs: str | None = KNOBS["structured_outputs"].default
+    structured_layout: str = KNOBS["structured_layout"].default
     logprobs: bool = KNOBS["logprobs"].default
     top_logprobs: int = KNOBS["top_logprobs"].default
     seed: int = KNOBS["seed"].default
@@ -852,6 +863,8 @@ class GenerationParams:
             )
         if canvases:
             self._check_canvases(name)
+        if self.structured_layout == "template" and self.structured_outputs is None and "structured_layout" in layer:
+            raise UsageError(f"{name('structured_layout')}: needs a constraint (structured_outputs or response_format)")
         if self.top_logprobs > 0 and not self.logprobs and "top_logprobs" in layer:
             raise UsageError(f"{name('top_logprobs')}: needs {name('logprobs')} on")
         if self.structured_outputs is not None and self.part("editing").active and "structured_outputs" in layer:

@@ -253,6 +253,7 @@ def test_every_flag_of_the_fast_strategy_lands_in_the_settings_that_ran(tiny_mod
         "threshold": 0.8, "cache": "prefix", "confidence": "margin", "early_exit": False, "suffix_window": 4,
         "presence_penalty": 0.3, "min_tokens": 2, "subword_min_p": 0.4,
         "structured_outputs": '{"regex":"[a-z ]+"}', "logprobs": True, "top_logprobs": 2,
+        "structured_layout": "left-to-right",
     }  # fmt: skip
     assert set(given) == set(honoured("fast")) - set(PER_REQUEST)  # a new knob must be added here
     flags = [f"--{k.replace('_', '-')}" if v is not False else f"--no-{k.replace('_', '-')}" for k, v in given.items()]

@@ -48,8 +48,9 @@ CHANGES = {
     "seed": 1,
     "structured_outputs": {"regex": "[a-z ]+"},
 }
-# knobs that change what is reported about an answer, not its tokens (test_logprobs_report_each_output_token)
-REPORTS = ("logprobs", "top_logprobs")
+# knobs tested in tests/test_structured.py: logprobs and top_logprobs change what is reported about an answer,
+# not its tokens; structured_layout needs a constraint beside it
+REPORTS = ("logprobs", "top_logprobs", "structured_layout")
 
 
 def decode(engine: Engine, strategy: str, **changes: object) -> tuple[list[list[int]], int]:

@@ -87,7 +87,12 @@ def test_every_strategy_declares_what_it_honours() -> None:
     assert set(KNOBS) - set(honoured("fast")) == dream | block | editing | rnd1 | draft | gemma  # the rest
     shaping = {"presence_penalty", "min_tokens", "subword_min_p"}
     fast_only = {"threshold", "cache", "confidence", "early_exit", "suffix_window"} | shaping
-    structure = {"structured_outputs", "logprobs", "top_logprobs"}  # the running sets' strategies and block
+    structure = {
+        "structured_outputs",
+        "structured_layout",
+        "logprobs",
+        "top_logprobs",
+    }  # the running sets' strategies and block
     assert set(KNOBS) - set(honoured("reference")) == (
         fast_only | dream | block | editing | rnd1 | draft | gemma | structure
     )

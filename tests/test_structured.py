@@ -20,6 +20,7 @@ from celeris_cli.errors import UsageError
 from celeris_cli.structured.commit import Record, Rule, settle
 from celeris_cli.structured.grammar import Grammar
 from celeris_cli.structured.spec import canonical
+from celeris_cli.structured.template import shape
 
 PROMPTS = [
     "Extract the person as JSON: Ada Lovelace, 36, mathematician.",
@@ -292,5 +293,96 @@ def test_top_logprobs_zero_gives_no_alternatives(block: Engine) -> None:
     ],
 )
 def test_what_cannot_be_honoured_is_refused_by_name(block: Engine, settings: dict[str, Any], named: str) -> None:
+    with pytest.raises(UsageError, match=named):
+        block.params(settings)
+
+
+# -- template-pinned decoding -----------------------------------------------------------------------------
+
+FIXED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "job": {"enum": ["poet", "engineer", "mathematician"]},
+        "ok": {"type": "boolean"},
+        "point": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": -9, "maximum": 9},
+            "minItems": 2,
+            "maxItems": 2,
+        },
+        "home": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "job", "ok", "point", "home"],
+    "additionalProperties": False,
+}
+
+
+def test_which_schemas_have_a_fixed_shape() -> None:
+    parts = shape(FIXED)
+    assert parts is not None and parts[0] == '{"name":' and parts[-1] == "}}"
+    assert sum(isinstance(p, dict) for p in parts) == 7  # name, age, job, ok, two points, city
+    assert shape(PERSON) is None  # an array of unknown length, a string with a pattern
+    optional = {**FIXED, "required": ["name"]}
+    assert shape(optional) is None
+    assert shape({**FIXED, "additionalProperties": True}) is None
+    assert shape({"type": "integer", "minimum": 0}) is None  # unbounded
+    assert shape({"type": "string"}) is None
+
+
+@pytest.mark.parametrize("model", ["block", "tiny"])
+def test_template_answers_validate_with_their_keys_in_order(model: str, request: pytest.FixtureRequest) -> None:
+    engine: Engine = request.getfixturevalue(model)
+    params = engine.params({"structured_outputs": {"json": FIXED}, "structured_layout": "template", "gen_length": 128})
+    for r in engine.generate(PROMPTS, params, seeds=[1, 2, 3, 4]):
+        assert r.finish_reason == "stop", (r.text, r.error)
+        assert _valid(r.text, FIXED), r.text
+        assert list(json.loads(r.text)) == list(FIXED["properties"])
+        assert r.text.startswith('{"name":"')
+
+
+def test_structured_layout_changes_the_answer(block: Engine) -> None:
+    texts = {}
+    for layout in ("left-to-right", "template"):
+        params = block.params({"structured_outputs": {"json": FIXED}, "structured_layout": layout, "gen_length": 128})
+        [r] = block.generate([PROMPTS[0]], params)
+        assert _valid(r.text, FIXED)
+        texts[layout] = r.text
+    assert texts["left-to-right"] != texts["template"]
+    assert "  " in texts["template"] and "  " not in texts["left-to-right"]  # the slots' blanks
+
+
+def test_a_template_row_is_the_same_alone_and_beside_others(tiny: Engine) -> None:
+    kinds = [
+        {"structured_outputs": {"json": FIXED}, "structured_layout": "template", "gen_length": 128},
+        {"gen_length": 128},
+        {"structured_outputs": {"json": FIXED}, "structured_layout": "left-to-right", "gen_length": 128},
+        {"structured_outputs": {"json": FIXED}, "gen_length": 128, "logprobs": True},
+    ]
+    params = [tiny.params_for(p, tiny.params(k)) for p, k in zip(PROMPTS, kinds)]
+    encoded = [tiny.encode_prompt(p) for p in PROMPTS]
+    together = tiny.decode_running(PROMPTS, encoded, params, [1, 2, 3, 4], 4)
+    for i in range(4):
+        [alone] = tiny.decode_running(PROMPTS[i : i + 1], encoded[i : i + 1], params[i : i + 1], [i + 1], 1)
+        assert (alone.text, alone.logprobs) == (together[i].text, together[i].logprobs)
+    assert together[3].logprobs is not None and len(together[3].logprobs) == together[3].output_tokens
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"structured_outputs": {"json": PERSON}, "structured_layout": "template"}, "structured_layout"),
+        ({"structured_outputs": {"regex": "a+"}, "structured_layout": "template"}, "structured_layout"),
+        ({"structured_outputs": {"json": FIXED}, "structured_layout": "template", "gen_length": 32}, "gen_length"),
+        ({"structured_layout": "template"}, "structured_layout"),
+    ],
+)
+def test_a_template_that_cannot_be_laid_is_refused_by_name(block: Engine, settings: dict[str, Any], named: str) -> None:
     with pytest.raises(UsageError, match=named):
         block.params(settings)

@@ -53,7 +53,9 @@ class BlockPlan:
     commit: Commit
     shaping: Shaping
     editing: Editing = Editing(1.0, 0)  # the block strategy's alone (LLaDA2.1); off
-    structure: Structure = Structure(None, False, 0)  # the rows' rules come per row (`structured.commit`)
+    structure: Structure = Structure(
+        None, "left-to-right", False, 0
+    )  # the rows' rules come per row (`structured.commit`)
 
 
 # Called once a block is committed, for each row that decoded it: (row, the row's generated ids so far).
@@ -152,6 +154,8 @@ def commit_step(
     logits first, from the rows' answers so far. `rules`: each row's constraint and log-probability record
     (`structured.commit`; offsets[b]: the answer position of row b's first column), or None."""
     masked = block == mask_id
+    if not bool(masked.any()):  # nothing to decide (a template's fixed tokens fill the block)
+        return block.clone()
     t = plan.sampling.temperature
     shape = None if answer is None else shaper(plan.shaping, *answer, mask_id, stop, t, pieces)
     where = masked.nonzero() if shape else None
@@ -297,6 +301,9 @@ def generate_block(
     views = _views(cv, plan)
     rows = torch.arange(prompt.shape[0], device=prompt.device)
     constrained = torch.tensor([r is not None and r.constrained for r in rules or [None] * len(rows)], dtype=torch.bool)
+    for b, rule in enumerate(rules or []):
+        if rule is not None:  # a template's fixed tokens, into the row's canvas up to its end
+            rule.lay(cv.x[b, : int(cv.end[b])], int(cv.gen[b]))
     W = cv.width
     for j in range(cv.start_block, cv.num_blocks):
         s, e, g = j * W, (j + 1) * W, j - cv.start_block

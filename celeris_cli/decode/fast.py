@@ -48,7 +48,9 @@ class FastPlan:
     guidance: Guidance
     parallel: Parallel
     shaping: Shaping
-    structure: Structure = Structure(None, False, 0)  # the rows' rules come per row (`structured.commit`)
+    structure: Structure = Structure(
+        None, "left-to-right", False, 0
+    )  # the rows' rules come per row (`structured.commit`)
 
 
 class CachedNet(Protocol):
@@ -187,6 +189,8 @@ def commit_step(
     `rules`: each row's constraint and log-probability record (`structured.commit`; offsets[b]: the answer
     position of row b's first column), or None."""
     masked = block == mask_id  # (b, T): the only positions predicted
+    if not bool(masked.any()):  # nothing to decide (a template's fixed tokens fill the block)
+        return block.clone()
     where = masked.nonzero() if shape else None
     logits = StepLogits(net.step_head(), hs, plan.guidance.cfg_scale, shape, where)
     left = masked.sum(1)  # masked positions per row

@@ -173,6 +173,8 @@ class BlockScheduler(RunningSet[BlockRequest]):
         end = _end(req)
         x = torch.full((end,), self.mask_id, dtype=torch.long, device=self.device)
         x[:P] = torch.tensor(req.prompt, device=self.device)
+        if req.rule is not None:
+            req.rule.lay(x, P)  # a template's fixed tokens
         transfers = [blocks.transfers(n, m) for n, m in zip(blocks.steps_for(P), blocks.masked(P))]
         commit = replace(req.plan, blocks=_NO_BLOCKS, structure=_NO_STRUCTURE)  # a row's rule comes with the row
         row = _Row(req, x, transfers, first=P // W, block=P // W, commit=commit)
@@ -354,4 +356,4 @@ def _transfer(r: _Row) -> int:
 
 # commit_step reads every part of a plan but its blocks: rows group by the rest (their width apart)
 _NO_BLOCKS = Blocks(gen_length=0, block_length=0, block_steps=0, denoise_steps=0, steps_total=False)
-_NO_STRUCTURE = Structure(None, False, 0)
+_NO_STRUCTURE = Structure(None, "left-to-right", False, 0)

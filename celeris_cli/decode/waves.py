@@ -196,6 +196,8 @@ class WaveScheduler(RunningSet[FastRequest]):
         G = req.plan.schedule.gen_length
         x = torch.full((len(req.prompt) + G,), self.mask_id, dtype=torch.long, device=self.device)
         x[: len(req.prompt)] = torch.tensor(req.prompt, dtype=torch.long, device=self.device)
+        if req.rule is not None:
+            req.rule.lay(x, len(req.prompt))  # a template's fixed tokens
         return _Row(req, x, self.mask_id)
 
     # -- the forward -------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ A decoder's step proposes a token at every masked position of the block and pick
   greedy step takes the likeliest allowed token; where the unconstrained pick is allowed it is the same
   token, since restricting the candidates keeps a draw's order);
 - the positions after it commit too, in order, while each one either is one the grammar alone decides
-  (its only way on: a JSON key, a quote, a separator; `Grammar.forced`), laid down without the model, or
+  (its only way on: a JSON key, a quote, a separator, a template slot's blanks after its value;
+  `Grammar.forced`, `Grammar.filler`), laid down without the model, or
   is one the step chose whose proposed token extends the prefix the grammar accepts; the first that is
   neither, and every position after it, stay masked for a later step. So a row commits a prefix of its
   answer each step (at least one token), the parallel commits survive where the model's choices are
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from .grammar import Grammar, Vocabulary
+from .template import Template
 
 # decides one position as the step would, with its own draw: (logits (1, V), its flat index) -> token (1,)
 Chooser = Callable[[torch.Tensor, int], torch.Tensor]
@@ -68,12 +70,37 @@ class Rule:
 
     grammar: Grammar | None = None
     record: Record | None = None
+    template: Template | None = None  # template-pinned: fixed tokens laid down, value slots with their grammars
     dead: str | None = None
     ended: bool = False  # a stop token is committed: every later position takes one too
 
+    def __post_init__(self) -> None:
+        if self.template is not None and self.record is not None:  # the fixed tokens: no other choice
+            for pos, token in self.template.fixed.items():
+                self.record.at[pos] = (token, 0.0, [(token, 0.0)] if self.record.top else [])
+
     @property
     def constrained(self) -> bool:
-        return self.grammar is not None
+        return self.grammar is not None or self.template is not None
+
+    def lay(self, x: torch.Tensor, gen: int) -> None:
+        """A template's fixed tokens into a row's canvas `x` whose answer starts at `gen`, and the end of text
+        after it to the canvas's end."""
+        if self.template is None:
+            return
+        for pos, token in self.template.fixed.items():
+            if gen + pos < len(x):
+                x[gen + pos] = token
+        x[gen + self.template.length :] = self.template.fixed[self.template.length - 1]
+
+    def unfinished(self) -> str | None:
+        """Why a template's answer is not complete (a value slot whose grammar does not accept), if it is not."""
+        if self.template is None:
+            return None
+        for slot in self.template.slots:
+            if not slot.grammar.accepting():
+                return f"the value at tokens {slot.start}..{slot.end} of the template is not complete"
+        return None
 
 
 Rules = list[Rule | None]
@@ -103,7 +130,7 @@ def settle(
         cols = masked[b].nonzero().flatten().tolist()
         if not cols:
             continue
-        if rule.grammar is None:
+        if not rule.constrained:
             if rule.record is not None:
                 for c in cols:
                     if bool(chosen[b, c]):
@@ -117,16 +144,33 @@ def settle(
             continue
         out[b] = block[b]
         if rule.ended:  # its answer is over: the rest of its canvas is its end of text
-            out[b, cols] = rule.grammar.vocab.eos_id
+            out[b, cols] = _eos(rule)
             continue
-        _constrained(b, rule, cols, block, proposal, chosen, flat, logits, choose_one, offsets[b], out)
+        if rule.template is None:
+            assert rule.grammar is not None
+            _walk(b, rule, rule.grammar, cols, None, block, proposal, chosen, flat, logits, choose_one, offsets[b], out)
+            continue
+        for slot in rule.template.slots:  # every value slot at once, each left to right under its own grammar
+            mine = [c for c in cols if slot.start <= offsets[b] + c < slot.end]
+            if mine and not rule.ended:
+                last = slot.end - 1 - offsets[b]
+                _walk(b, rule, slot.grammar, mine, last, block, proposal, chosen, flat, logits, choose_one,
+                      offsets[b], out)  # fmt: skip
     return out
 
 
-def _constrained(
+def _eos(rule: Rule) -> int:
+    grammar = rule.grammar or (rule.template.slots[0].grammar if rule.template and rule.template.slots else None)
+    assert grammar is not None
+    return grammar.vocab.eos_id
+
+
+def _walk(
     b: int,
     rule: Rule,
+    grammar: Grammar,
     cols: list[int],
+    last: int | None,
     block: torch.Tensor,
     proposal: torch.Tensor,
     chosen: torch.Tensor,
@@ -136,22 +180,20 @@ def _constrained(
     offset: int,
     out: torch.Tensor,
 ) -> None:
-    """Row b's commits under its grammar (see above), written into out[b]."""
-    grammar = rule.grammar
-    assert grammar is not None
+    """Row b's commits under one grammar, over its masked columns `cols` in order (see above), written into
+    out[b]. `last`: the column of a template slot's last position, where only a token that completes the
+    value is taken."""
     vocab = grammar.vocab
     device = block.device
     c0 = cols[0]
     allowed = grammar.allowed(device)
     i0 = int(flat[b, c0])
-    scores = _masked(logits, i0, allowed)
-    if scores is None:
+    token, scores = _decide(grammar, logits, i0, allowed, choose_one, c0 == last)
+    if token is None:
         rule.dead = grammar.error() or "the grammar allows no token here (a dead end)"
         rule.ended = True
         out[b, c0] = vocab.eos_id
         return
-    token = int(choose_one(scores, i0))
-    grammar.take(token)
     out[b, c0] = token
     if rule.record is not None:
         _note(rule.record, scores, token, offset + c0)
@@ -162,7 +204,8 @@ def _constrained(
     for c in cols[1:]:
         if c != c0 + 1:
             break
-        forced = forced or grammar.forced()
+        filler = grammar.filler() if last is not None else None
+        forced = forced or ([filler] if filler is not None else grammar.forced())
         if forced:
             token = forced.pop(0)
         elif bool(chosen[b, c]):
@@ -173,16 +216,38 @@ def _constrained(
             here = grammar.allowed(device)
             if not bool(here[token]):
                 break
-            scores = _masked(logits, int(flat[b, c]), here)
-            assert scores is not None
-            _note(rule.record, scores, token, offset + c)
+            scores_c = _masked(logits, int(flat[b, c]), here)
+            assert scores_c is not None
+            _note(rule.record, scores_c, token, offset + c)
         if not grammar.take(token):
+            break
+        if c == last and not grammar.accepting():  # a slot's last token must complete its value
+            grammar.undo()
             break
         out[b, c] = token
         c0 = c
         if token in vocab.stop_ids:
             rule.ended = True
             break
+
+
+def _decide(
+    grammar: Grammar, logits: Any, i: int, allowed: torch.Tensor, choose_one: Chooser, last: bool
+) -> tuple[int | None, torch.Tensor]:
+    """The token of flat position i under the grammar's mask (consumed), and the masked logits; at a slot's
+    last position a token after which the value is complete (the next likeliest where one is not)."""
+    for _ in range(64 if last else 1):
+        scores = _masked(logits, i, allowed)
+        if scores is None:
+            break
+        token = int(choose_one(scores, i))
+        grammar.take(token)
+        if not last or grammar.accepting():
+            return token, scores
+        grammar.undo()
+        allowed = allowed.clone()
+        allowed[token] = False
+    return None, torch.empty(0)
 
 
 def _masked(logits: Any, i: int, allowed: torch.Tensor) -> torch.Tensor | None:

@@ -124,6 +124,7 @@ class Vocabulary:
                     wrapper.index[b] = i
         self.tokens = tokens
         self.tokens_of = wrapper  # text -> tokens, greedy longest match (what the engine forces text with)
+        self.blank = wrapper.index.get(b" ")  # one space: a template slot's filler after its value
         self.size = len(tokens)
         self.rows = rows  # the model's logits: at least the tokenizer's size
         self.stop_ids = sorted(tok.stop_ids)
@@ -175,29 +176,51 @@ def compiled(spec_text: str, vocab: Vocabulary) -> str:
 class Grammar:
     """One row's matcher: the answer's committed prefix consumed, and which tokens may come next."""
 
-    def __init__(self, spec_text: str, vocab: Vocabulary) -> None:
+    def __init__(self, spec_text: str, vocab: Vocabulary, slot: str | None = None) -> None:
+        """The grammar of a constraint (`spec.canonical`), or with `slot` that of one value slot of a template
+        (`structured.template`: a Lark grammar, which never ends the answer: no stop token is allowed)."""
         from llguidance import LLMatcher
 
         self.vocab = vocab
-        self.matcher = LLMatcher(vocab.llg, compiled(spec_text, vocab), log_level=0)
+        self.ends = slot is None
+        grammar = compiled(spec_text, vocab) if slot is None else str(LLMatcher.grammar_from_lark(slot))
+        self.matcher = LLMatcher(vocab.llg, grammar, log_level=0)
         if self.matcher.is_error():
             raise UsageError(f"structured_outputs: {self.matcher.get_error()}")
 
     def allowed(self, device: torch.device) -> torch.Tensor:
-        """(rows,) bool: the tokens that may come next; every stop token where the grammar may end."""
+        """(rows,) bool: the tokens that may come next; every stop token where the grammar may end the
+        answer."""
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8), bitorder="little")
         out = torch.zeros(self.vocab.rows, dtype=torch.bool)
         out[: self.vocab.size] = torch.from_numpy(bits[: self.vocab.size].astype(bool))
         stops = torch.tensor(self.vocab.stop_ids, dtype=torch.long)
-        out[stops] = self.matcher.is_accepting()
+        out[stops] = self.ends and self.matcher.is_accepting()
         return out.to(device)
 
     def take(self, token: int) -> bool:
         """Consume `token` if the grammar allows it here (a stop token where it may end); False leaves the
         state unchanged."""
         if token in self.vocab.stop_ids:
-            return bool(self.matcher.is_accepting())
+            return self.ends and bool(self.matcher.is_accepting())
         return bool(self.matcher.try_consume_tokens([token]) == 1)
+
+    def filler(self) -> int | None:
+        """A template slot's one-space token where its value is complete and nothing but blanks may follow
+        (the slot's rest is blanks: the grammar leaves no other choice)."""
+        blank = self.vocab.blank
+        if self.ends or blank is None or not self.matcher.is_accepting():
+            return None
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits[: self.vocab.size])
+        return blank if all(self.vocab.tokens[i].strip(b" ") == b"" for i in allowed) else None
+
+    def accepting(self) -> bool:
+        return bool(self.matcher.is_accepting())
+
+    def undo(self) -> None:
+        """Take back the last token consumed."""
+        self.matcher.rollback(1)
 
     def forced(self) -> list[int]:
         """The tokens the grammar alone decides from here (the only way on: a key, a quote, a separator)."""

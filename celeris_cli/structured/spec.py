@@ -8,8 +8,9 @@ Three spellings reach the one setting `structured_outputs` (`params.KNOBS`):
   {"grammar": "..."} (Lark, as llguidance takes it), {"json_object": true};
 - the command line's `--structured-outputs JSON`, `--json-schema FILE`, `--regex`, `--choice` (cli).
 
-The canonical value is compact JSON text with sorted keys of vLLM's form with one key, so that equal
-constraints are equal settings (rows share a batch key) and a result's settings show what ran. A key this
+The canonical value is compact JSON text of vLLM's form with one key, so that equal constraints are equal
+settings (rows share a batch key) and a result's settings show what ran. A schema's key order is kept: the
+answer's keys come in the order its properties are declared. A key this
 module does not know, inside either object, is an error naming it: a constraint is never half honoured.
 Sizes are bounded before anything is built from them (a schema of at most `MAX_SPEC_CHARS`).
 """
@@ -47,7 +48,7 @@ def canonical(key: str, value: Any) -> str | None:
     spec = _from_response_format(key, value) if key == "response_format" else _from_structured(key, value)
     if spec is None:
         return None
-    text = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    text = json.dumps(spec, separators=(",", ":"), ensure_ascii=False)  # key order kept: it is the answer's
     if len(text) > MAX_SPEC_CHARS:
         raise UsageError(f"{key}: at most {MAX_SPEC_CHARS} characters of constraint, got {len(text)}")
     return text
