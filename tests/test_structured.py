@@ -386,3 +386,18 @@ def test_a_template_row_is_the_same_alone_and_beside_others(tiny: Engine) -> Non
 def test_a_template_that_cannot_be_laid_is_refused_by_name(block: Engine, settings: dict[str, Any], named: str) -> None:
     with pytest.raises(UsageError, match=named):
         block.params(settings)
+
+
+def test_objects_that_say_nothing_of_other_keys_get_none(block: Engine) -> None:
+    """Without additionalProperties a schema allows any other key; the grammar closes such objects (a subset
+    of the same documents), so the model cannot spend its answer inventing keys."""
+    open_schema = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2,4}$", "maxLength": 6}},
+        "required": ["code"],
+    }
+    params = block.params({"structured_outputs": {"json": open_schema}, "gen_length": 128})
+    results = block.generate(PROMPTS, params, seeds=[1, 2, 3, 4])
+    assert all(r.finish_reason == "stop" for r in results), [r.text for r in results]
+    for r in results:
+        assert _valid(r.text, open_schema) and list(json.loads(r.text)) == ["code"], r.text

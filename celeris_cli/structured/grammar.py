@@ -146,7 +146,7 @@ def grammar_of(spec_text: str) -> str:
 
     kind, body = parse(spec_text)
     if kind == "json":
-        return str(LLMatcher.grammar_from_json_schema(json.dumps(body), overrides=JSON_OPTIONS))
+        return str(LLMatcher.grammar_from_json_schema(json.dumps(closed(body)), overrides=JSON_OPTIONS))
     if kind == "json_object":
         return str(LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=JSON_OPTIONS))
     if kind == "regex":
@@ -155,6 +155,28 @@ def grammar_of(spec_text: str) -> str:
         alternatives = " | ".join(json.dumps(c) for c in body)
         return str(LLMatcher.grammar_from_lark(f"start: {alternatives}\n"))
     return str(LLMatcher.grammar_from_lark(body))
+
+
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")  # name -> schema
+
+
+def closed(schema: Any) -> Any:
+    """The schema with every object that declares its properties and says nothing of others closed to others
+    (`additionalProperties: false`, as OpenAI's strict mode demands of every schema). An answer under it is
+    valid under the schema as given (it allows a subset of the same documents), and a model is not free to
+    invent keys until it runs out of tokens."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {
+        k: {name: closed(sub) for name, sub in v.items()} if k in _SCHEMA_MAPS and isinstance(v, dict) else closed(v)
+        for k, v in schema.items()
+    }
+    others = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
+    if isinstance(schema.get("properties"), dict) and not others & set(schema):
+        out["additionalProperties"] = False
+    return out
 
 
 @functools.lru_cache(maxsize=256)
