@@ -171,7 +171,11 @@ class Engine:
         """A constraint the grammar engine cannot build (a bad regex, a schema keyword it lacks) is the
         user's error before anything decodes (`structured.grammar.compiled`)."""
         if params.structured_outputs is not None:
-            Grammar(params.structured_outputs, self.vocabulary())
+            if not bool(Grammar(params.structured_outputs, self.vocabulary()).allowed(torch.device("cpu")).any()):
+                raise UsageError(
+                    "structured_outputs: this model's vocabulary has no token to begin an answer the constraint "
+                    "allows (no token spells the text it needs first)"
+                )
             template_for(params.structured_outputs, params.structured_layout, self.vocabulary(), params.gen_length)
 
     def vocabulary(self) -> Any:

@@ -896,6 +896,16 @@ class GenerationParams:
                 f"{name('deterministic')}: the diffusion-gemma strategy has no batch-invariant kernels yet; in "
                 "float32 its answers already agree alone and batched"
             )
+        if self.logprobs and "logprobs" in self.explicit:
+            raise UsageError(
+                f"{name('logprobs')}: the diffusion-gemma strategy keeps each canvas's argmax after its last step, "
+                "which no single step's distribution committed; use another strategy for log probabilities"
+            )
+        if self.structured_layout == "template" and "structured_layout" in self.explicit:
+            raise UsageError(
+                f"{name('structured_layout')} template: the diffusion-gemma strategy has no mask token to hold a "
+                "template's slots open; use left-to-right"
+            )
         canvases = -(-self.gen_length // self.block_length)
         if len(self.initial_canvases) > canvases:
             raise UsageError(

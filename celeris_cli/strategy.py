@@ -72,6 +72,10 @@ STRATEGIES: dict[str, Strategy] = {
     "ar": Strategy(("length", "sampling"), "ar", "per_token", None),
     "nemotron-spec": Strategy(("draft", "sampling"), "speculative", "per_token", None),
     "diffusion-gemma": Strategy(
-        ("blocks", "denoising", "noise", "stops"), "diffusion-gemma", "canvases", "canvas-vocab", uncapped=True
+        ("blocks", "denoising", "noise", "stops", "structure"),
+        "diffusion-gemma",
+        "canvases",
+        "canvas-vocab",
+        uncapped=True,
     ),
 }

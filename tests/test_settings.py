@@ -97,7 +97,7 @@ def test_every_strategy_declares_what_it_honours() -> None:
         fast_only | dream | block | editing | rnd1 | draft | gemma | structure
     )
     assert set(honoured("diffusion-gemma")) == {"gen_length", "block_length", "denoise_steps", "temperature"} | (
-        block | gemma | set(PER_REQUEST)
+        block | gemma | structure | set(PER_REQUEST)
     )
     assert set(honoured("rnd1")) == {"gen_length", "denoise_steps", "temperature", "top_p", "top_k"} | rnd1 | set(
         PER_REQUEST

@@ -401,3 +401,46 @@ def test_objects_that_say_nothing_of_other_keys_get_none(block: Engine) -> None:
     assert all(r.finish_reason == "stop" for r in results), [r.text for r in results]
     for r in results:
         assert _valid(r.text, open_schema) and list(json.loads(r.text)) == ["code"], r.text
+
+
+# -- DiffusionGemma's canvases ----------------------------------------------------------------------------
+
+GEMMA = "tests/data/diffusion_gemma/diffusion_gemma_tiny"
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Engine:
+    return load_engine(GEMMA, device="cpu", dtype="float32")
+
+
+def test_canvas_answers_match_and_are_the_same_alone_and_beside_others(gemma: Engine) -> None:
+    pattern = "the [a-z]{2,9} (cat|dog)"
+    prompts = ["hello there", "the cat", "a dog sat", "why"]
+    constrained = gemma.params({"structured_outputs": {"regex": pattern}, "gen_length": 32})
+    free = gemma.params({"gen_length": 32})
+    together = gemma.generate(prompts, constrained, seeds=[1, 2, 3, 4], batch_size=4)
+    for i, r in enumerate(together):
+        assert r.finish_reason == "stop" and re.fullmatch(pattern, r.text), r.text
+        [alone] = gemma.generate(prompts[i : i + 1], constrained, seeds=[i + 1])
+        assert alone.text == r.text
+    unconstrained = gemma.generate(prompts, free, seeds=[1, 2, 3, 4])
+    assert [r.text for r in unconstrained] != [r.text for r in together]
+    assert not any(re.fullmatch(pattern, r.text) for r in unconstrained)
+
+
+def test_a_constraint_the_vocabulary_cannot_spell_is_refused(gemma: Engine) -> None:
+    """The tiny DiffusionGemma vocabulary has no "{": no JSON object can begin."""
+    with pytest.raises(UsageError, match="no token"):
+        gemma.params({"structured_outputs": {"json_object": True}})
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"logprobs": True}, "logprobs"),
+        ({"structured_outputs": {"json": FIXED}, "structured_layout": "template"}, "structured_layout"),
+    ],
+)
+def test_what_the_canvas_strategy_cannot_honour_is_refused(gemma: Engine, settings: dict[str, Any], named: str) -> None:
+    with pytest.raises(UsageError, match=named):
+        gemma.params(settings)

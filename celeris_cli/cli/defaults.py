@@ -54,8 +54,8 @@ def knob_help(name: str, text: str) -> str:
         f"; {script} prompts: {_shown(layer[name])}" for script, layer in script_defaults().items() if name in layer
     )
     value = getattr(defaults, name)
-    if value == ():
-        return f"{lead}{text}"  # an empty list: nothing to show
+    if value == () or value is None:
+        return f"{lead}{text}"  # an empty list, or none (no constraint): nothing to show
     shown = _shown(value)
     if name == "denoise_steps" and "block_steps" in honoured(strategy) and not defaults.steps_total:
         shown, per_script = f"{defaults.block_steps} per block (--block-steps)", ""

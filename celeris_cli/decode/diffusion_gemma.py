@@ -15,6 +15,13 @@ tokens at a time, ceil(gen_length / block_length) canvases (the last one whole, 
 4. the canvas kept is the last *argmax* canvas; one causal pass over it appends it to the cache. An answer
    holding a stop id ends at that canvas: what follows its first stop id is the pad token.
 
+Under a constraint (`structured_outputs`, `structured.commit`'s rule on a canvas): a row's canvas holds a
+committed prefix that is never redrawn; each step its leftmost open position is sampled from the step's
+distribution under the grammar's mask (with the row's own uniform for that position), then the positions after
+it join the prefix, in order, while each is one the grammar alone decides or a kept (low-entropy) sample the
+grammar accepts. The canvas ends when the prefix fills it or holds a stop token, taking steps past its
+schedule if it must (at the last step's temperature); the prefix, not the argmax canvas, is what it keeps.
+
 Rows are independent (rule 2): a row's noise comes from its own stream, keyed by canvas and step (`RowNoise`),
 a finished canvas or answer is frozen while its batch mates go on, and left padding is masked with positions
 counted from a row's first token. `noise: torch` draws instead from torch's CPU generator seeded with the row's
@@ -32,7 +39,8 @@ import torch
 
 from ..arch.gemma4 import Mask
 from ..errors import UsageError
-from ..params import Blocks, CanvasNoise, Denoising, StopIds
+from ..params import Blocks, CanvasNoise, Denoising, StopIds, Structure
+from ..structured.commit import Rule, Rules, _note, _short
 from .sampling import RowNoise
 
 INIT, SAMPLE, RENOISE = 0, 1, 2  # the lanes of a row's stream (canvas start; each step's samples and redraws)
@@ -46,6 +54,7 @@ class DiffusionGemmaPlan:
     denoising: Denoising
     noise: CanvasNoise
     stops: StopIds
+    structure: Structure = Structure(None, "left-to-right", False, 0)  # rules come per row (`structured.commit`)
 
 
 class CanvasDraws:
@@ -155,20 +164,38 @@ def temperature(d: Denoising, cur: int, steps: int) -> torch.Tensor:
 
 
 def denoise_canvas(
-    ctx: Context, x: torch.Tensor, steps: int, d: Denoising, draws: CanvasDraws, j: int, done: torch.Tensor
+    ctx: Context,
+    x: torch.Tensor,
+    steps: int,
+    d: Denoising,
+    draws: CanvasDraws,
+    j: int,
+    done: torch.Tensor,
+    rules: Rules | None = None,
 ) -> torch.Tensor:
-    """One canvas's denoising loop over the canvases x (B, L) -> the argmax canvases. Rows already `done` (an
-    answer finished earlier) draw nothing and change nothing."""
+    """One canvas's denoising loop over the canvases x (B, L) -> the argmax canvases (under a constraint, the
+    committed canvas). Rows already `done` (an answer finished earlier) draw nothing and change nothing."""
     B, L = x.shape
     argmax, sc = x, None
     adaptive = d.confidence_threshold is not None
     history = torch.full((d.stability_threshold, B, L), -1, dtype=x.dtype, device=x.device)
     done, gone = done.clone(), done.clone()
     dtype = ctx.model.model.decoder.embed_tokens.weight.dtype
-    for i, cur in enumerate(range(steps, 0, -1)):
+    held = {
+        b: _Held(r, j * L) for b, r in enumerate(rules or []) if r is not None and r.constrained and not bool(done[b])
+    }
+    extra = L if held else 0  # a constrained row takes steps past the schedule until its canvas is full
+    for i in range(steps + extra):
+        cur = max(steps - i, 1)
+        if i >= steps:  # past the schedule: only the constrained rows still open go on
+            open_ = [b for b, h in held.items() if not h.closed(L)]
+            if not open_:
+                break
+            done = done | ~torch.isin(torch.arange(B, device=x.device), torch.tensor(open_, device=x.device))
         live = (~done).nonzero().flatten().tolist()
         at = (~done).nonzero().flatten()
-        scaled = ctx.denoise(x, sc) / temperature(d, cur, steps).to(x.device)
+        raw = ctx.denoise(x, sc)
+        scaled = raw / temperature(d, cur, steps).to(x.device)
         probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
         drawn = x.clone()
         drawn[at] = draws.sample(live, j, i + 1, probs[at])  # a finished row draws nothing (as alone)
@@ -179,6 +206,10 @@ def denoise_canvas(
         fresh = x.clone()
         fresh[at] = draws.tokens(live, j, i + 1, RENOISE, L)
         new_x = torch.where(keep, drawn, fresh)
+        for b, h in held.items():
+            if not bool(done[b]) and not h.closed(L):
+                h.step(b, scaled, probs, drawn, keep, draws, j, i + 1, raw)
+            new_x[b, : len(h.ids)] = torch.tensor(h.ids, dtype=x.dtype, device=x.device)
         if adaptive or bool(gone.any()):
             frozen = done[:, None]
             new_argmax = torch.where(frozen, argmax, new_argmax)
@@ -193,10 +224,79 @@ def denoise_canvas(
                 history = torch.roll(history, -1, 0)
                 history[-1] = new_argmax
             done |= stable & (entropy(scaled).mean(-1) < d.confidence_threshold)
+        for b, h in held.items():  # a constrained row is done when its canvas is committed, not when stable
+            done[b] = h.closed(L)
         x, argmax, sc = new_x, new_argmax, scaled.to(dtype)  # as its generate keeps them, in the weights' dtype
         if bool(done.all()):
             break
+    for b, h in held.items():
+        argmax[b] = torch.tensor(h.filled(L), dtype=x.dtype, device=x.device)
     return argmax
+
+
+class _Held:
+    """A constrained row's committed prefix of the canvas in hand (the module's docstring)."""
+
+    def __init__(self, rule: Rule, offset: int) -> None:
+        assert rule.grammar is not None, "a template needs a mask token: diffusion-gemma refuses it"
+        self.rule, self.grammar = rule, rule.grammar
+        self.ids: list[int] = []
+        self.offset = offset  # the answer position of the canvas's column 0
+
+    def closed(self, L: int) -> bool:
+        return len(self.ids) >= L or self.rule.ended
+
+    def filled(self, L: int) -> list[int]:
+        """The canvas kept: the prefix, and past an end of text the end of text again."""
+        eos = self.grammar.vocab.eos_id
+        return (self.ids + [eos] * L)[:L]
+
+    def step(
+        self,
+        b: int,
+        scaled: torch.Tensor,
+        probs: torch.Tensor,
+        drawn: torch.Tensor,
+        keep: torch.Tensor,
+        draws: CanvasDraws,
+        j: int,
+        i: int,
+        raw: torch.Tensor,
+    ) -> None:
+        """One step's commits: the leftmost open position under the mask, then the grammar's own tokens and
+        the kept samples it accepts, in order."""
+        c0, L, vocab = len(self.ids), scaled.shape[1], self.grammar.vocab
+        allowed = self.grammar.allowed(scaled.device)[: scaled.shape[-1]]
+        if not bool(allowed.any()):
+            why = _short(self.grammar.error())
+            self.rule.dead = "the grammar allows no token here (a dead end" + (f": {why})" if why else ")")
+            self.rule.ended = True
+            self.ids.append(vocab.eos_id)
+            return
+        masked = probs[b].clone()
+        masked[c0] = torch.where(allowed, masked[c0], 0.0)
+        if not bool(masked[c0].sum() > 0):  # every allowed token underflowed: the likeliest allowed one
+            best = scaled[b, c0].masked_fill(~allowed, -torch.inf).argmax()
+            masked[c0] = torch.zeros_like(masked[c0]).index_fill(0, best, 1.0)
+        token = int(draws.sample([b], j, i, masked[None])[0, c0])
+        self._take(token, raw[b, c0 : c0 + 1], allowed, c0)
+        forced: list[int] = []
+        while not self.closed(L):
+            c = len(self.ids)
+            forced = forced or self.grammar.forced()
+            token = forced.pop(0) if forced else int(drawn[b, c]) if bool(keep[b, c]) else -1
+            here = self.grammar.allowed(scaled.device)[: scaled.shape[-1]]
+            if token < 0 or not bool(here[token]):
+                return
+            self._take(token, raw[b, c : c + 1], here, c)
+
+    def _take(self, token: int, logits: torch.Tensor, allowed: torch.Tensor, c: int) -> None:
+        self.grammar.take(token)
+        self.ids.append(token)
+        if self.rule.record is not None:
+            _note(self.rule.record, logits.float().masked_fill(~allowed, -torch.inf), token, self.offset + c)
+        if token in self.grammar.vocab.stop_ids:
+            self.rule.ended = True
 
 
 @torch.no_grad()
@@ -208,9 +308,11 @@ def generate_diffusion_gemma(
     stop_ids: frozenset[int],
     pad_id: int,
     noise: RowNoise,
+    rules: Rules | None = None,
 ) -> torch.Tensor:
     """prompt (B, P) left-padded -> (B, P + canvases * block_length): every row's answer in whole canvases, the
-    positions after its first stop id holding the pad token."""
+    positions after its first stop id holding the pad token. rules: each row's constraint (`structured.commit`;
+    the module's docstring), or None."""
     B, P = prompt.shape
     L, V = plan.blocks.block_length, net.model.cfg.vocab_size
     pinned = plan.noise.initial_canvases
@@ -233,7 +335,7 @@ def generate_diffusion_gemma(
         x[rows] = draws.tokens(rows, j, 0, INIT, L)
         if j < len(pinned):
             x[:] = torch.tensor(pinned[j], device=prompt.device, dtype=prompt.dtype)
-        canvas = denoise_canvas(ctx, x, steps, plan.denoising, draws, j, finished)
+        canvas = denoise_canvas(ctx, x, steps, plan.denoising, draws, j, finished, rules)
         canvas[finished] = pad_id
         out[:, j * L : (j + 1) * L] = canvas
         hit = torch.isin(canvas, stop) & ~finished[:, None]

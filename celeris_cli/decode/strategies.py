@@ -246,9 +246,12 @@ def _diffusion_gemma(
     params: GenerationParams,
     tokens: SpecialTokens,
     noise: RowNoise,
+    on_block: OnBlock | None = None,
+    rules: Rules | None = None,
 ) -> torch.Tensor:
+    assert on_block is None, "diffusion-gemma streams no blocks"
     plan = _plan(DiffusionGemmaPlan, params)
-    return generate_diffusion_gemma(net, prompt, prompt_mask, plan, tokens.stop_ids, tokens.pad_id, noise)
+    return generate_diffusion_gemma(net, prompt, prompt_mask, plan, tokens.stop_ids, tokens.pad_id, noise, rules)
 
 
 @dataclass(frozen=True)

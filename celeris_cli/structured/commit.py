@@ -159,6 +159,11 @@ def settle(
     return out
 
 
+def _short(error: str | None) -> str | None:
+    """The grammar engine's error in a line (it may carry a whole parser state)."""
+    return None if error is None else error.strip().splitlines()[0][:300]
+
+
 def _eos(rule: Rule) -> int:
     grammar = rule.grammar or (rule.template.slots[0].grammar if rule.template and rule.template.slots else None)
     assert grammar is not None
@@ -190,7 +195,9 @@ def _walk(
     i0 = int(flat[b, c0])
     token, scores = _decide(grammar, logits, i0, allowed, choose_one, c0 == last)
     if token is None:
-        rule.dead = grammar.error() or "the grammar allows no token here (a dead end)"
+        rule.dead = "the grammar allows no token here (a dead end" + (
+            f": {_short(grammar.error())})" if grammar.error() else ")"
+        )
         rule.ended = True
         out[b, c0] = vocab.eos_id
         return

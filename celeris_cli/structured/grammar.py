@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from ..errors import UsageError
 from .spec import parse
 
 JSON_OPTIONS: Any = {"whitespace_flexible": False}
+BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -60,7 +62,9 @@ def token_bytes(tok: Tokenizer) -> tuple[list[bytes], list[int]]:
     special: list[int] = []
     hf = getattr(backend, "tok", None)
     added = {i for i, t in hf.get_added_tokens_decoder().items() if t.special} if hf is not None else set()
-    byte_level = hf is not None and sum(1 for i in range(min(size, 2000)) if "Ġ" in (backend.piece(i) or "")) > 20
+    sample = [backend.piece(i) or "" for i in range(0, size, max(1, size // 4000))]
+    byte_level = hf is not None and sum("Ġ" in p for p in sample) > len(sample) // 50
+    metaspace = hf is not None and not byte_level and sum("▁" in p for p in sample) > len(sample) // 50
     for i in range(size):
         piece = backend.piece(i) or ""
         if sp is not None and (sp.is_control(i) or sp.is_unknown(i)) or i in added or i == tok.mask_id:
@@ -75,9 +79,12 @@ def token_bytes(tok: Tokenizer) -> tuple[list[bytes], list[int]]:
                 out.append(bytes(BYTE_LEVEL[c] for c in piece))
             except KeyError:  # an added, non-special token written as plain text
                 out.append(piece.encode())
-        else:  # a tokenizer.json of another kind (metaspace, WordPiece): its decoder's text for the token
-            text = backend.decode([i])
-            out.append((" " + text if piece.startswith("▁") and not text.startswith(" ") else text).encode())
+        elif BYTE_PIECE.fullmatch(piece):  # byte fallback
+            out.append(bytes([int(piece[3:5], 16)]))
+        elif metaspace:  # ▁ is a space wherever it stands (a piece's end too: Gemma's "e▁")
+            out.append(piece.replace("▁", " ").encode())
+        else:  # another kind of tokenizer.json (WordPiece): its decoder's text for the token
+            out.append(backend.decode([i]).encode())
     return out, special
 
 
@@ -104,8 +111,8 @@ class _Wrapper:
                     out.append(t)
                     i += n
                     break
-            else:
-                raise ValueError(f"byte {data[i]:#x} has no token")
+            else:  # no token spells this byte: the grammar cannot be followed past it (a dead end there)
+                return out
         return out
 
 
