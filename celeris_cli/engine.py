@@ -37,7 +37,7 @@ from .params import GenerationParams, check_fits, model_layer, script_layers, sc
 from .strategy import STRATEGIES
 from .structured.commit import Record, Rule, Rules
 from .structured.grammar import Grammar, vocabulary
-from .structured.template import template_for
+from .structured.template import check_structure, template_for
 
 log = logging.getLogger(__name__)
 
@@ -169,14 +169,8 @@ class Engine:
 
     def check_structure(self, params: GenerationParams) -> None:
         """A constraint the grammar engine cannot build (a bad regex, a schema keyword it lacks) is the
-        user's error before anything decodes (`structured.grammar.compiled`)."""
-        if params.structured_outputs is not None:
-            if not bool(Grammar(params.structured_outputs, self.vocabulary()).allowed(torch.device("cpu")).any()):
-                raise UsageError(
-                    "structured_outputs: this model's vocabulary has no token to begin an answer the constraint "
-                    "allows (no token spells the text it needs first)"
-                )
-            template_for(params.structured_outputs, params.structured_layout, self.vocabulary(), params.gen_length)
+        user's error before anything decodes (`structured.template.check_structure`)."""
+        check_structure(params, self.vocabulary())
 
     def vocabulary(self) -> Any:
         """The tokenizer as the grammar engine sees it (`structured.grammar.Vocabulary`), built once."""

@@ -127,7 +127,7 @@ def test_the_answer_is_the_exact_continuation_of_the_prompt(
     if engine.tokenizer.decode(made[:1]) == "":  # sentencepiece's lone ▁ before a text without a space
         made = made[1:]
     assert engine.tokenizer.decode(head + made) == prompt + answer + ". And then"  # they spell the whole text
-    monkeypatch.setattr(engine, "decode_ids", lambda batch, params, seeds=None: ([made], 1))
+    monkeypatch.setattr(engine, "decode_ids", lambda batch, params, seeds=None, rules=None: ([made], 1))
     # static: the batch decoder is the boundary faked here; both schedulings cut text in Engine._result
     [r] = engine.generate([prompt], engine.params({"stop": list(stop)}), scheduling="static")
     assert r.text == (answer if stop else answer + ". And then")

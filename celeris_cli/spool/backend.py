@@ -42,13 +42,20 @@ class Preparer:
     without the weights loaded here."""
 
     def __init__(
-        self, tokenizer: Any, max_length: int, base: Any, arch: Any = None, by_script: dict | None = None
+        self,
+        tokenizer: Any,
+        max_length: int,
+        base: Any,
+        arch: Any = None,
+        by_script: dict | None = None,
+        rows: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.base = base  # GenerationParams: the config's `generation:` over the model's defaults
         self.arch = arch  # the model's architecture: which strategies it runs (None: any)
         self.by_script = by_script or {}  # the model's presets per script of the prompt, under the user's layers
+        self.rows = rows  # the model's logits (its embedding rows): a constraint is checked against them
 
     @classmethod
     def load(cls, model: str | None, generation: dict[str, Any]) -> Preparer:
@@ -66,7 +73,11 @@ class Preparer:
         _settings(lambda: folder.arch.check_strategy(base.strategy))
         if base.subword_min_p > 0:  # the daemon refuses it at startup, not batch by batch
             _settings(tokenizer.require_word_pieces)
-        return cls(tokenizer, folder.cfg.max_sequence_length, base, folder.arch, folder.by_script())
+        if base.structured_outputs is not None:
+            _settings(lambda: _check_structure(base, tokenizer, folder.cfg.rows))
+        return cls(
+            tokenizer, folder.cfg.max_sequence_length, base, folder.arch, folder.by_script(), folder.cfg.rows
+        )
 
     def prepare(self, request: Request) -> Prepared:
         params = self.base.with_(**request.params)
@@ -86,8 +97,17 @@ class Preparer:
         preset = self.by_script.get(script_of(text) or "")
         params = params.under(preset) if preset else params  # packed with the rows that run the same settings
         check_fits(len(ids), params.gen_length, self.max_length)
+        if params.structured_outputs is not None and self.rows is not None:
+            _check_structure(params, self.tokenizer, self.rows)
         # requests that differ only in their seed share a batch: each row draws from its own seed
         return Prepared(request, params.batch_key(), len(ids) + params.gen_length, (text, ids, params.seed))
+
+
+def _check_structure(params: Any, tokenizer: Any, rows: int) -> None:
+    from ..structured.grammar import vocabulary
+    from ..structured.template import check_structure
+
+    check_structure(params, vocabulary(tokenizer, rows))
 
 
 def _settings(build: Callable[[], Any]) -> Any:
@@ -118,8 +138,9 @@ class EngineBackend:
 
     def prepare(self, request: Request) -> Prepared:
         # built per request (cheap): measure.bench sets `engine` and `base` on a bare EngineBackend
+        engine = self.engine
         return Preparer(
-            self.engine.tokenizer, self.engine.max_length, self.base, self.engine.arch, self.engine.by_script
+            engine.tokenizer, engine.max_length, self.base, engine.arch, engine.by_script, engine.model.cfg.rows
         ).prepare(request)
 
     def run(self, batch: list[Prepared]) -> list[dict[str, Any]]:
@@ -135,10 +156,17 @@ class EngineBackend:
 
 
 def body_of(r: Any) -> dict[str, Any]:
-    """A response body: an engine `Result` as the queue writes it."""
+    """A response body: an engine `Result` as the queue writes it; `logprobs` (OpenAI chat's shape:
+    {"content": [...]}) where the request asked for them, `error` where a constrained answer ended unfinished."""
+    extra: dict[str, Any] = {}
+    if getattr(r, "logprobs", None) is not None:
+        extra["logprobs"] = {"content": r.logprobs}
+    if getattr(r, "error", None) is not None:
+        extra["error"] = r.error
     return {
         "text": r.text,
         "finish_reason": r.finish_reason,
+        **extra,
         "usage": {
             "prompt_tokens": r.prompt_tokens,
             "completion_tokens": r.output_tokens,

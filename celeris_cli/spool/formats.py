@@ -29,9 +29,11 @@ OPENAI_PARAMS = {
     "min_p": "min_p",
     "stop": "stop",
     "seed": "seed",
+    "top_logprobs": "top_logprobs",
 }
 # OpenAI body keys Celeris cannot honour, and the one value of each that asks for nothing
-UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": None, "stream": False, "best_of": 1}
+UNSUPPORTED = {"n": 1, "stream": False, "best_of": 1}
+LEGACY_TOP_LOGPROBS = 5  # the completions endpoint's integer `logprobs`: at most 5, as OpenAI's
 SAFE_ID = re.compile(r"^[^\x00-\x1f/\\]{1,256}$")
 
 
@@ -146,6 +148,16 @@ def parse_file(name: str, data: bytes, max_line_bytes: int) -> tuple[list[Reques
     return requests, errors
 
 
+def _logprobs(value: Any) -> dict[str, Any] | str:
+    """An OpenAI body's `logprobs` as settings: chat's boolean, or the completions endpoint's integer (the
+    number of likeliest tokens to list beside each chosen one, 0 to 5); a message for anything else."""
+    if isinstance(value, bool):
+        return {"logprobs": value}
+    if isinstance(value, int) and 0 <= value <= LEGACY_TOP_LOGPROBS:
+        return {"logprobs": True, "top_logprobs": value}
+    return f"logprobs={value!r}: give true/false (chat) or an integer from 0 to {LEGACY_TOP_LOGPROBS} (completions)"
+
+
 def _parse_txt(number: int, text: str) -> Request | LineError:
     prompt = text.strip()
     return Request(custom_id=f"line-{number}", line=number, prompt=prompt)
@@ -194,6 +206,15 @@ def _parse_jsonl(number: int, text: str) -> Request | LineError:
                     return LineError(
                         number, "bad_param", f"{key}={value!r} is not supported by celeris", obj, custom_id
                     )
+                continue
+            if key == "logprobs" and value is not None:
+                legacy = _logprobs(value)  # chat's true/false, or the completions endpoint's 0..5
+                if isinstance(legacy, str):
+                    return LineError(number, "bad_param", legacy, obj, custom_id)
+                if "top_logprobs" in legacy and body.get("top_logprobs") is not None:
+                    message = "give top_logprobs with logprobs: true, or an integer logprobs alone, not both"
+                    return LineError(number, "bad_param", message, obj, custom_id)
+                params.update(legacy)
                 continue
             if key in OPENAI_PARAMS:
                 if OPENAI_PARAMS[key] and value is not None:  # OpenAI's null means "the default"

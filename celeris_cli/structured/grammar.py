@@ -259,10 +259,14 @@ class Grammar:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
 
-def check(spec_text: str | None, tok: Tokenizer, rows: int) -> None:
-    """A constraint the engine cannot build is refused before anything decodes (`compiled`)."""
-    if spec_text is not None:
-        compiled(spec_text, vocabulary(tok, rows))
+def check(spec_text: str | None, vocab: Vocabulary) -> None:
+    """A constraint the engine cannot build (a bad regex, a schema keyword it lacks: `compiled`), or whose
+    answer no token of this vocabulary can begin, is the user's error before anything decodes."""
+    if spec_text is not None and not bool(Grammar(spec_text, vocab).allowed(torch.device("cpu")).any()):
+        raise UsageError(
+            "structured_outputs: this model's vocabulary has no token to begin an answer the constraint "
+            "allows (no token spells the text it needs first)"
+        )
 
 
 def texts(vocab: Vocabulary, ids: Sequence[int]) -> list[str]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UsageError
-from .grammar import Grammar, Vocabulary
+from .grammar import Grammar, Vocabulary, check
 from .spec import parse
 
 _SCALARS = {"boolean": 5, "null": 4}
@@ -161,3 +161,13 @@ def template_for(spec_text: str | None, layout: str, vocab: Vocabulary, gen_leng
             f"gen_length (max_tokens) {gen_length}"
         )
     return template
+
+
+def check_structure(params: Any, vocab: Vocabulary) -> None:
+    """A request's constraint (GenerationParams' `structured_outputs`, `structured_layout`, `gen_length`)
+    checked against a model's vocabulary before anything decodes: the grammar builds and can begin
+    (`grammar.check`), and a template, where one is asked for, fits (`template_for`). The engine and the
+    queue's Preparer (which has no weights) both call this."""
+    if params.structured_outputs is not None:
+        check(params.structured_outputs, vocab)
+        template_for(params.structured_outputs, params.structured_layout, vocab, params.gen_length)
