@@ -867,10 +867,25 @@ class GenerationParams:
             raise UsageError(f"{name('structured_layout')}: needs a constraint (structured_outputs or response_format)")
         if self.top_logprobs > 0 and not self.logprobs and "top_logprobs" in layer:
             raise UsageError(f"{name('top_logprobs')}: needs {name('logprobs')} on")
-        if self.structured_outputs is not None and self.part("editing").active and "structured_outputs" in layer:
+        editing = self.part("editing").active
+        if self.structured_outputs is not None and editing and {"structured_outputs", "edit_threshold"} & layer:
             raise UsageError(
                 f"{name('structured_outputs')} with {name('edit_threshold')}: token editing rewrites decided tokens, "
                 "which the grammar has already accepted; set edit_threshold to 1"
+            )
+        if self.logprobs and editing and {"logprobs", "edit_threshold"} & layer:
+            raise UsageError(
+                f"{name('logprobs')} with {name('edit_threshold')}: token editing replaces a token after the step "
+                "that committed it, whose log probability no longer belongs to the answer; set edit_threshold to 1"
+            )
+        if (
+            self.structured_outputs is not None
+            and self.stop_token_ids
+            and {"stop_token_ids", "structured_outputs"} & layer
+        ):
+            raise UsageError(
+                f"{name('stop_token_ids')} with {name('structured_outputs')}: a constrained answer ends where its "
+                "grammar ends, with the model's end of text; a stop token of the request's own could end it before"
             )
         if self.structured_outputs is not None and self.stop and {"stop", "structured_outputs"} & layer:
             raise UsageError(

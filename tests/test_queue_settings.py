@@ -63,7 +63,9 @@ def test_openai_sampling_keys_are_honoured_and_unsupported_ones_named(tmp_path: 
         line("topk", "床前明月光，", temperature=1.0, top_k=1, top_p=0.5, max_completion_tokens=12, user="u1"),
         line("greedy", "床前明月光，", temperature=0, max_tokens=12, metadata={"k": "v"}, stop=None),
         line("n2", "x", n=2),
-        line("lp", "x", logprobs=True),
+        line("lp", "x", logprobs=True, top_logprobs=2, max_tokens=12),
+        line("lp_legacy", "x", logprobs=3, max_tokens=12),  # the completions endpoint's integer form
+        line("lp_big", "x", logprobs=9),  # the integer form lists at most 5
         line("stream", "x", stream=True),
         line("big_seed", "x", seed=2**64),
         line("ctx", "x", context_len=3),
@@ -73,12 +75,17 @@ def test_openai_sampling_keys_are_honoured_and_unsupported_ones_named(tmp_path: 
     p = watch_once(config)
     assert p.returncode == 1, p.stderr
     got = {r["custom_id"]: r["response"]["body"] for r in outputs(tmp_path)["oa.jsonl.results.jsonl"]}
-    assert set(got) == {"topk", "greedy"}
+    assert set(got) == {"topk", "greedy", "lp", "lp_legacy"}
+    for key, top in (("lp", 2), ("lp_legacy", 3)):
+        entries = got[key]["logprobs"]["content"]
+        assert len(entries) == got[key]["usage"]["completion_tokens"] > 0
+        assert all(e["logprob"] <= 0 and len(e["top_logprobs"]) == top for e in entries)
+    assert "logprobs" not in got["topk"]
     s = got["topk"]["settings"]
     assert (s["top_k"], s["top_p"], s["gen_length"]) == (1, 0.5, 12)
     assert got["topk"]["text"] == got["greedy"]["text"]  # top-k 1 samples the argmax: greedy's answer
     fails = {f["custom_id"]: f for f in failures(tmp_path)}
-    assert set(fails) == {"n2", "lp", "stream", "big_seed", "ctx"}
+    assert set(fails) == {"n2", "lp_big", "stream", "big_seed", "ctx"}
     assert all(f["code"] == "bad_param" and f["retryable"] is False for f in fails.values())
     assert "n=2" in fails["n2"]["message"] and "seed" in fails["big_seed"]["message"]
     assert "context_len" in fails["ctx"]["message"]  # an unknown key, not a prompt that is too long
@@ -99,7 +106,7 @@ def test_a_stop_string_in_a_request_cuts_its_answer(tmp_path: Path, tiny_model: 
 def test_unsupported_openai_values_are_line_errors_and_their_neutral_values_pass() -> None:
     rows = [line("a", "x", n=1, logprobs=False, stream=False), line("b", "x", n=3), line("c", "x", n=True)]
     requests, errors = parse_file("f.jsonl", ("\n".join(rows) + "\n").encode(), 10_000)
-    assert [r.custom_id for r in requests] == ["a"] and requests[0].params == {}
+    assert [r.custom_id for r in requests] == ["a"] and requests[0].params == {"logprobs": False}
     assert [(e.custom_id, e.code) for e in errors] == [("b", "bad_param"), ("c", "bad_param")]
 
 

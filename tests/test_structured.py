@@ -15,12 +15,13 @@ import jsonschema
 import pytest
 import torch
 
+from celeris_cli.decode.block import step_share
 from celeris_cli.engine import Engine, load_engine
 from celeris_cli.errors import UsageError
 from celeris_cli.structured.commit import Record, Rule, settle
 from celeris_cli.structured.grammar import Grammar
 from celeris_cli.structured.spec import canonical
-from celeris_cli.structured.template import shape
+from celeris_cli.structured.template import _TooLong, shape
 
 PROMPTS = [
     "Extract the person as JSON: Ada Lovelace, 36, mathematician.",
@@ -141,6 +142,32 @@ def test_an_answer_under_a_constraint_is_the_same_alone_and_beside_others(
         )
 
 
+def test_a_static_block_row_is_the_same_alone_and_beside_rows_of_other_schedules(block: Engine) -> None:
+    """Rule 2 in the static block decoder: prompts of different lengths have different steps in their first
+    block; a constrained row past its own steps commits as it does alone, whatever its batch mates' steps."""
+    prompts = ["Hi", "Extract the person as JSON: Ada", "Bob is 7 a"]
+    params = block.params(
+        {"strategy": "block", "structured_outputs": {"json": PERSON}, "gen_length": 96, "denoise_steps": 96}
+    )
+    assert len({tuple(params.steps_for(len(block.encode_prompt(p)))) for p in prompts}) > 1
+    together = block.generate(prompts, params, seeds=[3, 4, 5], scheduling="static")
+    for i, r in enumerate(together):
+        [alone] = block.generate(prompts[i : i + 1], params, seeds=[3 + i], scheduling="static")
+        assert (alone.text, alone.finish_reason) == (r.text, r.finish_reason)
+
+
+def test_a_static_row_past_its_steps_commits_as_alone_whatever_its_mates_schedules() -> None:
+    """The static block decoder's share per step (`step_share`): a row of 2 steps in a block beside a row of
+    5 commits one token a step from its third step on, as it does alone (its schedule is padded with zeros
+    to the widest row's steps; a zero would make a constrained row's answer depend on its batch mates)."""
+    alone_ks, alone_steps = torch.tensor([[[3, 5]]]), torch.tensor([[2]])
+    batch_ks, batch_steps = torch.tensor([[[3, 5, 0, 0, 0]], [[1, 2, 2, 2, 1]]]), torch.tensor([[2], [5]])
+    for i in range(9):
+        alone = step_share(alone_ks, alone_steps, torch.tensor([0]), 0, i)
+        beside = step_share(batch_ks, batch_steps, torch.tensor([0, 1]), 0, i)
+        assert alone.tolist() == beside[:1].tolist() == ([3, 5] + [1] * 7)[i : i + 1]
+
+
 def test_a_row_under_a_schema_commits_several_tokens_a_step(block: Engine) -> None:
     """The schema's fixed parts are laid down with the model's picks: far fewer forwards than tokens."""
     params = block.params({"structured_outputs": {"json": PERSON}, "gen_length": 128, "temperature": 0.0})
@@ -257,7 +284,7 @@ def test_logprobs_come_one_per_output_token_and_do_not_change_the_answer(block: 
         assert (a.text, a.finish_reason) == (b.text, b.finish_reason)
         assert a.logprobs is None and b.logprobs is not None
         assert len(b.logprobs) == b.output_tokens
-        assert "".join(e["token"] for e in b.logprobs).strip() == b.text.strip()
+        assert "".join(e["token"] for e in b.logprobs) == b.text
         for e in b.logprobs:
             assert math.isfinite(e["logprob"]) and e["logprob"] <= 0
             # three alternatives, or fewer where the constraint allows fewer tokens
@@ -290,11 +317,23 @@ def test_top_logprobs_zero_gives_no_alternatives(block: Engine) -> None:
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "extra": 1}}}, "extra"),
         ({"response_format": {"type": "text"}, "structured_outputs": {"regex": "a"}}, "response_format"),
         ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "edit_threshold": 0.5}, "edit_threshold"),
+        ({"structured_outputs": {"regex": "a"}, "stop_token_ids": [5]}, "stop_token_ids"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused_by_name(block: Engine, settings: dict[str, Any], named: str) -> None:
     with pytest.raises(UsageError, match=named):
         block.params(settings)
+
+
+def test_editing_given_after_the_constraint_is_refused_too(block: Engine) -> None:
+    """A layer that turns editing on under a constraint another layer set (a request over a config's
+    `generation:`) is refused as the same settings in one layer are."""
+    params = block.params({"structured_outputs": {"regex": "a"}})
+    with pytest.raises(UsageError, match="edit_threshold"):
+        params.with_(edit_threshold=0.5)
+    with pytest.raises(UsageError, match="stop_token_ids"):
+        params.with_(stop_token_ids=[5])
 
 
 # -- template-pinned decoding -----------------------------------------------------------------------------
@@ -325,15 +364,15 @@ FIXED = {
 
 
 def test_which_schemas_have_a_fixed_shape() -> None:
-    parts = shape(FIXED)
+    parts = shape(FIXED, 10**6)
     assert parts is not None and parts[0] == '{"name":' and parts[-1] == "}}"
     assert sum(isinstance(p, dict) for p in parts) == 7  # name, age, job, ok, two points, city
-    assert shape(PERSON) is None  # an array of unknown length, a string with a pattern
+    assert shape(PERSON, 10**6) is None  # an array of unknown length, a string with a pattern
     optional = {**FIXED, "required": ["name"]}
-    assert shape(optional) is None
-    assert shape({**FIXED, "additionalProperties": True}) is None
-    assert shape({"type": "integer", "minimum": 0}) is None  # unbounded
-    assert shape({"type": "string"}) is None
+    assert shape(optional, 10**6) is None
+    assert shape({**FIXED, "additionalProperties": True}, 10**6) is None
+    assert shape({"type": "integer", "minimum": 0}, 10**6) is None  # unbounded
+    assert shape({"type": "string"}, 10**6) is None
 
 
 @pytest.mark.parametrize("model", ["block", "tiny"])
@@ -372,6 +411,23 @@ def test_a_template_row_is_the_same_alone_and_beside_others(tiny: Engine) -> Non
         [alone] = tiny.decode_running(PROMPTS[i : i + 1], encoded[i : i + 1], params[i : i + 1], [i + 1], 1)
         assert (alone.text, alone.logprobs) == (together[i].text, together[i].logprobs)
     assert together[3].logprobs is not None and len(together[3].logprobs) == together[3].output_tokens
+
+
+def _cube(n: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "boolean"}
+    for _ in range(3):
+        schema = {"type": "array", "items": schema, "minItems": n, "maxItems": n}
+    return schema
+
+
+def test_a_template_is_sized_by_arithmetic_before_it_is_laid_out(block: Engine) -> None:
+    """Rule 5: a 1000 x 1000 x 1000 array (a few dozen bytes of schema) is refused by its size, never expanded."""
+    with pytest.raises(_TooLong):
+        shape(_cube(40), 64)  # 64,000 leaves: expanding them would return a list, not raise
+    assert shape(_cube(2), 64) is not None
+    settings = {"structured_outputs": {"json": _cube(1000)}, "structured_layout": "template"}
+    with pytest.raises(UsageError, match="gen_length"):
+        block.params(settings)
 
 
 @pytest.mark.parametrize(
@@ -426,6 +482,15 @@ def test_canvas_answers_match_and_are_the_same_alone_and_beside_others(gemma: En
     unconstrained = gemma.generate(prompts, free, seeds=[1, 2, 3, 4])
     assert [r.text for r in unconstrained] != [r.text for r in together]
     assert not any(re.fullmatch(pattern, r.text) for r in unconstrained)
+
+
+def test_a_real_dead_end_ends_the_answer_as_length_with_an_error(gemma: Engine) -> None:
+    """The tiny DiffusionGemma vocabulary has no "{": an answer that must go on with one after its first
+    letters is stuck there, and ends as length with the error, the valid prefix as its text."""
+    params = gemma.params({"structured_outputs": {"regex": "the [{]"}, "gen_length": 16})
+    for r in gemma.generate(["hello there", "why"], params, seeds=[1, 2]):
+        assert r.finish_reason == "length" and r.error is not None and "structured_outputs" in r.error, r
+        assert "the ".startswith(r.text) or r.text == "the ", r.text
 
 
 def test_a_constraint_the_vocabulary_cannot_spell_is_refused(gemma: Engine) -> None:

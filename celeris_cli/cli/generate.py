@@ -10,6 +10,7 @@ import typer
 from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CelerisError, UsageError
 from .answering import prepare, run
 from .app import MAX_MEMORY_HELP, QUANTIZE_HELP, DeviceOpt, DtypeOpt, QuantizeOpt, app, choice, fail
+from .constraint import choice_option, json_schema_option, regex_option, with_constraint
 from .knobs import given, with_knob_options
 from .output import Format, Sink
 from .prompts import gather
@@ -55,6 +56,9 @@ def generate(
         "--strict",
         help="Any bad --file line fails the whole run (exit 2) before it starts.",
     ),
+    json_schema: Path = json_schema_option(),
+    regex: str = regex_option(),
+    choices: list[str] = choice_option(),
     knobs: dict[str, Any] | None = None,  # the generation settings' options, by flag (with_knob_options)
 ) -> None:
     """Answer prompts given as arguments, with --prompt, in a --file, or piped on stdin.
@@ -70,7 +74,7 @@ def generate(
 
             parse_size(max_memory)
         prompts, bad = gather(list(args or []), list(prompt or []), file)
-        overrides = given(knobs or {})
+        overrides = given(with_constraint(knobs or {}, json_schema, regex, choices))
         from ..engine import load_engine
 
         engine = load_engine(model, device.value, dtype.value, quantize=quantize.value, max_memory=max_memory)

@@ -25,14 +25,33 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _option(name: str, knob: Knob) -> inspect.Parameter:
-    """The Typer parameter of one knob: text in (checked by `params`), a flag pair for a bool, repeatable
-    for a list; no default of its own (an option left out is not a setting)."""
+def _own_alias(alias: str) -> bool:
+    """An alias whose values are spelled differently from its knob's (`--response-format` takes OpenAI's
+    object, `--structured-outputs` vLLM's): an option of its own, so each value is read under its flag."""
+    return KNOBS[ALIASES[alias]].convert is not None
+
+
+def _option(name: str, knob: Knob, alias: str | None = None) -> inspect.Parameter:
+    """The Typer parameter of one knob (or of an alias with its own spelling, `_own_alias`): text in (checked
+    by `params`), a flag pair for a bool, repeatable for a list; no default of its own (an option left out
+    is not a setting)."""
     text = knob_help(name, knob.help)
+    if alias is not None:
+        info = typer.Option(
+            None,
+            flag(alias),
+            metavar=knob.metavar,
+            help=f"The same setting as {flag(name)}, "
+            'in OpenAI\'s spelling: {"type": "json_schema", "json_schema": {"name", "schema"}} '
+            'or {"type": "json_object"}.',
+            show_default=False,
+        )
+        return inspect.Parameter(alias, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=str)
     if knob.kind is bool:
         info, kind = typer.Option(None, f"{flag(name)}/--no-{flag(name)[2:]}", help=text), bool
     else:
-        decls = [flag(name), *(flag(a) for a, n in ALIASES.items() if n == name), *([knob.short] if knob.short else [])]
+        aliases = [flag(a) for a, n in ALIASES.items() if n == name and not _own_alias(a)]
+        decls = [flag(name), *aliases, *([knob.short] if knob.short else [])]
         metavar = "<" + "|".join(knob.choices) + ">" if knob.choices else knob.metavar or _METAVAR[knob.kind]
         info = typer.Option(None, *decls, metavar=metavar, help=text, show_default=False)
         kind = list[str] if knob.kind is tuple and knob.text is None else str  # type: ignore[assignment]
@@ -46,11 +65,14 @@ def with_knob_options(command: Callable[..., Any]) -> Callable[..., Any]:
     sig = inspect.signature(command, eval_str=True)
     own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in sig.parameters.values() if p.name != "knobs"]
     at = next((i + 1 for i, p in enumerate(own) if p.name == "model"), len(own))
-    params = own[:at] + [_option(name, knob) for name, knob in KNOBS.items()] + own[at:]
+    spelled = [a for a in ALIASES if _own_alias(a)]
+    knob_options = [_option(name, knob) for name, knob in KNOBS.items()]
+    knob_options += [_option(ALIASES[a], KNOBS[ALIASES[a]], a) for a in spelled]
+    params = own[:at] + knob_options + own[at:]
 
     @functools.wraps(command)
     def run(**kwargs: Any) -> Any:
-        values = {name: kwargs.pop(name, None) for name in KNOBS}
+        values = {name: kwargs.pop(name, None) for name in [*KNOBS, *spelled]}
         return command(knobs={flag(n): v for n, v in values.items() if v is not None and v != []}, **kwargs)
 
     run.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]

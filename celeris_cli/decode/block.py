@@ -207,6 +207,14 @@ def schedule(cv: Canvas, prompt_tokens: list[int], blocks: Blocks) -> tuple[torc
     return torch.tensor(padded, device=cv.x.device), ks.to(cv.x.device)
 
 
+def step_share(ks: torch.Tensor, steps: torch.Tensor, rows: torch.Tensor, g: int, i: int) -> torch.Tensor:
+    """The tokens step i of generated block g commits in each of `rows` (`schedule`'s ks and steps): the
+    schedule's share within the row's own steps, and one past them (a constrained row still filling its
+    block), as alone, whatever the other rows' schedules (ks is as wide as the batch's most steps)."""
+    k = ks[rows, g, i] if i < ks.shape[2] else torch.ones_like(rows)
+    return torch.where(steps[rows, g] <= i, torch.ones_like(k), k)
+
+
 class _View:
     """One view of the canvas for the model: the canvas itself, or (`hide`: (B, C) positions shown as
     masks) guidance's unconditional view, with the prompt masked; and its cache of committed blocks (over
@@ -300,7 +308,9 @@ def generate_block(
     pieces = torch.tensor(sorted(word_pieces), device=prompt.device, dtype=torch.long)
     views = _views(cv, plan)
     rows = torch.arange(prompt.shape[0], device=prompt.device)
-    constrained = torch.tensor([r is not None and r.constrained for r in rules or [None] * len(rows)], dtype=torch.bool)
+    constrained = torch.tensor(
+        [r is not None and r.constrained for r in rules or [None] * len(rows)], dtype=torch.bool, device=prompt.device
+    )
     for b, rule in enumerate(rules or []):
         if rule is not None:  # a template's fixed tokens, into the row's canvas up to its end
             rule.lay(cv.x[b, : int(cv.end[b])], int(cv.gen[b]))
@@ -319,7 +329,7 @@ def generate_block(
             hs = [net.hidden(v.ids(cv, live, 0, e, mask_id), cv.pos[live, :e], mask, keep_kv=False)[0] for v in views]
             draws, answer = _noise(noise, cv, live, j, i), _answer(cv, live, s, e, mask_id, plan.shaping)
             block = cv.x[live, s:e]
-            k = ks[live, g, i] if i < ks.shape[2] else torch.ones_like(live)
+            k = step_share(ks, steps, live, g, i)
             row_rules = None if rules is None else [rules[b] for b in live.tolist()]
             offsets = (s - cv.gen[live]).tolist()
             cv.x[live, s:e] = commit_step(

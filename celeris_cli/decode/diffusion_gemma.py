@@ -194,8 +194,10 @@ def denoise_canvas(
             done = done | ~torch.isin(torch.arange(B, device=x.device), torch.tensor(open_, device=x.device))
         live = (~done).nonzero().flatten().tolist()
         at = (~done).nonzero().flatten()
-        raw = ctx.denoise(x, sc)
-        scaled = raw / temperature(d, cur, steps).to(x.device)
+        # the untempered logits are kept only for a constrained row (its log probabilities); otherwise they
+        # are freed at once, as the planner (`arch.canvas_memory`) counts them
+        raw = ctx.denoise(x, sc) if held else None
+        scaled = (raw if raw is not None else ctx.denoise(x, sc)) / temperature(d, cur, steps).to(x.device)
         probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
         drawn = x.clone()
         drawn[at] = draws.sample(live, j, i + 1, probs[at])  # a finished row draws nothing (as alone)
@@ -208,9 +210,10 @@ def denoise_canvas(
         new_x = torch.where(keep, drawn, fresh)
         for b, h in held.items():
             if not bool(done[b]) and not h.closed(L):
+                assert raw is not None
                 h.step(b, scaled, probs, drawn, keep, draws, j, i + 1, raw)
             new_x[b, : len(h.ids)] = torch.tensor(h.ids, dtype=x.dtype, device=x.device)
-        if adaptive or bool(gone.any()):
+        if adaptive or bool(gone.any()) or i >= steps:  # past the schedule, the rows done are frozen too
             frozen = done[:, None]
             new_argmax = torch.where(frozen, argmax, new_argmax)
             new_x = torch.where(frozen, x, new_x)

@@ -75,9 +75,7 @@ class Preparer:
             _settings(tokenizer.require_word_pieces)
         if base.structured_outputs is not None:
             _settings(lambda: _check_structure(base, tokenizer, folder.cfg.rows))
-        return cls(
-            tokenizer, folder.cfg.max_sequence_length, base, folder.arch, folder.by_script(), folder.cfg.rows
-        )
+        return cls(tokenizer, folder.cfg.max_sequence_length, base, folder.arch, folder.by_script(), folder.cfg.rows)
 
     def prepare(self, request: Request) -> Prepared:
         params = self.base.with_(**request.params)

@@ -45,7 +45,8 @@ def canonical(key: str, value: Any) -> str | None:
             raise UsageError(f"{key}: not JSON ({e})") from None
     if not isinstance(value, dict):
         raise UsageError(f"{key} must be an object, got {type(value).__name__}")
-    spec = _from_response_format(key, value) if key == "response_format" else _from_structured(key, value)
+    openai = key.lstrip("-").replace("-", "_") == "response_format"  # a request's key or `--response-format`
+    spec = _from_response_format(key, value) if openai else _from_structured(key, value)
     if spec is None:
         return None
     text = json.dumps(spec, separators=(",", ":"), ensure_ascii=False)  # key order kept: it is the answer's

@@ -33,8 +33,19 @@ from .spec import parse
 _SCALARS = {"boolean": 5, "null": 4}
 
 
-def shape(schema: Any) -> list[str | dict[str, Any]] | None:
-    """The answer as fixed texts and leaf schemas (value slots) in order, or None without a fixed shape."""
+class _TooLong(Exception):
+    """A fixed shape whose answer takes more positions than the limit (`shape`)."""
+
+
+def _least(parts: list[str | dict[str, Any]]) -> int:
+    """The fewest positions parts take: a slot's budget, a token at least per fixed text."""
+    return sum(1 if isinstance(p, str) else (_leaf_budget(p) or 1) for p in parts)
+
+
+def shape(schema: Any, limit: int) -> list[str | dict[str, Any]] | None:
+    """The answer as fixed texts and leaf schemas (value slots) in order, or None without a fixed shape.
+    Raises _TooLong before it lays out more than `limit` positions (an array of 1000 arrays of 1000 is
+    refused by arithmetic, never expanded)."""
     if not isinstance(schema, dict):
         return None
     if _leaf_budget(schema) is not None:
@@ -49,19 +60,23 @@ def shape(schema: Any) -> list[str | dict[str, Any]] | None:
             return None
         out: list[str | dict[str, Any]] = []
         for i, (key, sub) in enumerate(props.items()):
-            inner = shape(sub)
+            inner = shape(sub, limit)
             if inner is None:
                 return None
             out += [("{" if i == 0 else ",") + json.dumps(key, ensure_ascii=False) + ":", *inner]
+            if _least(out) > limit:
+                raise _TooLong
         return _merged([*out, "}"])
     if kind == "array":
         n, items = schema.get("minItems"), schema.get("items")
         extra = set(schema) - {"type", "items", "minItems", "maxItems", "title", "description"}
         if extra or not isinstance(n, int) or n < 1 or schema.get("maxItems") != n:
             return None
-        inner = shape(items)
+        inner = shape(items, limit)
         if inner is None:
             return None
+        if n * (_least(inner) + 1) > limit:
+            raise _TooLong
         out = []
         for i in range(n):
             out += ["[" if i == 0 else ",", *inner]
@@ -119,10 +134,11 @@ class Template:
     length: int
 
 
-def build(spec_text: str, vocab: Vocabulary) -> Template | None:
-    """The template of a JSON schema constraint with a fixed shape; None otherwise."""
+def build(spec_text: str, vocab: Vocabulary, limit: int) -> Template | None:
+    """The template of a JSON schema constraint with a fixed shape; None otherwise. Raises _TooLong for one
+    that takes more than `limit` positions."""
     kind, body = parse(spec_text)
-    parts = shape(body) if kind == "json" else None
+    parts = shape(body, limit) if kind == "json" else None
     if parts is None:
         return None
     fixed: dict[int, int] = {}
@@ -148,7 +164,13 @@ def template_for(spec_text: str | None, layout: str, vocab: Vocabulary, gen_leng
     the setting if it has no fixed shape or does not fit the answer's length); None under left-to-right."""
     if spec_text is None or layout != "template":
         return None
-    template = build(spec_text, vocab)
+    try:
+        template = build(spec_text, vocab, gen_length)
+    except _TooLong:
+        raise UsageError(
+            "structured_layout template: the schema's template takes more tokens than gen_length (max_tokens) "
+            f"{gen_length}"
+        ) from None
     if template is None:
         raise UsageError(
             "structured_layout template: the constraint is not a JSON schema of a fixed shape (every "

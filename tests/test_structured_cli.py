@@ -1,0 +1,78 @@
+"""The command line's constraint flags (issue 45): `--json-schema FILE`, `--regex`, `--choice` (repeatable),
+and `--response-format` in OpenAI's spelling beside `--structured-outputs` in vLLM's, each an error naming
+both flags when two are given, on the default embedded model."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+from typer.testing import CliRunner
+
+from celeris_cli.cli import app
+
+runner = CliRunner()
+PROMPTS = ["--prompt", "Extract the person: Ada Lovelace, 36.", "--prompt", "Bob is 7.", "--prompt", "The fox"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+}
+
+
+def answers(*args: str) -> list[dict]:  # type: ignore[type-arg]
+    r = runner.invoke(app, ["generate", *PROMPTS, "--device", "cpu", "--dtype", "float32", "--json", *args])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    return out if isinstance(out, list) else [out]
+
+
+def test_choice_regex_and_json_schema_flags_hold_every_answer(tmp_path: Path) -> None:
+    chosen = answers("--choice", "yes", "--choice", "no", "--choice", "maybe")
+    assert all(a["text"] in ("yes", "no", "maybe") and a["finish_reason"] == "stop" for a in chosen)
+    free = answers()
+    assert not all(a["text"] in ("yes", "no", "maybe") for a in free)  # the flag, not chance, holds them
+    pattern = "[0-9]{3}-[a-z]{2,5}"
+    for a in answers("--regex", pattern):
+        assert a["finish_reason"] == "stop" and re.fullmatch(pattern, a["text"]), a["text"]
+    path = tmp_path / "person.json"
+    path.write_text(json.dumps(SCHEMA))
+    for a in answers("--json-schema", str(path), "--gen-length", "48"):
+        assert a["finish_reason"] == "stop", a
+        jsonschema.validate(json.loads(a["text"]), SCHEMA)
+        assert a["settings"]["structured_outputs"] == json.dumps({"json": SCHEMA}, separators=(",", ":"))
+
+
+def test_response_format_takes_openai_spelling_and_structured_outputs_vllm() -> None:
+    openai = json.dumps({"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}})
+    via_openai = answers("--response-format", openai, "--gen-length", "48")
+    via_vllm = answers("--structured-outputs", json.dumps({"json": SCHEMA}), "--gen-length", "48")
+    assert [a["text"] for a in via_openai] == [a["text"] for a in via_vllm]
+    r = runner.invoke(app, ["generate", "-p", "x", "--structured-outputs", openai])
+    assert r.exit_code == 2 and "structured_outputs.type" in r.output  # vLLM's spelling has no "type"
+
+
+def test_two_constraints_are_an_error_naming_both(tmp_path: Path) -> None:
+    for args, named in [
+        (["--regex", "a+", "--choice", "b"], ("--regex", "--choice")),
+        (["--choice", "b", "--structured-outputs", '{"regex": "a"}'], ("--choice", "--structured-outputs")),
+        (
+            ["--response-format", '{"type": "json_object"}', "--structured-outputs", '{"regex": "a"}'],
+            ("--response-format", "--structured-outputs"),
+        ),
+    ]:
+        r = runner.invoke(app, ["generate", "-p", "x", *args])
+        assert r.exit_code == 2 and all(n in r.output for n in named), r.output
+
+
+def test_a_schema_file_that_cannot_be_read_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for path, said in [(tmp_path / "missing.json", "cannot read"), (bad, "not JSON")]:
+        r = runner.invoke(app, ["generate", "-p", "x", "--json-schema", str(path)])
+        assert r.exit_code == 2 and said in r.output and "Traceback" not in r.output, r.output
