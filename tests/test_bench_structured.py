@@ -63,7 +63,7 @@ def test_template_row_pins_the_fixed_shapes_that_fit(report: tuple[str, dict[str
     schemas = report[1]["schemas"]
     # person (42 tokens) and label (19) fit 48; product (59) and address (83) are fixed but longer; event
     # (a pattern) and tags (an array of unknown length) have no fixed shape
-    assert {name for name, s in schemas.items() if s["fixed_shape"]} == {"person", "label"}
+    assert {name for name, s in schemas.items() if s["pinned"]} == {"person", "label"}
     assert [row["pinned"] for row in report[1]["rows"]] == [0, 0, 2]
     assert "event, tags" not in report[0] and "product, event, address, tags" in report[0]
 

@@ -144,8 +144,9 @@ def bench_structured(
     requests = workload(n_requests)
     prompts = [p for _, p in requests]
     encoded = [engine.encode_prompt(p) for p in prompts]
+    plain = engine.params({"gen_length": gen_length})
     for ids in encoded:
-        engine.check_fits(len(ids), engine.params({"gen_length": gen_length}))
+        engine.check_fits(len(ids), plain)
     vocab = engine.vocabulary()
     pinned = {name: _pins(schema, vocab, gen_length) for name, schema in SCHEMAS.items()}
 
@@ -176,13 +177,13 @@ def bench_structured(
     return {
         "hardware": hardware(),
         "model": engine.model_dir.name if engine.model_dir else "?",
-        "strategy": engine.params().strategy,
+        "strategy": plain.strategy,
         "device": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),
         "requests": n_requests,
         "gen_length": gen_length,
         "batch_size": batch_size,
-        "schemas": {name: {"fixed_shape": pinned[name], "schema": SCHEMAS[name]} for name in SCHEMAS},
+        "schemas": {name: {"pinned": pinned[name], "schema": SCHEMAS[name]} for name in SCHEMAS},
         "rows": rows,
     }
 
@@ -250,7 +251,7 @@ def render_structured(report: dict[str, Any]) -> None:
         )  # fmt: skip
     console = Console(width=max(Console().width, 120))
     console.print(table)
-    loose = [name for name, s in report["schemas"].items() if not s["fixed_shape"]]
+    loose = [name for name, s in report["schemas"].items() if not s["pinned"]]
     if loose:
         console.print(
             f"in the template row, {', '.join(loose)} (no fixed shape, or a template longer than gen "
