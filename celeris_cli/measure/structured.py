@@ -6,9 +6,10 @@ The workload is short extraction prompts over six schemas ("Extract the person: 
 a person, a product, an event with an enum and a date pattern, a nested address, an array of tags, a label),
 built deterministically from small lists, request i with seed i in every way. Four of the schemas have a fixed
 shape (`structured.template.shape`); the event (a pattern) and the tags (an array of unknown length) do not,
-and in the template row they decode left to right: every way decodes the same requests, and the row counts
-how many were pinned. Each way goes through the engine's running set (`Engine.decode_running`), its rows'
-settings each its own request's, as a server or a queue would run them.
+and in the template row they decode left to right, as does a fixed shape whose template is longer than the
+answer: every way decodes the same requests, and the row counts how many were pinned. Each way goes through
+the engine's running set (`Engine.decode_running`), its rows' settings each its own request's, as a server or
+a queue would run them.
 
 An answer parses when its whole text is JSON, and validates when `jsonschema` accepts it against the schema as
 given (the grammar engine closes objects to other keys: a subset of what the schema allows).
