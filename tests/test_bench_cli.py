@@ -16,7 +16,17 @@ from celeris_cli.cli import app
 
 runner = CliRunner()
 SMALL = json.dumps({"gen_length": 8, "block_length": 8, "denoise_steps": 4})
-SUBCOMMANDS = ["memory", "loading", "ray", "scaling", "workload", "invariance", "invariance-cost", "sweep"]
+SUBCOMMANDS = [
+    "memory",
+    "loading",
+    "ray",
+    "scaling",
+    "workload",
+    "invariance",
+    "invariance-cost",
+    "sweep",
+    "structured",
+]
 
 
 def _run(args: list[str]) -> Any:

@@ -1,6 +1,6 @@
 """`celeris bench`'s subcommands: each measures only its own thing (memory, loading, ray, scaling, workload,
-invariance, invariance-cost, sweep), takes only the options that mean something to it, and writes its report
-through bench's one writer (`_measure` -> `_emit`). Registered on `bench_app` when imported."""
+invariance, invariance-cost, sweep, structured), takes only the options that mean something to it, and writes
+its report through bench's one writer (`_measure` -> `_emit`). Registered on `bench_app` when imported."""
 
 from __future__ import annotations
 
@@ -232,3 +232,36 @@ def sweep_cmd(
         return step_sweep(engines, counts, prompts, batch_size, gen_length, _json_setting(set_name))
 
     _measure(measure, out, as_json, render_sweep)
+
+
+@bench_app.command(name="structured")
+def structured_cmd(
+    model: Path = MODEL,
+    requests: int = typer.Option(
+        200, "--requests", min=1, max=10_000, help="Extraction requests, over six JSON schemas in turn."
+    ),
+    gen_length: int = typer.Option(
+        96,
+        "--gen-length",
+        min=1,
+        max=1024,
+        help="Every answer's length (the default model's longest template takes 83 tokens).",
+    ),
+    batch_size: int = BATCH_SIZE,
+    device: DeviceOpt = DEVICE,
+    dtype: DtypeOpt = DTYPE,
+    threads: int = THREADS,
+    out: Path = OUT,
+    as_json: bool = AS_JSON,
+) -> None:
+    """An extraction workload decoded unconstrained, held left to right to its JSON schema, and
+    template-pinned (the schemas of a fixed shape; the others left to right), side by side: the share of
+    answers that parse and that validate, finish reasons, tokens/s, forwards per answer, wall time."""
+    from ..engine import load_engine
+    from ..measure.structured import bench_structured, render_structured
+
+    def measure() -> dict[str, Any]:
+        engine = load_engine(model, device.value, dtype.value, threads)
+        return bench_structured(engine, requests, gen_length, batch_size)
+
+    _measure(measure, out, as_json, render_structured)
