@@ -21,7 +21,7 @@ from celeris_cli.errors import UsageError
 from celeris_cli.structured.commit import Record, Rule, settle
 from celeris_cli.structured.grammar import Grammar
 from celeris_cli.structured.spec import canonical
-from celeris_cli.structured.template import _TooLong, shape
+from celeris_cli.structured.template import TooLong, shape
 
 PROMPTS = [
     "Extract the person as JSON: Ada Lovelace, 36, mathematician.",
@@ -422,7 +422,7 @@ def _cube(n: int) -> dict[str, Any]:
 
 def test_a_template_is_sized_by_arithmetic_before_it_is_laid_out(block: Engine) -> None:
     """Rule 5: a 1000 x 1000 x 1000 array (a few dozen bytes of schema) is refused by its size, never expanded."""
-    with pytest.raises(_TooLong):
+    with pytest.raises(TooLong):
         shape(_cube(40), 64)  # 64,000 leaves: expanding them would return a list, not raise
     assert shape(_cube(2), 64) is not None
     settings = {"structured_outputs": {"json": _cube(1000)}, "structured_layout": "template"}

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..engine import Engine, Result
 from ..errors import UsageError
-from ..structured.template import build
+from ..structured.template import TooLong, build
 from .bench import hardware
 
 MAX_REQUESTS = 10_000
@@ -191,7 +191,10 @@ def bench_structured(
 
 def _pins(schema: dict[str, Any], vocab: Any, gen_length: int) -> bool:
     """Whether the template row pins this schema: it has a fixed shape and its template fits the answer."""
-    template = build(json.dumps({"json": schema}), vocab)
+    try:
+        template = build(json.dumps({"json": schema}), vocab, gen_length)
+    except TooLong:
+        return False
     return template is not None and template.length <= gen_length
 
 

@@ -33,7 +33,7 @@ from .spec import parse
 _SCALARS = {"boolean": 5, "null": 4}
 
 
-class _TooLong(Exception):
+class TooLong(Exception):
     """A fixed shape whose answer takes more positions than the limit (`shape`)."""
 
 
@@ -44,7 +44,7 @@ def _least(parts: list[str | dict[str, Any]]) -> int:
 
 def shape(schema: Any, limit: int) -> list[str | dict[str, Any]] | None:
     """The answer as fixed texts and leaf schemas (value slots) in order, or None without a fixed shape.
-    Raises _TooLong before it lays out more than `limit` positions (an array of 1000 arrays of 1000 is
+    Raises TooLong before it lays out more than `limit` positions (an array of 1000 arrays of 1000 is
     refused by arithmetic, never expanded)."""
     if not isinstance(schema, dict):
         return None
@@ -65,7 +65,7 @@ def shape(schema: Any, limit: int) -> list[str | dict[str, Any]] | None:
                 return None
             out += [("{" if i == 0 else ",") + json.dumps(key, ensure_ascii=False) + ":", *inner]
             if _least(out) > limit:
-                raise _TooLong
+                raise TooLong
         return _merged([*out, "}"])
     if kind == "array":
         n, items = schema.get("minItems"), schema.get("items")
@@ -76,7 +76,7 @@ def shape(schema: Any, limit: int) -> list[str | dict[str, Any]] | None:
         if inner is None:
             return None
         if n * (_least(inner) + 1) > limit:
-            raise _TooLong
+            raise TooLong
         out = []
         for i in range(n):
             out += ["[" if i == 0 else ",", *inner]
@@ -135,7 +135,7 @@ class Template:
 
 
 def build(spec_text: str, vocab: Vocabulary, limit: int) -> Template | None:
-    """The template of a JSON schema constraint with a fixed shape; None otherwise. Raises _TooLong for one
+    """The template of a JSON schema constraint with a fixed shape; None otherwise. Raises TooLong for one
     that takes more than `limit` positions."""
     kind, body = parse(spec_text)
     parts = shape(body, limit) if kind == "json" else None
@@ -166,7 +166,7 @@ def template_for(spec_text: str | None, layout: str, vocab: Vocabulary, gen_leng
         return None
     try:
         template = build(spec_text, vocab, gen_length)
-    except _TooLong:
+    except TooLong:
         raise UsageError(
             "structured_layout template: the schema's template takes more tokens than gen_length (max_tokens) "
             f"{gen_length}"
