@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..spool.ledger import read_jsonl
-from .schema import APIError, chat_completion, completion
+from .schema import APIError, Choice, chat_completion, completion
 
 
 def stable_id(*parts: object) -> str:
@@ -37,18 +37,17 @@ def output_lines(
     {"body": {"text", "finish_reason", "usage", ...}}}`) as OpenAI output lines, in input order; `offset`
     is the number of input lines before the part."""
     out = []
-    build = chat_completion if chat else completion
     for rec in read_jsonl(results):
         local = str(rec.get("id", "")).rpartition(":")[2]
         line = offset + int(local) if local.isdigit() else local
         body = rec["response"]["body"]
-        obj = build(
-            f"{'chatcmpl' if chat else 'cmpl'}-{stable_id(batch_id, line)}",
-            model,
-            body["text"],
-            body["finish_reason"],
-            body["usage"],
-            created,
+        entries = (body.get("logprobs") or {}).get("content")  # the queue's body: OpenAI chat's shape
+        choice = Choice(body["text"], body["finish_reason"], entries, body.get("error"))
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{stable_id(batch_id, line)}"
+        obj = (
+            chat_completion(rid, model, choice, body["usage"], created)
+            if chat
+            else completion(rid, model, [choice], body["usage"], created)
         )
         response = {"status_code": 200, "request_id": f"req_{stable_id(batch_id, line, 'r')}", "body": obj}
         out.append(_line(batch_id, line, rec["custom_id"], response, None))

@@ -26,6 +26,7 @@ from .runner import Answer
 from .schema import (
     APIError,
     ChatBody,
+    Choice,
     CompletionBody,
     Prompt,
     chat_completion,
@@ -150,11 +151,10 @@ async def _answer(state: ServeState, request: Request, body: CompletionBody | Ch
     for answer in answers:
         state.count(route, answer, time.perf_counter() - t0)
     use = usage(sum(a.prompt_tokens for a in answers), sum(a.completion_tokens for a in answers))
+    choices = [Choice(a.text, a.finish_reason, a.logprobs, a.error) for a in answers]
     if chat:
-        return JSONResponse(chat_completion(rid, state.model_id, answers[0].text, answers[0].finish_reason, use))
-    first, *more = answers
-    rest = [(a.text, a.finish_reason) for a in more]
-    return JSONResponse(completion(rid, state.model_id, first.text, first.finish_reason, use, more=rest))
+        return JSONResponse(chat_completion(rid, state.model_id, choices[0], use))
+    return JSONResponse(completion(rid, state.model_id, choices, use))
 
 
 def busy(state: ServeState, n: int) -> None:

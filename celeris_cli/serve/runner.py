@@ -43,6 +43,8 @@ class Answer:
     prompt_tokens: int
     completion_tokens: int
     batch_size: int  # rows decoded together with this one (in a running set: in flight as it finished)
+    logprobs: list[dict[str, Any]] | None = None  # `engine.Result.logprobs`, where the request asked
+    error: str | None = None  # why a constrained answer ended unfinished (`engine.Outcome.error`)
 
 
 @dataclass
@@ -200,7 +202,15 @@ class Runner:
                     row.future.set_exception(result)
                 else:
                     row.future.set_result(
-                        Answer(result.text, result.finish_reason, result.prompt_tokens, result.output_tokens, beside)
+                        Answer(
+                            result.text,
+                            result.finish_reason,
+                            result.prompt_tokens,
+                            result.output_tokens,
+                            beside,
+                            result.logprobs,
+                            result.error,
+                        )
                     )
                 self._take(self._arrived())
         except Exception as e:  # noqa: BLE001 - one row's failure must not sink the rows beside it
@@ -256,11 +266,14 @@ class Runner:
                 if on_text is not None:
                     on_text(self.engine.finish(ids, params.stop, encoded[b])[0])
 
-        outs, _ = self.engine.decode_ids(encoded, params, seeds, on_block=hook)
+        rules = [self.engine.rule_for(params) for _ in rows]  # each row's constraint and log-probability record
+        outs, _ = self.engine.decode_ids(encoded, params, seeds, on_block=hook, rules=rules)
         if self.on_batch is not None:
             self.on_batch(len(rows))
         answers = []
-        for ids_in, out in zip(encoded, outs):
-            text, n_out, reason = self.engine.finish(out, params.stop, ids_in)
-            answers.append(Answer(text, reason, len(ids_in), n_out, len(rows)))
+        for ids_in, out, rule in zip(encoded, outs, rules):
+            a = self.engine.outcome(out, params, ids_in, rule)
+            answers.append(
+                Answer(a.text, a.finish_reason, len(ids_in), a.output_tokens, len(rows), a.logprobs, a.error)
+            )
         return answers

@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from ..errors import UsageError
-from ..params import MAX_SIZE, MAX_STOP_CHARS, check_values
-from ..spool.formats import OPENAI_PARAMS, Request
+from ..params import MAX_SIZE, MAX_STOP_CHARS, MAX_TOP_LOGPROBS, check_values
+from ..spool.formats import LEGACY_TOP_LOGPROBS, OPENAI_PARAMS, Request, logprobs_settings
 
 MAX_PROMPTS = 2048  # prompts in one completion request (OpenAI's cap)
 MAX_STOPS = 4  # stop strings in one request (OpenAI's cap)
@@ -122,7 +123,6 @@ class _Body(BaseModel):
     user: Text | None = None
     # OpenAI keys Celeris cannot honour, accepted only at the value that asks for nothing
     n: Literal[1] = 1
-    logprobs: Literal[False] | None = None
     frequency_penalty: Literal[0] | None = None
     logit_bias: dict[str, Any] | None = None
 
@@ -138,12 +138,15 @@ class CompletionBody(_Body):
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
     suffix: None = None
+    # the legacy endpoint's log probabilities: the chosen token's and the N likeliest beside it (0 to 5)
+    logprobs: Annotated[int, Field(ge=0, le=LEGACY_TOP_LOGPROBS)] | None = None
 
 
 class ChatBody(_Body):
     messages: Annotated[list[Message], Field(max_length=MAX_PROMPTS)]
     max_completion_tokens: Size | None = None
-    top_logprobs: Literal[0] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
 # body keys handled here, not generation settings
@@ -170,6 +173,17 @@ def to_requests(body: CompletionBody | ChatBody, request_id: str, max_tokens: in
     if "max_tokens" in given and "max_completion_tokens" in given:
         raise APIError(400, "give one of max_tokens and max_completion_tokens", param="max_completion_tokens")
     params: dict[str, Any] = {}
+    if given.get("logprobs") is not None:
+        settings = logprobs_settings(given["logprobs"])  # chat's true/false; the legacy endpoint's 0..5
+        assert not isinstance(settings, str)  # the body's type allows no other value
+        if settings["logprobs"] and body.stream:
+            message = "logprobs: not with stream (a streamed answer's events carry no log probabilities)"
+            raise APIError(400, message, param="logprobs")
+        params.update(settings)
+    if given.get("top_logprobs"):
+        if not params.get("logprobs"):
+            raise APIError(400, "top_logprobs: needs logprobs true", param="top_logprobs")
+        params["top_logprobs"] = given["top_logprobs"]
     for key, value in given.items():
         if key in _OWN:
             continue
@@ -218,31 +232,64 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One answer as a response reports it: its text and finish reason, its tokens' log probabilities where
+    the request asked for them (`engine.Result.logprobs` entries), and why a constrained answer ended
+    unfinished (`error`, beside finish_reason "length")."""
+
+    text: str
+    finish_reason: str
+    logprobs: list[dict[str, Any]] | None = None
+    error: str | None = None
+
+
+def legacy_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The completions endpoint's shape of a choice's log probabilities: `tokens`, `token_logprobs`,
+    `top_logprobs` (one {token: logprob} per position) and `text_offset` (each token's start in the text)."""
+    if entries is None:
+        return None
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _extra(choice: Choice) -> dict[str, Any]:
+    return {} if choice.error is None else {"error": choice.error}
+
+
 def completion(
-    id: str,
-    model: str,
-    text: str,
-    finish_reason: str,
-    use: dict[str, int],
-    created: int | None = None,
-    more: Sequence[tuple[str, str]] = (),
+    id: str, model: str, choices: Sequence[Choice], use: dict[str, int], created: int | None = None
 ) -> dict[str, Any]:
-    """A text completion; `more`: the (text, finish reason) of each further prompt, choices 1, 2, ..."""
+    """A text completion: one choice per prompt, in order."""
     return {
         "id": id,
         "object": "text_completion",
         "created": created if created is not None else int(time.time()),
         "model": model,
         "choices": [
-            {"index": i, "text": t, "finish_reason": reason, "logprobs": None}
-            for i, (t, reason) in enumerate([(text, finish_reason), *more])
+            {
+                "index": i,
+                "text": c.text,
+                "finish_reason": c.finish_reason,
+                "logprobs": legacy_logprobs(c.logprobs),
+                **_extra(c),
+            }
+            for i, c in enumerate(choices)
         ],
         "usage": use,
     }
 
 
 def chat_completion(
-    id: str, model: str, text: str, finish_reason: str, use: dict[str, int], created: int | None = None
+    id: str, model: str, choice: Choice, use: dict[str, int], created: int | None = None
 ) -> dict[str, Any]:
     return {
         "id": id,
@@ -252,9 +299,10 @@ def chat_completion(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason,
-                "logprobs": None,
+                "message": {"role": "assistant", "content": choice.text},
+                "finish_reason": choice.finish_reason,
+                "logprobs": None if choice.logprobs is None else {"content": choice.logprobs},
+                **_extra(choice),
             }
         ],
         "usage": use,

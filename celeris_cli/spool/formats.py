@@ -148,7 +148,7 @@ def parse_file(name: str, data: bytes, max_line_bytes: int) -> tuple[list[Reques
     return requests, errors
 
 
-def _logprobs(value: Any) -> dict[str, Any] | str:
+def logprobs_settings(value: Any) -> dict[str, Any] | str:
     """An OpenAI body's `logprobs` as settings: chat's boolean, or the completions endpoint's integer (the
     number of likeliest tokens to list beside each chosen one, 0 to 5); a message for anything else."""
     if isinstance(value, bool):
@@ -208,7 +208,7 @@ def _parse_jsonl(number: int, text: str) -> Request | LineError:
                     )
                 continue
             if key == "logprobs" and value is not None:
-                legacy = _logprobs(value)  # chat's true/false, or the completions endpoint's 0..5
+                legacy = logprobs_settings(value)  # chat's true/false, or the completions endpoint's 0..5
                 if isinstance(legacy, str):
                     return LineError(number, "bad_param", legacy, obj, custom_id)
                 if "top_logprobs" in legacy and body.get("top_logprobs") is not None:
