@@ -1,11 +1,12 @@
 """The grammar engine (llguidance) over a model's vocabulary: a constraint's canonical text (`spec`) compiled
 once per request, and per row a matcher that says which tokens may come next.
 
-Why llguidance: its masks are computed lazily over a token trie (tens of microseconds on the embedded
-models' 9,280 tokens; docs/benchmarks.md has the 150k-vocabulary figures beside xgrammar's), it compiles a
-JSON schema, a regular expression and a Lark grammar with no ahead-of-time step per vocabulary, and it takes
-any vocabulary as a list of byte strings, so every tokenizer Celeris loads (sentencepiece, tokenizer.json,
-Qwen2's BPE) works alike.
+Why llguidance: it compiles a JSON schema, a regular expression or a Lark grammar about 50x faster than
+xgrammar (no precomputation over the vocabulary: a new schema starts at once), keeps raw control characters
+out of JSON strings, and is one wheel without dependencies; xgrammar computes a mask faster over a 150k
+vocabulary (docs/benchmarks.md, `scripts/mask-cost`), while on the embedded models' 9,280 tokens
+llguidance's masks cost tens of microseconds. Both take any vocabulary as byte strings and report forced
+tokens.
 
 A token's bytes are the text it adds to an answer (`Tokenizer.continuation`): sentencepiece's ▁ is a
 space, its byte pieces (<0x7B>) are their byte, byte-level BPE's Ġ-alphabet maps back to bytes; special
