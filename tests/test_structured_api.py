@@ -230,3 +230,14 @@ def test_a_static_batch_strategy_holds_its_constraint_and_reports_logprobs(serve
     c = r.choices[0]
     assert c.finish_reason == "stop" and re.fullmatch("[A-Z]{3}-[0-9]{2}", c.text), c
     assert c.logprobs is not None and c.logprobs.tokens is not None and "".join(c.logprobs.tokens) == c.text
+
+
+def test_a_streamed_answer_that_ran_out_says_why_in_its_last_event(server: Server) -> None:
+    stream = server.client().completions.create(
+        model=MODEL, prompt=PROMPTS[2], max_tokens=8, stream=True,
+        extra_body={"structured_outputs": {"regex": "a{40}"}},
+    )  # fmt: skip
+    events = list(stream)
+    last = events[-1].choices[0]
+    assert last.finish_reason == "length" and "structured_outputs" in (last.model_extra or {})["error"]
+    assert re.fullmatch("a*", "".join(e.choices[0].text for e in events))

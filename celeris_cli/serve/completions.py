@@ -232,8 +232,9 @@ async def _stream(
     stops = prepared.group.stop
     sent = ""
 
-    def event(text: str | None, finish: str | None = None) -> str:
-        return f"data: {json.dumps(chunk(chat, rid, state.model_id, created, text, finish), ensure_ascii=False)}\n\n"
+    def event(text: str | None, finish: str | None = None, error: str | None = None) -> str:
+        obj = chunk(chat, rid, state.model_id, created, text, finish, error)
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     try:
         if chat:
@@ -264,7 +265,7 @@ async def _stream(
         rest = answer.text[len(sent) :] if answer.text.startswith(sent) else ""
         if rest:
             yield event(rest)
-        yield event("", answer.finish_reason)
+        yield event("", answer.finish_reason, answer.error)
         if include_usage:
             last: dict[str, Any] = {
                 "id": rid,

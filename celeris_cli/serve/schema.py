@@ -309,8 +309,17 @@ def chat_completion(
     }
 
 
-def chunk(chat: bool, id: str, model: str, created: int, text: str | None, finish_reason: str | None) -> dict[str, Any]:
-    """One streamed event: a piece of text (None: the first chat event, with the role) or the last one."""
+def chunk(
+    chat: bool,
+    id: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None,
+    error: str | None = None,
+) -> dict[str, Any]:
+    """One streamed event: a piece of text (None: the first chat event, with the role) or the last one (with
+    the error of a constrained answer that ended unfinished, as a whole answer's choice has it)."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if text is None else {"content": text}
         choice: dict[str, Any] = {
@@ -322,4 +331,6 @@ def chunk(chat: bool, id: str, model: str, created: int, text: str | None, finis
     else:
         choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
         kind = "text_completion"
+    if error is not None:
+        choice["error"] = error
     return {"id": id, "object": kind, "created": created, "model": model, "choices": [choice]}
