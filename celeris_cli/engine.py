@@ -174,7 +174,11 @@ class Engine:
 
     def vocabulary(self) -> Any:
         """The tokenizer as the grammar engine sees it (`structured.grammar.Vocabulary`), built once."""
-        return vocabulary(self.tokenizer, self.model.cfg.rows)
+        return vocabulary(self.tokenizer, self.model.cfg.rows, self.answer_stops())
+
+    def answer_stops(self) -> frozenset[int]:
+        """Every id that ends an answer (`finish`): the stop ids, the model folder's own, and the pad token."""
+        return frozenset(self.special.stop_ids | {self.special.pad_id})
 
     def rule_for(self, params: GenerationParams) -> Rule | None:
         """A fresh rule for one row (`structured.commit`): its grammar at the answer's start and an empty
@@ -315,13 +319,19 @@ class Engine:
     ) -> Outcome:
         """A row's answer from its generated ids (`finish`) and its rule: the log probabilities of its output
         tokens, and under a constraint the error of an answer that ended before its grammar did (finish
-        reason "length", never "stop": a dead end commits a stop token to end the row)."""
+        reason "length", never "stop": a dead end commits a stop token to end the row). An answer that fills
+        its length exactly where its grammar must end is complete: "stop", no error."""
         text, n_out, reason = self.finish(ids, params.stop, prompt, params.stop_token_ids)
         error = None
         if rule is not None and rule.constrained:
             unfinished = rule.unfinished()
             if rule.dead is not None or unfinished is not None:
                 reason, error = "length", f"structured_outputs: {rule.dead or unfinished}"
+            elif reason != "stop" and (replayed := self._replayed(params, ids[:n_out])).accepting():
+                # the length ran out where the answer's grammar is complete (replayed over the answer's own
+                # tokens: the row's grammar may have taken tokens the canvas held past gen_length): valid;
+                # "stop" where the grammar allows nothing but the end of text, else "length" (it could go on)
+                reason = "stop" if replayed.must_end() else reason
             elif reason != "stop":
                 error = (
                     f"structured_outputs: the answer reached its {params.gen_length} tokens before its grammar was "
@@ -331,6 +341,15 @@ class Engine:
         if rule is not None and rule.record is not None:
             logprobs = rule.record.entries(self.vocabulary(), n_out)
         return Outcome(text, n_out, reason, logprobs, error)
+
+    def _replayed(self, params: GenerationParams, ids: Sequence[int]) -> Grammar:
+        """A fresh grammar of the request's constraint after `ids` (a left-to-right constraint's answer)."""
+        assert params.structured_outputs is not None
+        grammar = Grammar(params.structured_outputs, self.vocabulary())
+        for t in ids:
+            if not grammar.take(t):
+                break
+        return grammar
 
     def decode_batch(
         self,

@@ -66,6 +66,9 @@ def test_openai_sampling_keys_are_honoured_and_unsupported_ones_named(tmp_path: 
         line("lp", "x", logprobs=True, top_logprobs=2, max_tokens=12),
         line("lp_legacy", "x", logprobs=3, max_tokens=12),  # the completions endpoint's integer form
         line("lp_big", "x", logprobs=9),  # the integer form lists at most 5
+        # the values OpenAI's clients send by default ask for nothing: a strategy without log probabilities
+        # or constraints takes them
+        line("neutral", "x", strategy="reference", logprobs=False, top_logprobs=0, response_format={"type": "text"}),
         line("stream", "x", stream=True),
         line("big_seed", "x", seed=2**64),
         line("ctx", "x", context_len=3),
@@ -75,7 +78,7 @@ def test_openai_sampling_keys_are_honoured_and_unsupported_ones_named(tmp_path: 
     p = watch_once(config)
     assert p.returncode == 1, p.stderr
     got = {r["custom_id"]: r["response"]["body"] for r in outputs(tmp_path)["oa.jsonl.results.jsonl"]}
-    assert set(got) == {"topk", "greedy", "lp", "lp_legacy"}
+    assert set(got) == {"topk", "greedy", "lp", "lp_legacy", "neutral"}
     for key, top in (("lp", 2), ("lp_legacy", 3)):
         entries = got[key]["logprobs"]["content"]
         assert len(entries) == got[key]["usage"]["completion_tokens"] > 0
@@ -106,7 +109,7 @@ def test_a_stop_string_in_a_request_cuts_its_answer(tmp_path: Path, tiny_model: 
 def test_unsupported_openai_values_are_line_errors_and_their_neutral_values_pass() -> None:
     rows = [line("a", "x", n=1, logprobs=False, stream=False), line("b", "x", n=3), line("c", "x", n=True)]
     requests, errors = parse_file("f.jsonl", ("\n".join(rows) + "\n").encode(), 10_000)
-    assert [r.custom_id for r in requests] == ["a"] and requests[0].params == {"logprobs": False}
+    assert [r.custom_id for r in requests] == ["a"] and requests[0].params == {}  # logprobs false asks for nothing
     assert [(e.custom_id, e.code) for e in errors] == [("b", "bad_param"), ("c", "bad_param")]
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -162,10 +164,13 @@ def test_a_static_row_past_its_steps_commits_as_alone_whatever_its_mates_schedul
     to the widest row's steps; a zero would make a constrained row's answer depend on its batch mates)."""
     alone_ks, alone_steps = torch.tensor([[[3, 5]]]), torch.tensor([[2]])
     batch_ks, batch_steps = torch.tensor([[[3, 5, 0, 0, 0]], [[1, 2, 2, 2, 1]]]), torch.tensor([[2], [5]])
+    constrained = torch.tensor([True, False])
     for i in range(9):
-        alone = step_share(alone_ks, alone_steps, torch.tensor([0]), 0, i)
-        beside = step_share(batch_ks, batch_steps, torch.tensor([0, 1]), 0, i)
+        alone = step_share(alone_ks, alone_steps, torch.tensor([0]), 0, i, constrained)
+        beside = step_share(batch_ks, batch_steps, torch.tensor([0, 1]), 0, i, constrained)
         assert alone.tolist() == beside[:1].tolist() == ([3, 5] + [1] * 7)[i : i + 1]
+        free = step_share(batch_ks, batch_steps, torch.tensor([1]), 0, i, constrained)
+        assert free.tolist() == [([1, 2, 2, 2, 1] + [1] * 4)[i]]  # a free row keeps its schedule
 
 
 def test_a_row_under_a_schema_commits_several_tokens_a_step(block: Engine) -> None:
@@ -334,6 +339,67 @@ def test_editing_given_after_the_constraint_is_refused_too(block: Engine) -> Non
         params.with_(edit_threshold=0.5)
     with pytest.raises(UsageError, match="stop_token_ids"):
         params.with_(stop_token_ids=[5])
+
+
+def test_values_are_not_closed_and_merged_objects_stay_open(block: Engine) -> None:
+    """Closing objects walks sub-schemas only: a `const` or `enum` holding an object is data, and must come
+    back as written; an object whose properties combine with an `allOf` member's is left open (closed, each
+    part would refuse the other's keys)."""
+    literal = {"properties": {"a": 1}}
+    schemas = [
+        {"type": "object", "properties": {"v": {"const": literal}}, "required": ["v"]},
+        {"type": "object", "properties": {"v": {"enum": [literal, 2]}}, "required": ["v"]},
+        {
+            "type": "object",
+            "allOf": [{"properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}],
+            "properties": {"b": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["b"],
+        },
+    ]
+    for schema in schemas:
+        params = block.params({"structured_outputs": {"json": schema}, "gen_length": 48})
+        for r in block.generate(PROMPTS[:2], params, seeds=[0, 1]):
+            assert r.finish_reason == "stop" and _valid(r.text, schema), r.text
+
+
+def test_a_schema_nested_too_deeply_is_refused_by_name(block: Engine) -> None:
+    deep: dict[str, Any] = {"type": "integer"}
+    for _ in range(400):
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    with pytest.raises(UsageError, match="nested more than 64"):
+        block.params({"structured_outputs": {"json": deep}})
+    with pytest.raises(UsageError, match="nested"):
+        block.params({"structured_outputs": '{"json": ' + '{"items": ' * 5000 + "{}" + "}" * 5001})
+
+
+def test_an_answer_that_fills_its_length_exactly_where_its_grammar_ends_is_stop(block: Engine) -> None:
+    """Nine tokens spell {"a":"x"}: with gen_length 9 the answer is complete, not cut; with 8 it is cut (the
+    row's canvas runs past gen_length to its block's end, so the verdict is the answer's own tokens')."""
+    schema = {"type": "object", "properties": {"a": {"enum": ["x"]}}, "required": ["a"]}
+    for length, reason in ((9, "stop"), (8, "length")):
+        params = block.params({"structured_outputs": {"json": schema}, "gen_length": length, "block_length": 8})
+        [r] = block.generate(["Hi"], params)
+        assert r.finish_reason == reason and (r.error is None) == (reason == "stop"), r
+        assert r.text == '{"a":"x"}'[: len(r.text)] and (reason == "length" or _valid(r.text, schema))
+
+
+def test_a_model_stop_id_that_is_an_ordinary_piece_never_cuts_a_constrained_answer(
+    block: Engine, tmp_path: Path
+) -> None:
+    """A checkpoint whose generation_config.json makes an ordinary piece (here ▁the) an end of text: the
+    grammar treats it as one (allowed only where the answer may end), so no answer is cut mid-grammar."""
+    folder = tmp_path / "block"
+    shutil.copytree(block.model_dir, folder)
+    the = block.encode_prompt("the")[-1]
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [2, the]}))
+    engine = load_engine(folder, device="cpu", dtype="float32")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 30, "maxLength": 40}}}
+    params = engine.params({"structured_outputs": {"json": {**schema, "required": ["name"]}}, "gen_length": 64})
+    results = engine.generate(PROMPTS, params, seeds=[0, 1, 2, 3])
+    for r in results:
+        assert r.finish_reason != "stop" or _valid(r.text, schema), r.text
+    assert sum(r.finish_reason == "stop" for r in results) >= 3
 
 
 # -- template-pinned decoding -----------------------------------------------------------------------------

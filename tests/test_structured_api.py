@@ -241,3 +241,31 @@ def test_a_streamed_answer_that_ran_out_says_why_in_its_last_event(server: Serve
     last = events[-1].choices[0]
     assert last.finish_reason == "length" and "structured_outputs" in (last.model_extra or {})["error"]
     assert re.fullmatch("a*", "".join(e.choices[0].text for e in events))
+
+
+def test_the_values_that_ask_for_nothing_pass_and_a_legacy_body_takes_no_top_logprobs(server: Server) -> None:
+    base = {"model": MODEL, "prompt": "The quick", "max_tokens": 4, "seed": 1}
+    plain = server.post("/v1/completions", json.dumps(base).encode())
+    neutral = {**base, "logprobs": False, "response_format": {"type": "text"}}
+    status, answer = server.post("/v1/completions", json.dumps(neutral).encode())
+    assert status == 200 and answer["choices"][0]["text"] == plain[1]["choices"][0]["text"], answer
+    assert answer["choices"][0]["logprobs"] is None
+    both = {**base, "logprobs": 1, "top_logprobs": 4}
+    status, answer = server.post("/v1/completions", json.dumps(both).encode())
+    assert status == 400 and "top_logprobs" in answer["error"]["message"]
+
+
+def test_legacy_logprobs_spell_pieces_of_a_character_as_bytes(server: Server) -> None:
+    text = "日本é"
+    r = server.client().completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=12, logprobs=2,
+        extra_body={"structured_outputs": {"choice": [text]}},
+    )  # fmt: skip
+    c = r.choices[0]
+    assert c.text == text and c.logprobs is not None and c.logprobs.tokens is not None
+    tokens, offsets = c.logprobs.tokens, c.logprobs.text_offset or []
+    spelled = b"".join(
+        bytes(int(h, 16) for h in t[len("bytes:") :].split("\\x")[1:]) if t.startswith("bytes:") else t.encode()
+        for t in tokens
+    )
+    assert spelled.decode() == text and all(0 <= o < len(text) for o in offsets) and offsets == sorted(offsets)

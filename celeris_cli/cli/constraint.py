@@ -72,3 +72,5 @@ def _schema_file(path: Path) -> Any:
         return json.loads(text)
     except ValueError as e:
         raise UsageError(f"--json-schema: {path} is not JSON ({e})") from None
+    except RecursionError:
+        raise UsageError(f"--json-schema: {path} is nested too deeply") from None

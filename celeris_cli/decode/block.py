@@ -207,12 +207,14 @@ def schedule(cv: Canvas, prompt_tokens: list[int], blocks: Blocks) -> tuple[torc
     return torch.tensor(padded, device=cv.x.device), ks.to(cv.x.device)
 
 
-def step_share(ks: torch.Tensor, steps: torch.Tensor, rows: torch.Tensor, g: int, i: int) -> torch.Tensor:
+def step_share(
+    ks: torch.Tensor, steps: torch.Tensor, rows: torch.Tensor, g: int, i: int, constrained: torch.Tensor
+) -> torch.Tensor:
     """The tokens step i of generated block g commits in each of `rows` (`schedule`'s ks and steps): the
-    schedule's share within the row's own steps, and one past them (a constrained row still filling its
+    schedule's share within the row's own steps; past them, one for a constrained row (still filling its
     block), as alone, whatever the other rows' schedules (ks is as wide as the batch's most steps)."""
     k = ks[rows, g, i] if i < ks.shape[2] else torch.ones_like(rows)
-    return torch.where(steps[rows, g] <= i, torch.ones_like(k), k)
+    return torch.where((steps[rows, g] <= i) & constrained[rows], torch.ones_like(k), k)
 
 
 class _View:
@@ -329,7 +331,7 @@ def generate_block(
             hs = [net.hidden(v.ids(cv, live, 0, e, mask_id), cv.pos[live, :e], mask, keep_kv=False)[0] for v in views]
             draws, answer = _noise(noise, cv, live, j, i), _answer(cv, live, s, e, mask_id, plan.shaping)
             block = cv.x[live, s:e]
-            k = step_share(ks, steps, live, g, i)
+            k = step_share(ks, steps, live, g, i, constrained)
             row_rules = None if rules is None else [rules[b] for b in live.tolist()]
             offsets = (s - cv.gen[live]).tolist()
             cv.x[live, s:e] = commit_step(

@@ -58,8 +58,9 @@ class Runner:
     def __init__(self, engine: Any, generation: dict[str, Any] | None = None, max_batch: int = 16) -> None:
         self.engine = engine
         self.base = engine.params(generation or {})
+        rows, stops = engine.model.cfg.rows, engine.answer_stops()
         self.preparer = Preparer(
-            engine.tokenizer, engine.max_length, self.base, engine.arch, engine.by_script, engine.model.cfg.rows
+            engine.tokenizer, engine.max_length, self.base, engine.arch, engine.by_script, rows, stops
         )
         self.max_batch = max_batch
         self.waiting: queue.Queue[Row | None] = queue.Queue()

@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from ..errors import UsageError
 from ..params import MAX_SIZE, MAX_STOP_CHARS, MAX_TOP_LOGPROBS, check_values
-from ..spool.formats import LEGACY_TOP_LOGPROBS, OPENAI_PARAMS, Request, logprobs_settings
+from ..spool.formats import LEGACY_TOP_LOGPROBS, OPENAI_PARAMS, Request, asks_nothing, logprobs_settings
 
 MAX_PROMPTS = 2048  # prompts in one completion request (OpenAI's cap)
 MAX_STOPS = 4  # stop strings in one request (OpenAI's cap)
@@ -139,7 +139,7 @@ class CompletionBody(_Body):
     best_of: Literal[1] | None = None
     suffix: None = None
     # the legacy endpoint's log probabilities: the chosen token's and the N likeliest beside it (0 to 5)
-    logprobs: Annotated[int, Field(ge=0, le=LEGACY_TOP_LOGPROBS)] | None = None
+    logprobs: Literal[False] | Annotated[int, Field(ge=0, le=LEGACY_TOP_LOGPROBS)] | None = None
 
 
 class ChatBody(_Body):
@@ -167,7 +167,7 @@ def to_requests(body: CompletionBody | ChatBody, request_id: str, max_tokens: in
     """The queue's Requests for a body, one per prompt: OpenAI keys mapped to settings, other keys checked
     one by one as Celeris settings (a 400 naming the first unknown one), and the answer's length checked
     against this server's `max_tokens` before anything is sized by it."""
-    given = body.model_dump(exclude_unset=True, exclude_none=True)
+    given = {k: v for k, v in body.model_dump(exclude_unset=True, exclude_none=True).items() if not asks_nothing(k, v)}
     if given.get("logit_bias"):
         raise APIError(400, "logit_bias is not supported by celeris", param="logit_bias")
     if "max_tokens" in given and "max_completion_tokens" in given:
@@ -181,6 +181,9 @@ def to_requests(body: CompletionBody | ChatBody, request_id: str, max_tokens: in
             raise APIError(400, message, param="logprobs")
         params.update(settings)
     if given.get("top_logprobs"):
+        if isinstance(body, CompletionBody):  # as the queue answers the same body
+            message = "top_logprobs: chat's key; the completions endpoint's integer logprobs (0 to 5) lists them"
+            raise APIError(400, message, param="top_logprobs")
         if not params.get("logprobs"):
             raise APIError(400, "top_logprobs: needs logprobs true", param="top_logprobs")
         params["top_logprobs"] = given["top_logprobs"]
@@ -244,19 +247,30 @@ class Choice:
     error: str | None = None
 
 
+def _spelled(entry: dict[str, Any]) -> str:
+    """A token as the legacy shape names it: its text, or `bytes:\\xe6\\x97` for bytes that are not whole
+    characters (one of several tokens that spell one character), as OpenAI's API writes them."""
+    raw = bytes(entry["bytes"])
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 def legacy_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
     """The completions endpoint's shape of a choice's log probabilities: `tokens`, `token_logprobs`,
-    `top_logprobs` (one {token: logprob} per position) and `text_offset` (each token's start in the text)."""
+    `top_logprobs` (one {token: logprob} per position) and `text_offset` (where each token starts in the
+    text, in characters: a token that ends inside a character starts where that character does)."""
     if entries is None:
         return None
-    offsets, at = [], 0
+    offsets, spelled = [], b""
     for e in entries:
-        offsets.append(at)
-        at += len(e["token"])
+        offsets.append(len(spelled.decode("utf-8", "ignore")))
+        spelled += bytes(e["bytes"])
     return {
-        "tokens": [e["token"] for e in entries],
+        "tokens": [_spelled(e) for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "top_logprobs": [{_spelled(t): t["logprob"] for t in e["top_logprobs"]} for e in entries],
         "text_offset": offsets,
     }
 

@@ -49,6 +49,7 @@ class Preparer:
         arch: Any = None,
         by_script: dict | None = None,
         rows: int | None = None,
+        stops: frozenset[int] = frozenset(),
     ) -> None:
         self.tokenizer = tokenizer
         self.max_length = max_length
@@ -56,6 +57,7 @@ class Preparer:
         self.arch = arch  # the model's architecture: which strategies it runs (None: any)
         self.by_script = by_script or {}  # the model's presets per script of the prompt, under the user's layers
         self.rows = rows  # the model's logits (its embedding rows): a constraint is checked against them
+        self.stops = stops  # the ids beyond the tokenizer's own that end an answer (`Engine.answer_stops`)
 
     @classmethod
     def load(cls, model: str | None, generation: dict[str, Any]) -> Preparer:
@@ -73,9 +75,11 @@ class Preparer:
         _settings(lambda: folder.arch.check_strategy(base.strategy))
         if base.subword_min_p > 0:  # the daemon refuses it at startup, not batch by batch
             _settings(tokenizer.require_word_pieces)
+        stops = frozenset(folder.extra_stops | {tokenizer.pad_id})  # as the engine's `answer_stops`
         if base.structured_outputs is not None:
-            _settings(lambda: _check_structure(base, tokenizer, folder.cfg.rows))
-        return cls(tokenizer, folder.cfg.max_sequence_length, base, folder.arch, folder.by_script(), folder.cfg.rows)
+            _settings(lambda: _check_structure(base, tokenizer, folder.cfg.rows, stops))
+        arch, max_length = folder.arch, folder.cfg.max_sequence_length
+        return cls(tokenizer, max_length, base, arch, folder.by_script(), folder.cfg.rows, stops)
 
     def prepare(self, request: Request) -> Prepared:
         params = self.base.with_(**request.params)
@@ -96,16 +100,16 @@ class Preparer:
         params = params.under(preset) if preset else params  # packed with the rows that run the same settings
         check_fits(len(ids), params.gen_length, self.max_length)
         if params.structured_outputs is not None and self.rows is not None:
-            _check_structure(params, self.tokenizer, self.rows)
+            _check_structure(params, self.tokenizer, self.rows, self.stops)
         # requests that differ only in their seed share a batch: each row draws from its own seed
         return Prepared(request, params.batch_key(), len(ids) + params.gen_length, (text, ids, params.seed))
 
 
-def _check_structure(params: Any, tokenizer: Any, rows: int) -> None:
+def _check_structure(params: Any, tokenizer: Any, rows: int, stops: frozenset[int]) -> None:
     from ..structured.grammar import vocabulary
     from ..structured.template import check_structure
 
-    check_structure(params, vocabulary(tokenizer, rows))
+    check_structure(params, vocabulary(tokenizer, rows, stops))
 
 
 def _settings(build: Callable[[], Any]) -> Any:
@@ -137,8 +141,9 @@ class EngineBackend:
     def prepare(self, request: Request) -> Prepared:
         # built per request (cheap): measure.bench sets `engine` and `base` on a bare EngineBackend
         engine = self.engine
+        rows, stops = engine.model.cfg.rows, engine.answer_stops()
         return Preparer(
-            engine.tokenizer, engine.max_length, self.base, engine.arch, engine.by_script, engine.model.cfg.rows
+            engine.tokenizer, engine.max_length, self.base, engine.arch, engine.by_script, rows, stops
         ).prepare(request)
 
     def run(self, batch: list[Prepared]) -> list[dict[str, Any]]:

@@ -148,6 +148,19 @@ def parse_file(name: str, data: bytes, max_line_bytes: int) -> tuple[list[Reques
     return requests, errors
 
 
+def asks_nothing(key: str, value: Any) -> bool:
+    """Whether a request key holds the value that asks for nothing, as OpenAI's clients send by default
+    (`logprobs: false`, `top_logprobs: 0`, `response_format: {"type": "text"}`): left out of the settings, so a
+    strategy without log probabilities or constraints takes the request as it takes one without the key."""
+    if key == "logprobs":
+        return value is False
+    if key == "top_logprobs":
+        return value is None or (value == 0 and not isinstance(value, bool))
+    if key == "response_format":
+        return value == {"type": "text"}
+    return False
+
+
 def logprobs_settings(value: Any) -> dict[str, Any] | str:
     """An OpenAI body's `logprobs` as settings: chat's boolean, or the completions endpoint's integer (the
     number of likeliest tokens to list beside each chosen one, 0 to 5); a message for anything else."""
@@ -168,6 +181,8 @@ def _parse_jsonl(number: int, text: str) -> Request | LineError:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         return LineError(number, "invalid_json", f"not valid JSON: {e.msg} at column {e.colno}", text[:500])
+    except RecursionError:
+        return LineError(number, "invalid_json", "the line's JSON is nested too deeply", text[:500])
     if not isinstance(obj, dict):
         return LineError(number, "invalid_json", "each line must be a JSON object", text[:500])
     try:
@@ -207,6 +222,8 @@ def _parse_jsonl(number: int, text: str) -> Request | LineError:
                         number, "bad_param", f"{key}={value!r} is not supported by celeris", obj, custom_id
                     )
                 continue
+            if asks_nothing(key, value):
+                continue
             if key == "logprobs" and value is not None:
                 legacy = logprobs_settings(value)  # chat's true/false, or the completions endpoint's 0..5
                 if isinstance(legacy, str):
@@ -223,7 +240,8 @@ def _parse_jsonl(number: int, text: str) -> Request | LineError:
                 params[key] = value  # generation params of our own, validated by the engine
         content = body
     else:
-        params = {k: v for k, v in obj.items() if k not in ("id", "custom_id", "prompt", "messages", "_celeris")}
+        own = ("id", "custom_id", "prompt", "messages", "_celeris")
+        params = {k: v for k, v in obj.items() if k not in own and not asks_nothing(k, v)}
         content = obj
     prompt, messages = content.get("prompt"), content.get("messages")
     if messages is not None:

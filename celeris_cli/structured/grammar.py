@@ -120,10 +120,16 @@ class _Wrapper:
 class Vocabulary:
     """A tokenizer as the grammar engine sees it, built once per tokenizer (`vocabulary`)."""
 
-    def __init__(self, tok: Tokenizer, rows: int) -> None:
+    def __init__(self, tok: Tokenizer, rows: int, stops: frozenset[int] = frozenset()) -> None:
+        """stops: the ids that end an answer beyond the tokenizer's own (a model's generation_config.json
+        eos ids, the pad token): no text, and allowed only where the grammar may end, as every stop."""
         import llguidance
 
         tokens, special = token_bytes(tok)
+        ending = (frozenset(tok.stop_ids) | stops) & frozenset(range(len(tokens)))
+        for i in sorted(ending - frozenset(special)):  # an ordinary piece a model's config makes a stop
+            tokens[i] = b""
+            special.append(i)
         sp = getattr(tok.backend, "sp", None)
         wrapper = _Wrapper(tokens, special, tok.eos_id, tok.bos_id)
         if sp is not None:  # prefer ordinary pieces to sentencepiece's byte pieces for forced text
@@ -135,7 +141,7 @@ class Vocabulary:
         self.blank = wrapper.index.get(b" ")  # one space: a template slot's filler after its value
         self.size = len(tokens)
         self.rows = rows  # the model's logits: at least the tokenizer's size
-        self.stop_ids = sorted(tok.stop_ids)
+        self.stop_ids = sorted(frozenset(tok.stop_ids) | stops)
         self.eos_id = tok.eos_id
         self.llg = llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapper), n_vocab=self.size)
 
@@ -144,8 +150,8 @@ class Vocabulary:
 
 
 @functools.lru_cache(maxsize=8)
-def vocabulary(tok: Tokenizer, rows: int) -> Vocabulary:
-    return Vocabulary(tok, rows)
+def vocabulary(tok: Tokenizer, rows: int, stops: frozenset[int] = frozenset()) -> Vocabulary:
+    return Vocabulary(tok, rows, stops)
 
 
 def grammar_of(spec_text: str) -> str:
@@ -166,23 +172,60 @@ def grammar_of(spec_text: str) -> str:
 
 
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")  # name -> schema
+_SCHEMA_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")  # alternatives or positions: each a schema of its own
+_MERGED = ("allOf", "$ref", "anyOf", "oneOf", "if", "dependentSchemas", "unevaluatedProperties")
 
 
-def closed(schema: Any) -> Any:
+_PLAIN = {"type", "properties", "required", "title", "description"}
+
+
+def _flattened(schema: dict[str, Any]) -> dict[str, Any]:
+    """An object's `allOf` members that only declare properties (the inheritance pattern written inline)
+    merged into it: the same documents, as one object that can be closed. Anything else is left as it is."""
+    members = schema.get("allOf")
+    if not isinstance(members, list) or not all(isinstance(m, dict) and set(m) <= _PLAIN for m in members):
+        return schema
+    parts = [schema, *members]
+    if any(m.get("type", "object") != "object" for m in parts):
+        return schema
+    props: dict[str, Any] = {}
+    for m in parts:
+        for name, sub in (m.get("properties") or {}).items():
+            if name in props and props[name] != sub:
+                return schema  # two declarations of one key: both must hold, which a merge cannot say
+            props[name] = sub
+    required = list(dict.fromkeys(r for m in parts for r in (m.get("required") or [])))
+    out = {k: v for k, v in schema.items() if k != "allOf"}
+    return {**out, "properties": props} | ({"required": required} if required else {})
+
+
+def closed(schema: Any, close: bool = True) -> Any:
     """The schema with every object that declares its properties and says nothing of others closed to others
     (`additionalProperties: false`, as OpenAI's strict mode demands of every schema). An answer under it is
     valid under the schema as given (it allows a subset of the same documents), and a model is not free to
-    invent keys until it runs out of tokens."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
+    invent keys until it runs out of tokens. Only sub-schemas are walked, never data (`const`, `enum`,
+    `default`, `examples` are values). `allOf` members that only declare properties are merged into their
+    object first (`_flattened`); an object whose properties still combine with others' (other `allOf`
+    members, a schema beside `anyOf` or `$ref`, ...) is left open: closing each part alone would refuse the
+    keys the other parts declare."""
     if not isinstance(schema, dict):
         return schema
-    out = {
-        k: {name: closed(sub) for name, sub in v.items()} if k in _SCHEMA_MAPS and isinstance(v, dict) else closed(v)
-        for k, v in schema.items()
-    }
+    schema = _flattened(schema)
+    out = dict(schema)
+    for k, v in schema.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: closed(sub) for name, sub in v.items()}
+        elif k in _SCHEMA_ONE or (k == "additionalProperties" and isinstance(v, dict)):
+            out[k] = closed(v)
+        elif k in _SCHEMA_LISTS and isinstance(v, list):
+            alone = k == "prefixItems" or "properties" not in schema  # alternatives that stand alone
+            out[k] = [closed(sub, close=alone) for sub in v]
+        elif k == "allOf" and isinstance(v, list):
+            out[k] = [closed(sub, close=False) for sub in v]
     others = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
-    if isinstance(schema.get("properties"), dict) and not others & set(schema):
+    combined = any(k in schema for k in _MERGED)
+    if close and not combined and isinstance(schema.get("properties"), dict) and not others & set(schema):
         out["additionalProperties"] = False
     return out
 
@@ -247,6 +290,14 @@ class Grammar:
 
     def accepting(self) -> bool:
         return bool(self.matcher.is_accepting())
+
+    def must_end(self) -> bool:
+        """Complete, with nothing but the end of text allowed next."""
+        if not self.accepting():
+            return False
+        allowed = self.allowed(torch.device("cpu"))
+        allowed[self.vocab.stop_ids] = False
+        return not bool(allowed.any())
 
     def undo(self) -> None:
         """Take back the last token consumed."""

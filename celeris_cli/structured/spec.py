@@ -24,6 +24,7 @@ from ..errors import UsageError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 * 1024  # the canonical text of one constraint
+MAX_SPEC_DEPTH = 64  # objects and lists inside each other (the grammar engine's own limit is about 128)
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 1000
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
@@ -43,6 +44,10 @@ def canonical(key: str, value: Any) -> str | None:
             value = json.loads(value)
         except ValueError as e:
             raise UsageError(f"{key}: not JSON ({e})") from None
+        except RecursionError:
+            raise UsageError(f"{key}: nested more than {MAX_SPEC_DEPTH} levels deep") from None
+    if _depth(value) > MAX_SPEC_DEPTH:
+        raise UsageError(f"{key}: nested more than {MAX_SPEC_DEPTH} levels deep")
     if not isinstance(value, dict):
         raise UsageError(f"{key} must be an object, got {type(value).__name__}")
     openai = key.lstrip("-").replace("-", "_") == "response_format"  # a request's key or `--response-format`
@@ -53,6 +58,19 @@ def canonical(key: str, value: Any) -> str | None:
     if len(text) > MAX_SPEC_CHARS:
         raise UsageError(f"{key}: at most {MAX_SPEC_CHARS} characters of constraint, got {len(text)}")
     return text
+
+
+def _depth(value: Any) -> int:
+    """How deeply objects and lists nest in a JSON value, counted without recursion (a hostile value may
+    nest deeper than Python's stack)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, d)
+            if d <= MAX_SPEC_DEPTH:
+                todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def parse(text: str) -> tuple[str, Any]:

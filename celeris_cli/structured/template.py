@@ -146,7 +146,10 @@ def build(spec_text: str, vocab: Vocabulary, limit: int) -> Template | None:
     at = 0
     for part in parts:
         if isinstance(part, str):
-            for t in vocab.tokens_of(part):
+            tokens = vocab.tokens_of(part)
+            if b"".join(vocab.tokens[t] for t in tokens) != part.encode():
+                raise UsageError(f"structured_layout template: this model's vocabulary cannot spell {part!r}")
+            for t in tokens:
                 fixed[at] = t
                 at += 1
         else:
