@@ -671,6 +671,10 @@ class Structure:
         return self.structured_outputs is not None or self.logprobs
 
 
+# a plan's structure where a row's rule comes with the row (`structured.commit`), not with the plan
+NO_STRUCTURE = Structure(None, "left-to-right", False, 0)
+
+
 @dataclass(frozen=True)
 class Commit:
     """Block diffusion's threshold: every masked position above it commits, and at least the schedule's."""

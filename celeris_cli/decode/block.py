@@ -35,7 +35,7 @@ from typing import Protocol
 import torch
 
 from ..arch.kv import KV, KVCache, LayerKV
-from ..params import Blocks, Commit, Editing, Guidance, Ordering, Sampling, Shaping, Structure
+from ..params import NO_STRUCTURE, Blocks, Commit, Editing, Guidance, Ordering, Sampling, Shaping, Structure
 from ..structured.commit import Rules, settle
 from .predict import Places, StepLogits, choose, in_chunks, sample_with_probability
 from .reference import commit_order, select_top_k
@@ -53,9 +53,7 @@ class BlockPlan:
     commit: Commit
     shaping: Shaping
     editing: Editing = Editing(1.0, 0)  # the block strategy's alone (LLaDA2.1); off
-    structure: Structure = Structure(
-        None, "left-to-right", False, 0
-    )  # the rows' rules come per row (`structured.commit`)
+    structure: Structure = NO_STRUCTURE  # the rows' rules come per row (`structured.commit`)
 
 
 # Called once a block is committed, for each row that decoded it: (row, the row's generated ids so far).

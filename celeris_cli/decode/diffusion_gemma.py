@@ -39,8 +39,8 @@ import torch
 
 from ..arch.gemma4 import Mask
 from ..errors import UsageError
-from ..params import Blocks, CanvasNoise, Denoising, StopIds, Structure
-from ..structured.commit import Rule, Rules, _note, _short
+from ..params import NO_STRUCTURE, Blocks, CanvasNoise, Denoising, StopIds, Structure
+from ..structured.commit import Rule, Rules, note, short_error
 from .sampling import RowNoise
 
 INIT, SAMPLE, RENOISE = 0, 1, 2  # the lanes of a row's stream (canvas start; each step's samples and redraws)
@@ -54,7 +54,7 @@ class DiffusionGemmaPlan:
     denoising: Denoising
     noise: CanvasNoise
     stops: StopIds
-    structure: Structure = Structure(None, "left-to-right", False, 0)  # rules come per row (`structured.commit`)
+    structure: Structure = NO_STRUCTURE  # rules come per row (`structured.commit`)
 
 
 class CanvasDraws:
@@ -271,7 +271,7 @@ class _Held:
         c0, L, vocab = len(self.ids), scaled.shape[1], self.grammar.vocab
         allowed = self.grammar.allowed(scaled.device)[: scaled.shape[-1]]
         if not bool(allowed.any()):
-            why = _short(self.grammar.error())
+            why = short_error(self.grammar.error())
             self.rule.dead = "the grammar allows no token here (a dead end" + (f": {why})" if why else ")")
             self.rule.ended = True
             self.ids.append(vocab.eos_id)
@@ -297,7 +297,7 @@ class _Held:
         self.grammar.take(token)
         self.ids.append(token)
         if self.rule.record is not None:
-            _note(self.rule.record, logits.float().masked_fill(~allowed, -torch.inf), token, self.offset + c)
+            note(self.rule.record, logits.float().masked_fill(~allowed, -torch.inf), token, self.offset + c)
         if token in self.grammar.vocab.stop_ids:
             self.rule.ended = True
 

@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from ..arch.kv import KV, KVCache, LayerKV
-from ..params import Guidance, Ordering, Parallel, Sampling, Schedule, Shaping, Structure
+from ..params import NO_STRUCTURE, Guidance, Ordering, Parallel, Sampling, Schedule, Shaping, Structure
 from ..structured.commit import Rules, settle
 from .predict import Places, StepLogits, choose, sample_masked
 from .reference import commit_order, leave_when_finished, num_transfer_tokens, select_top_k, unconditional
@@ -48,9 +48,7 @@ class FastPlan:
     guidance: Guidance
     parallel: Parallel
     shaping: Shaping
-    structure: Structure = Structure(
-        None, "left-to-right", False, 0
-    )  # the rows' rules come per row (`structured.commit`)
+    structure: Structure = NO_STRUCTURE  # the rows' rules come per row (`structured.commit`)
 
 
 class CachedNet(Protocol):

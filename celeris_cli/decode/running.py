@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..arch.kv import KVCache
-from ..params import Blocks, Structure
+from ..params import NO_STRUCTURE, Blocks
 from ..structured.commit import Rule
 from .block import BlockNet, BlockPlan, OnBlock, block_mask, commit_step, top_choice
 from .reference import finished_rows
@@ -176,7 +176,7 @@ class BlockScheduler(RunningSet[BlockRequest]):
         if req.rule is not None:
             req.rule.lay(x, P)  # a template's fixed tokens
         transfers = [blocks.transfers(n, m) for n, m in zip(blocks.steps_for(P), blocks.masked(P))]
-        commit = replace(req.plan, blocks=_NO_BLOCKS, structure=_NO_STRUCTURE)  # a row's rule comes with the row
+        commit = replace(req.plan, blocks=_NO_BLOCKS, structure=NO_STRUCTURE)  # a row's rule comes with the row
         row = _Row(req, x, transfers, first=P // W, block=P // W, commit=commit)
         views = [(self.lanes, x)]
         if row.guided:  # its unconditional view: a slot of the lane's shadow, the prompt masked
@@ -356,4 +356,3 @@ def _transfer(r: _Row) -> int:
 
 # commit_step reads every part of a plan but its blocks: rows group by the rest (their width apart)
 _NO_BLOCKS = Blocks(gen_length=0, block_length=0, block_steps=0, denoise_steps=0, steps_total=False)
-_NO_STRUCTURE = Structure(None, "left-to-right", False, 0)

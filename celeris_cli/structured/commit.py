@@ -135,7 +135,7 @@ def settle(
                 for c in cols:
                     if bool(chosen[b, c]):
                         token = int(out[b, c])
-                        _note(
+                        note(
                             rule.record,
                             logits(slice(int(flat[b, c]), int(flat[b, c]) + 1)).float(),
                             token,
@@ -159,7 +159,7 @@ def settle(
     return out
 
 
-def _short(error: str | None) -> str | None:
+def short_error(error: str | None) -> str | None:
     """The grammar engine's error in a line (it may carry a whole parser state)."""
     return None if error is None else error.strip().splitlines()[0][:300]
 
@@ -196,14 +196,14 @@ def _walk(
     token, scores = _decide(grammar, logits, i0, allowed, choose_one, c0 == last)
     if token is None:
         rule.dead = "the grammar allows no token here (a dead end" + (
-            f": {_short(grammar.error())})" if grammar.error() else ")"
+            f": {short_error(grammar.error())})" if grammar.error() else ")"
         )
         rule.ended = True
         out[b, c0] = vocab.eos_id
         return
     out[b, c0] = token
     if rule.record is not None:
-        _note(rule.record, scores, token, offset + c0)
+        note(rule.record, scores, token, offset + c0)
     if token in vocab.stop_ids:
         rule.ended = True
         return
@@ -225,7 +225,7 @@ def _walk(
                 break
             scores_c = _masked(logits, int(flat[b, c]), here)
             assert scores_c is not None
-            _note(rule.record, scores_c, token, offset + c)
+            note(rule.record, scores_c, token, offset + c)
         if not grammar.take(token):
             break
         if c == last and not grammar.accepting():  # a slot's last token must complete its value
@@ -271,7 +271,7 @@ def _masked(logits: Any, i: int, allowed: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def _note(record: Record, scores: torch.Tensor, token: int, pos: int) -> None:
+def note(record: Record, scores: torch.Tensor, token: int, pos: int) -> None:
     logp = scores.log_softmax(-1)[0]
     top: list[tuple[int, float]] = []
     if record.top > 0:
