@@ -13,6 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import pytest
+from pydantic import ValidationError
+
+from celeris_cli.serve.schema import APIError, ChatBody, CompletionBody, to_requests
+from celeris_cli.spool.formats import logprobs_of, parse_file
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "person": {
@@ -110,3 +115,42 @@ def test_request_lines_hold_answers_to_their_schemas_and_name_what_they_cannot_h
     assert "colour" in failed["bad_key"]["message"]
     assert "response_format" in failed["both"]["message"] and "structured_outputs" in failed["both"]["message"]
     assert failed["bad_regex"]["code"] == "bad_param" and "structured_outputs" in failed["bad_regex"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "settings"),
+    [
+        ({"logprobs": True, "top_logprobs": 3}, {"logprobs": True, "top_logprobs": 3}),
+        ({"logprobs": 2}, {"logprobs": True, "top_logprobs": 2}),  # the completions endpoint's integer
+        ({"logprobs": 0}, {"logprobs": True, "top_logprobs": 0}),
+        ({"logprobs": False, "top_logprobs": 0}, {}),  # what OpenAI's clients send by default
+        ({"top_logprobs": None}, {}),
+        ({"logprobs": 2, "top_logprobs": 3}, "not both"),
+        ({"top_logprobs": 3}, "needs logprobs"),
+        ({"logprobs": 9}, "0 to 5"),
+        ({"logprobs": "yes"}, "logprobs="),
+    ],
+)
+def test_one_reading_of_an_openai_bodys_logprobs_for_the_queue_and_serve(body: dict[str, Any], settings: Any) -> None:
+    got = logprobs_of(body)
+    if isinstance(settings, str):
+        assert isinstance(got, str) and settings in got
+    else:
+        assert got == settings
+    # the queue's line and serve's body give the same verdict
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", **body}})
+    requests, errors = parse_file("f.jsonl", line.encode() + b"\n", 10_000)
+    if isinstance(settings, str):
+        assert errors and settings in errors[0].message
+    else:
+        assert requests[0].params == settings
+    legacy = isinstance(body.get("logprobs"), int) and not isinstance(body.get("logprobs"), bool)
+    try:
+        if legacy:  # the completions endpoint's integer; chat's boolean
+            parsed: Any = CompletionBody.model_validate({"prompt": "x", **body})
+        else:
+            parsed = ChatBody.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+        [(request, _)] = to_requests(parsed, "r", 64)
+        assert not isinstance(settings, str) and request.params == settings
+    except (APIError, ValidationError) as e:  # the body's types refuse some values before the reading does
+        assert isinstance(settings, str), e

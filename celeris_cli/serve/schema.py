@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from ..errors import UsageError
 from ..params import MAX_SIZE, MAX_STOP_CHARS, MAX_TOP_LOGPROBS, check_values
-from ..spool.formats import LEGACY_TOP_LOGPROBS, OPENAI_PARAMS, Request, asks_nothing, logprobs_settings
+from ..spool.formats import LEGACY_TOP_LOGPROBS, OPENAI_PARAMS, Request, asks_nothing, logprobs_of
 
 MAX_PROMPTS = 2048  # prompts in one completion request (OpenAI's cap)
 MAX_STOPS = 4  # stop strings in one request (OpenAI's cap)
@@ -139,7 +139,7 @@ class CompletionBody(_Body):
     best_of: Literal[1] | None = None
     suffix: None = None
     # the legacy endpoint's log probabilities: the chosen token's and the N likeliest beside it (0 to 5)
-    logprobs: Literal[False] | Annotated[int, Field(ge=0, le=LEGACY_TOP_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=LEGACY_TOP_LOGPROBS)] | Literal[False] | None = None
 
 
 class ChatBody(_Body):
@@ -173,20 +173,13 @@ def to_requests(body: CompletionBody | ChatBody, request_id: str, max_tokens: in
     if "max_tokens" in given and "max_completion_tokens" in given:
         raise APIError(400, "give one of max_tokens and max_completion_tokens", param="max_completion_tokens")
     params: dict[str, Any] = {}
-    if given.get("logprobs") is not None:
-        settings = logprobs_settings(given["logprobs"])  # chat's true/false; the legacy endpoint's 0..5
-        assert not isinstance(settings, str)  # the body's type allows no other value
-        if settings["logprobs"] and body.stream:
-            message = "logprobs: not with stream (a streamed answer's events carry no log probabilities)"
-            raise APIError(400, message, param="logprobs")
-        params.update(settings)
-    if given.get("top_logprobs"):
-        if isinstance(body, CompletionBody):  # as the queue answers the same body
-            message = "top_logprobs: chat's key; the completions endpoint's integer logprobs (0 to 5) lists them"
-            raise APIError(400, message, param="top_logprobs")
-        if not params.get("logprobs"):
-            raise APIError(400, "top_logprobs: needs logprobs true", param="top_logprobs")
-        params["top_logprobs"] = given["top_logprobs"]
+    logprobs = logprobs_of(given)  # as the queue reads the same body
+    if isinstance(logprobs, str):
+        raise APIError(400, logprobs, param=logprobs.partition("=")[0].partition(":")[0])
+    if logprobs.get("logprobs") and body.stream:
+        message = "logprobs: not with stream (a streamed answer's events carry no log probabilities)"
+        raise APIError(400, message, param="logprobs")
+    params.update(logprobs)
     for key, value in given.items():
         if key in _OWN:
             continue

@@ -29,7 +29,6 @@ OPENAI_PARAMS = {
     "min_p": "min_p",
     "stop": "stop",
     "seed": "seed",
-    "top_logprobs": "top_logprobs",
 }
 # OpenAI body keys Celeris cannot honour, and the one value of each that asks for nothing
 UNSUPPORTED = {"n": 1, "stream": False, "best_of": 1}
@@ -161,14 +160,25 @@ def asks_nothing(key: str, value: Any) -> bool:
     return False
 
 
-def logprobs_settings(value: Any) -> dict[str, Any] | str:
-    """An OpenAI body's `logprobs` as settings: chat's boolean, or the completions endpoint's integer (the
-    number of likeliest tokens to list beside each chosen one, 0 to 5); a message for anything else."""
-    if isinstance(value, bool):
-        return {"logprobs": value}
-    if isinstance(value, int) and 0 <= value <= LEGACY_TOP_LOGPROBS:
+def logprobs_of(body: dict[str, Any]) -> dict[str, Any] | str:
+    """The settings an OpenAI body's `logprobs` and `top_logprobs` ask for, the same for the queue's lines
+    and `serve`: chat's `logprobs: true` with `top_logprobs` (0 to 20), or the completions endpoint's integer
+    `logprobs` (the alternatives to list, 0 to 5) alone; values that ask for nothing give nothing (`asks_nothing`).
+    A message naming the key for anything else."""
+    value, top = body.get("logprobs"), body.get("top_logprobs")
+    wrong = f"logprobs={value!r}: give true/false (chat) or an integer from 0 to {LEGACY_TOP_LOGPROBS} (completions)"
+    top = None if asks_nothing("top_logprobs", top) else top
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not 0 <= value <= LEGACY_TOP_LOGPROBS:
+            return wrong
+        if top is not None:
+            return "top_logprobs: give it with logprobs: true, or an integer logprobs alone, not both"
         return {"logprobs": True, "top_logprobs": value}
-    return f"logprobs={value!r}: give true/false (chat) or an integer from 0 to {LEGACY_TOP_LOGPROBS} (completions)"
+    if value not in (None, True, False):
+        return wrong
+    if top is not None and value is not True:
+        return "top_logprobs: needs logprobs: true"
+    return ({"logprobs": True} if value else {}) | ({"top_logprobs": top} if top is not None else {})
 
 
 def _parse_txt(number: int, text: str) -> Request | LineError:
@@ -222,22 +232,17 @@ def _parse_jsonl(number: int, text: str) -> Request | LineError:
                         number, "bad_param", f"{key}={value!r} is not supported by celeris", obj, custom_id
                     )
                 continue
-            if asks_nothing(key, value):
-                continue
-            if key == "logprobs" and value is not None:
-                legacy = logprobs_settings(value)  # chat's true/false, or the completions endpoint's 0..5
-                if isinstance(legacy, str):
-                    return LineError(number, "bad_param", legacy, obj, custom_id)
-                if "top_logprobs" in legacy and body.get("top_logprobs") is not None:
-                    message = "give top_logprobs with logprobs: true, or an integer logprobs alone, not both"
-                    return LineError(number, "bad_param", message, obj, custom_id)
-                params.update(legacy)
+            if asks_nothing(key, value) or key in ("logprobs", "top_logprobs"):  # the latter two: below
                 continue
             if key in OPENAI_PARAMS:
                 if OPENAI_PARAMS[key] and value is not None:  # OpenAI's null means "the default"
                     params[OPENAI_PARAMS[key]] = value  # type: ignore[index]
             else:
                 params[key] = value  # generation params of our own, validated by the engine
+        logprobs = logprobs_of(body)
+        if isinstance(logprobs, str):
+            return LineError(number, "bad_param", logprobs, obj, custom_id)
+        params.update(logprobs)
         content = body
     else:
         own = ("id", "custom_id", "prompt", "messages", "_celeris")
