@@ -154,3 +154,23 @@ def test_one_reading_of_an_openai_bodys_logprobs_for_the_queue_and_serve(body: d
         assert not isinstance(settings, str) and request.params == settings
     except (APIError, ValidationError) as e:  # the body's types refuse some values before the reading does
         assert isinstance(settings, str), e
+
+
+def test_the_preparer_without_weights_checks_a_constraint_as_the_engine_does() -> None:
+    """The Ray daemon prepares lines without the weights (`Preparer.load`): the same ends of an answer as
+    the engine's, a bad constraint in the config's `generation:` refused at startup, one in a line refused
+    as the line is prepared."""
+    from celeris_cli.engine import load_engine
+    from celeris_cli.errors import ConfigError, UsageError
+    from celeris_cli.spool.backend import Preparer
+    from celeris_cli.spool.formats import Request
+
+    engine = load_engine(None, device="cpu", dtype="float32")
+    bare = Preparer.load(None, {})
+    assert bare.stops | engine.tokenizer.stop_ids == engine.answer_stops() == Preparer.of(engine, bare.base).stops
+    with pytest.raises(ConfigError, match="structured_outputs"):
+        Preparer.load(None, {"structured_outputs": {"regex": "(a"}})
+    with pytest.raises(UsageError, match="structured_outputs"):
+        bare.prepare(Request("a", 1, prompt="x", params={"structured_outputs": {"regex": "(a"}}))
+    ok = bare.prepare(Request("b", 2, prompt="x", params={"structured_outputs": {"choice": ["yes"]}}))
+    assert ok.group.structured_outputs == '{"choice":["yes"]}'

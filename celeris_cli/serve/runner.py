@@ -58,10 +58,7 @@ class Runner:
     def __init__(self, engine: Any, generation: dict[str, Any] | None = None, max_batch: int = 16) -> None:
         self.engine = engine
         self.base = engine.params(generation or {})
-        rows, stops = engine.model.cfg.rows, engine.answer_stops()
-        self.preparer = Preparer(
-            engine.tokenizer, engine.max_length, self.base, engine.arch, engine.by_script, rows, stops
-        )
+        self.preparer = Preparer.of(engine, self.base)
         self.max_batch = max_batch
         self.waiting: queue.Queue[Row | None] = queue.Queue()
         self.leaving: queue.Queue[Future[Answer]] = queue.Queue()  # rows whose client left (`drop`)

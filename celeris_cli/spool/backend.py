@@ -81,6 +81,12 @@ class Preparer:
         arch, max_length = folder.arch, folder.cfg.max_sequence_length
         return cls(tokenizer, max_length, base, arch, folder.by_script(), folder.cfg.rows, stops)
 
+    @classmethod
+    def of(cls, engine: Any, base: Any) -> Preparer:
+        """The Preparer of a loaded engine, with `base` settings (the queue's backend and serve's runner)."""
+        rows, stops = engine.model.cfg.rows, engine.answer_stops()
+        return cls(engine.tokenizer, engine.max_length, base, engine.arch, engine.by_script, rows, stops)
+
     def prepare(self, request: Request) -> Prepared:
         params = self.base.with_(**request.params)
         if self.arch is not None:
@@ -140,11 +146,7 @@ class EngineBackend:
 
     def prepare(self, request: Request) -> Prepared:
         # built per request (cheap): measure.bench sets `engine` and `base` on a bare EngineBackend
-        engine = self.engine
-        rows, stops = engine.model.cfg.rows, engine.answer_stops()
-        return Preparer(
-            engine.tokenizer, engine.max_length, self.base, engine.arch, engine.by_script, rows, stops
-        ).prepare(request)
+        return Preparer.of(self.engine, self.base).prepare(request)
 
     def run(self, batch: list[Prepared]) -> list[dict[str, Any]]:
         params = batch[0].group  # final: the rows' presets were applied as each was prepared

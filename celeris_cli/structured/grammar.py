@@ -314,11 +314,17 @@ class Grammar:
 def check(spec_text: str | None, vocab: Vocabulary) -> None:
     """A constraint the engine cannot build (a bad regex, a schema keyword it lacks: `compiled`), or whose
     answer no token of this vocabulary can begin, is the user's error before anything decodes."""
-    if spec_text is not None and not bool(Grammar(spec_text, vocab).allowed(torch.device("cpu")).any()):
+    if spec_text is not None and not _can_begin(spec_text, vocab):
         raise UsageError(
             "structured_outputs: this model's vocabulary has no token to begin an answer the constraint "
             "allows (no token spells the text it needs first)"
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _can_begin(spec_text: str, vocab: Vocabulary) -> bool:
+    """Whether some token begins an answer (once per constraint: the queue checks every request line)."""
+    return bool(Grammar(spec_text, vocab).allowed(torch.device("cpu")).any())
 
 
 def texts(vocab: Vocabulary, ids: Sequence[int]) -> list[str]:
