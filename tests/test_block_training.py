@@ -22,7 +22,7 @@ from .test_training import config, data_dir  # noqa: F401  (the fixture)
 @pytest.mark.parametrize("width", [1, 3, 4, 8])
 def test_training_mask_lets_no_token_see_a_later_block(width: int) -> None:
     L = 16
-    m = block_causal_mask(torch.tensor([width]), L)[0, 0]  # (2L, 2L)
+    m = block_causal_mask(torch.arange(L)[None, :] // width)[0, 0]  # (2L, 2L)
     for q in range(2 * L):
         q_noisy, q_blk = q >= L, (q % L) // width
         for k in range(2 * L):
@@ -83,9 +83,11 @@ def test_block_loss_does_not_depend_on_later_blocks() -> None:
 def test_each_block_draws_its_own_mask_ratio() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randint(10, 50, (64, 32), generator=g)
-    _, _, p, width = block_mask_batch(x, 4, g, 0.0, [4, 8])
+    _, _, p, blk = block_mask_batch(x, 4, g, 0.0, [4, 8])
+    width = (blk == 0).sum(1)  # blocks from position 0: the first one's length is the row's block length
     assert set(width.tolist()) == {4, 8}
-    for row, w in zip(p, width.tolist()):
+    for row, b, w in zip(p, blk, width.tolist()):
+        assert torch.equal(b, torch.arange(32) // w)
         blocks = row.view(-1, w)
         assert torch.all(blocks == blocks[:, :1])  # one ratio per block
         assert len(set(blocks[:, 0].tolist())) > 1  # and not one per row
@@ -196,7 +198,7 @@ def test_eval_nll_of_a_block_model_is_its_block_bound(block_model: Path) -> None
     mask_id = engine.tokenizer.mask_id
 
     def bound(sizes: list[int] | None) -> float:
-        return nll_bound(engine.model, x, mask_id, torch.Generator().manual_seed(0), 2, rows=32, sizes=sizes)
+        return nll_bound(engine.model, x, mask_id, torch.Generator().manual_seed(0), 2, rows=32, sizes=sizes)[0]
 
     assert got == bound([engine.params({}).block_length]) and got != bound(None)
 

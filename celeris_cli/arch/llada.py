@@ -56,6 +56,10 @@ class ModelConfig:
     model_type: str = "llada"
     # Ours, not LLaDA's: attention causal between blocks (block diffusion, `celeris train --block-size`).
     block_causal: bool = False
+    # Ours: trained jointly as a causal LM (`celeris train --ar-weight`): its committed text is written into
+    # the cache causally, a clean position also predicts the next token (its AR mode), and diffusion fills a
+    # block after a seed token (the layout of `decode.nemotron`).
+    causal_context: bool = False
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "mlp_hidden_size", "vocab_size"):
@@ -107,6 +111,8 @@ class ModelConfig:
         d["pad_token_id"] = self.pad_token_id if self.pad_token_id is not None else self.eos_token_id
         if not self.block_causal:  # a bidirectional model's config stays LLaDA's own
             del d["block_causal"]
+        if not self.causal_context:  # nor does a block model trained without the AR mode
+            del d["causal_context"]
         d.update(
             {
                 "activation_type": "silu",

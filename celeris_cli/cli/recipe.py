@@ -58,6 +58,13 @@ def train(
         help="Block diffusion: attention causal between blocks of this many tokens. Repeat it to train "
         "several (each row draws one); omitted, the model is bidirectional.",
     ),
+    ar_weight: float = typer.Option(
+        0.0,
+        "--ar-weight",
+        min=0.0,
+        help="With --block-size: also train the AR mode (a causal clean copy, next-token loss with this "
+        "weight) and seeded blocks at any offset, as the speculative strategies decode.",
+    ),
     init: Path | None = typer.Option(
         None, "--init", help="Start from this model folder's weights and tokenizer (same shape)."
     ),
@@ -86,6 +93,7 @@ def train(
             device=device,
             seed=seed,
             block_sizes=sorted(set(block_size)),
+            ar_weight=ar_weight,
             init=str(init) if init else None,
         )
     except CelerisError as e:

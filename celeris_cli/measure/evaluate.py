@@ -178,9 +178,10 @@ def heldout_nll(engine: Any, docs: list[str], seq_len: int = 128, draws: int = 8
 
     from ..recipe.train import nll_bound
 
-    if engine.arch.name not in ("llada", "llada_block"):
+    if engine.arch.name not in ("llada", "llada_block", "llada_spec"):
         return None
-    sizes = [engine.params({}).block_length] if engine.arch.name == "llada_block" else None
+    joint = engine.arch.name == "llada_spec"  # its blocks over a causal cache, as it was trained
+    sizes = [engine.params({}).block_length] if engine.arch.name != "llada" else None
 
     flat: list[int] = []
     for d in docs:
@@ -190,7 +191,7 @@ def heldout_nll(engine: Any, docs: list[str], seq_len: int = 128, draws: int = 8
         raise UsageError("held-out set is too small for the NLL estimate")
     x = torch.tensor(flat[: rows * seq_len]).view(rows, seq_len)
     g = torch.Generator().manual_seed(seed)
-    return nll_bound(engine.model, x, engine.tokenizer.mask_id, g, draws, rows=32, sizes=sizes)
+    return nll_bound(engine.model, x, engine.tokenizer.mask_id, g, draws, rows=32, sizes=sizes, joint=joint)[0]
 
 
 # Which rows of the shipped set serve which purpose: settings are chosen on "tune", reported on "eval".

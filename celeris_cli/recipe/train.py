@@ -13,6 +13,14 @@ decoder's cache of committed blocks holds), a noisy token sees the clean blocks 
 own noisy block, nothing else. The loss is the 1/t-weighted cross-entropy on the noisy copy's masked
 tokens. Each row draws W from `block_sizes`, so one model serves each of those block lengths.
 
+Joint AR + block diffusion (`ar_weight` > 0, Nemotron-Labs-Diffusion's recipe on one network): the clean
+copy attends causally (each token sees itself and those before it, what a causal pass writes into a
+cache), and its position i is also trained to predict token i + 1 (the next-token cross-entropy, weighted
+by `ar_weight`): that is the network's AR mode. A noisy block sees the clean tokens before it and its own
+block; the blocks start at a random offset per row, as a draft block starts wherever the answer has got
+to, and half of them are wholly masked, as the block of masks a speculative decoder appends after the text
+it verifies (`decode.speculative`).
+
 All randomness at step s comes from a generator seeded with (seed, s), so a resumed run draws the
 same batches and masks and continues the same loss curve.
 """
@@ -64,6 +72,7 @@ class TrainConfig:
     bf16: bool = True
     tie_weights: bool = True
     block_sizes: list[int] = field(default_factory=list)  # empty: bidirectional (no blocks)
+    ar_weight: float = 0.0  # > 0: joint AR + block diffusion over a causal clean copy (module text)
     init: str | None = None  # a model folder whose weights the run starts from
     special: dict[str, int] = field(default_factory=dict)
 
@@ -117,32 +126,48 @@ def mask_batch(
 
 
 def block_mask_batch(
-    x: torch.Tensor, mask_id: int, g: torch.Generator, prefix_prob: float, sizes: list[int], eps: float = 1e-3
+    x: torch.Tensor,
+    mask_id: int,
+    g: torch.Generator,
+    prefix_prob: float,
+    sizes: list[int],
+    eps: float = 1e-3,
+    drafting: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward process per block: returns (noisy ids, mask, p_mask per position, block length per row).
-    Each row draws its block length from `sizes` and each of its blocks its own mask ratio."""
+    """Forward process per block: returns (noisy ids, mask, p_mask per position, block index per position).
+    Each row draws its block length from `sizes` and each of its blocks its own mask ratio. `drafting`: the
+    blocks start at a random offset per row, and half of them are wholly masked (the draft block a
+    speculative decoder appends, `decode.speculative`)."""
     B, L = x.shape
     width = torch.tensor(sizes)[torch.randint(len(sizes), (B,), generator=g)]
-    block = torch.arange(L)[None, :] // width[:, None]  # (B, L) block index of each position
-    t = torch.rand(B, L // min(sizes) + 1, generator=g)
+    shift = (torch.rand(B, generator=g) * width).long() if drafting else torch.zeros(B, dtype=torch.long)
+    block = (torch.arange(L)[None, :] + shift[:, None]) // width[:, None]  # (B, L) block index of each position
+    t = torch.rand(B, L // min(sizes) + (2 if drafting else 1), generator=g)
+    if drafting:
+        t = torch.where(torch.rand(t.shape, generator=g) < 0.5, torch.ones_like(t), t)
     p = ((1 - eps) * t + eps).gather(1, block)
     mask = torch.rand(B, L, generator=g) < p
     keep = torch.randint(1, max(2, L // 4), (B,), generator=g)
     keep = torch.where(torch.rand(B, generator=g) < prefix_prob, keep, torch.zeros_like(keep))
     mask &= torch.arange(L)[None, :] >= keep[:, None]
-    return torch.where(mask, mask_id, x), mask, p, width
+    return torch.where(mask, mask_id, x), mask, p, block
 
 
-def block_causal_mask(width: torch.Tensor, L: int) -> torch.Tensor:
-    """(B, 1, 2L, 2L) bool, True = may attend, over [clean copy; noisy copy] of rows of L tokens cut into
-    blocks of `width` (B,). Clean query in block b: clean keys in blocks <= b. Noisy query in block b: clean
-    keys in blocks < b and noisy keys in block b."""
-    blk = torch.arange(L, device=width.device)[None, :] // width[:, None]  # (B, L)
+def block_causal_mask(blk: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """(B, 1, 2L, 2L) bool, True = may attend, over [clean copy; noisy copy] of rows of L tokens whose
+    positions are in blocks `blk` (B, L). Clean query in block b: clean keys in blocks <= b (`causal`: clean
+    keys up to itself). Noisy query in block b: clean keys in blocks < b and noisy keys in block b."""
+    L = blk.shape[1]
     b2 = torch.cat([blk, blk], 1)  # (B, 2L)
-    noisy = torch.arange(2 * L, device=width.device) >= L  # (2L,)
+    noisy = torch.arange(2 * L, device=blk.device) >= L  # (2L,)
     qb, kb = b2[:, :, None], b2[:, None, :]
     qn, kn = noisy[None, :, None], noisy[None, None, :]
-    clean_key = ~kn & ((kb < qb) | (~qn & (kb == qb)))
+    if causal:
+        i = torch.arange(2 * L, device=blk.device) % L
+        own = (i[None, :, None] >= i[None, None, :]) & ~qn
+    else:
+        own = ~qn & (kb == qb)
+    clean_key = ~kn & ((kb < qb) | own)
     noisy_key = kn & qn & (kb == qb)
     return (clean_key | noisy_key)[:, None]
 
@@ -153,29 +178,48 @@ def diffusion_loss(
     noisy: torch.Tensor,
     mask: torch.Tensor,
     p: torch.Tensor,
-    width: torch.Tensor | None = None,
+    blk: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum over masked positions of CE / p, divided by the number of tokens (an upper bound on NLL).
-    p: (B,) per row, or (B, L) per position. With `width` (B,), block diffusion over [clean; noisy]."""
-    if width is None:
+    p: (B,) per row, or (B, L) per position. With `blk` (B, L) block indices, block diffusion over
+    [clean; noisy]."""
+    return joint_loss(model, x, noisy, mask, p, blk)[0]
+
+
+def joint_loss(
+    model: LLaDAModel,
+    x: torch.Tensor,
+    noisy: torch.Tensor,
+    mask: torch.Tensor,
+    p: torch.Tensor,
+    blk: torch.Tensor | None = None,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the diffusion loss `diffusion_loss` describes, the AR mode's next-token cross-entropy per predicted
+    token or None). `causal` (with `blk`): the clean copy attends causally and its position i is read as the
+    prediction of token i + 1."""
+    ar = None
+    if blk is None:
         h, _ = model.hidden(noisy)
     else:
         L = x.shape[1]
         pos = torch.arange(L, device=x.device).repeat(2).expand(x.shape[0], 2 * L)
-        h, _ = model.hidden(torch.cat([x, noisy], 1), pos, block_causal_mask(width, L))
+        h, _ = model.hidden(torch.cat([x, noisy], 1), pos, block_causal_mask(blk, causal))
+        if causal:
+            ar = F.cross_entropy(model.head(h[:, : L - 1]).float().flatten(0, 1), x[:, 1:].flatten())
         h = h[:, L:]
     logits = model.head(h[mask]).float()  # only masked positions reach the LM head
     ce = F.cross_entropy(logits, x[mask], reduction="none")
     weight = (1.0 / p if p.dim() == 2 else (1.0 / p)[:, None]).expand_as(mask)[mask]
-    return (ce * weight).sum() / x.numel()
+    return (ce * weight).sum() / x.numel(), ar
 
 
 def noise_batch(
-    x: torch.Tensor, mask_id: int, g: torch.Generator, prefix_prob: float, sizes: list[int]
+    x: torch.Tensor, mask_id: int, g: torch.Generator, prefix_prob: float, sizes: list[int], drafting: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The forward process of the run's objective: (noisy, mask, p, block widths or None)."""
+    """The forward process of the run's objective: (noisy, mask, p, block indices or None)."""
     if sizes:
-        return block_mask_batch(x, mask_id, g, prefix_prob, sizes)
+        return block_mask_batch(x, mask_id, g, prefix_prob, sizes, drafting=drafting)
     noisy, mask, p = mask_batch(x, mask_id, g, prefix_prob)
     return noisy, mask, p, None
 
@@ -197,26 +241,31 @@ def nll_bound(
     use_bf16: bool = False,
     rows: int = 64,
     sizes: list[int] | None = None,
-) -> float:
+    joint: bool = False,
+) -> tuple[float, float | None]:
     """Monte-Carlo estimate of the diffusion NLL upper bound per token of the rows of `x` (CPU tensors,
-    moved to the model's device a slice of `rows` at a time). `sizes`: block diffusion's block lengths."""
+    moved to the model's device a slice of `rows` at a time), and with `joint` the AR mode's NLL per
+    predicted token. `sizes`: block diffusion's block lengths."""
     device = next(model.parameters()).device
-    total = 0.0
+    total, ar_total, ar_n = 0.0, 0.0, 0
     for _ in range(draws):
         for i in range(0, len(x), rows):
             xb = x[i : i + rows]
-            noisy, mask, p, width = noise_batch(xb, mask_id, g, 0.0, sizes or [])
+            noisy, mask, p, blk = noise_batch(xb, mask_id, g, 0.0, sizes or [], joint)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                loss = diffusion_loss(
+                loss, ar = joint_loss(
                     model,
                     xb.to(device),
                     noisy.to(device),
                     mask.to(device),
                     p.to(device),
-                    None if width is None else width.to(device),
+                    None if blk is None else blk.to(device),
+                    joint,
                 )
             total += loss.item() * xb.numel()
-    return total / (draws * x.numel())
+            if ar is not None:
+                ar_total, ar_n = ar_total + ar.item() * len(xb), ar_n + len(xb)
+    return total / (draws * x.numel()), (ar_total / ar_n if ar_n else None)
 
 
 def heldout_nll(
@@ -228,10 +277,11 @@ def heldout_nll(
     draws: int = 4,
     use_bf16: bool = False,
     sizes: list[int] | None = None,
-) -> float:
-    """The NLL bound on a fixed held-out batch, for the training log."""
+    joint: bool = False,
+) -> tuple[float, float | None]:
+    """The NLL bound (and with `joint` the AR NLL) on a fixed held-out batch, for the training log."""
     g = torch.Generator().manual_seed(1234)
-    return nll_bound(model, get_batch(data, rows, seq_len, g), mask_id, g, draws, use_bf16, rows, sizes)
+    return nll_bound(model, get_batch(data, rows, seq_len, g), mask_id, g, draws, use_bf16, rows, sizes, joint)
 
 
 def _step_generator(seed: int, step: int) -> torch.Generator:
@@ -247,6 +297,8 @@ def train(
     data_dir = Path(cfg.data)
     if not (data_dir / "train.pt").is_file():
         raise UsageError(f"{data_dir}: no train.pt (run prepare_data first)")
+    if cfg.ar_weight > 0 and not cfg.block_sizes:
+        raise UsageError("--ar-weight trains the AR mode beside block diffusion: give --block-size too")
     train_data = torch.load(data_dir / "train.pt", weights_only=True)
     held_data = torch.load(data_dir / "heldout.pt", weights_only=True)
     sp = cfg.special
@@ -266,6 +318,7 @@ def train(
         weight_tying=cfg.tie_weights,
         rope_theta=10000.0,
         block_causal=bool(cfg.block_sizes),
+        causal_context=cfg.ar_weight > 0,
     )
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
@@ -324,14 +377,17 @@ def train(
         while step < cfg.steps:
             g = _step_generator(cfg.seed, step)
             x = get_batch(train_data, cfg.batch_size, cfg.seq_len, g)
-            noisy, mask, p, width = noise_batch(x, mcfg.mask_token_id, g, cfg.prefix_prob, cfg.block_sizes)
+            joint = cfg.ar_weight > 0
+            noisy, mask, p, blk = noise_batch(x, mcfg.mask_token_id, g, cfg.prefix_prob, cfg.block_sizes, joint)
             x, noisy, mask, p = x.to(device), noisy.to(device), mask.to(device), p.to(device)
-            width = None if width is None else width.to(device)
+            blk = None if blk is None else blk.to(device)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg)
             model.train()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                loss = diffusion_loss(model, x, noisy, mask, p, width)
+                loss, ar = joint_loss(model, x, noisy, mask, p, blk, joint)
+                if ar is not None:
+                    loss = loss + cfg.ar_weight * ar
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
@@ -344,17 +400,24 @@ def train(
                 "loss": round(loss.item(), 4),
                 "lr": round(lr_at(step - 1, cfg), 6),
                 "grad_norm": round(gnorm, 3),
+                **({} if ar is None else {"ar_loss": round(ar.item(), 4)}),
                 "tokens_per_s": round(rate),
                 "time": round(time.time()),
             }
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 model.eval()
-                rec["heldout_nll"] = round(
-                    heldout_nll(
-                        model, held_data, mcfg.mask_token_id, cfg.seq_len, use_bf16=use_bf16, sizes=cfg.block_sizes
-                    ),
-                    4,
+                bound, ar_nll = heldout_nll(
+                    model,
+                    held_data,
+                    mcfg.mask_token_id,
+                    cfg.seq_len,
+                    use_bf16=use_bf16,
+                    sizes=cfg.block_sizes,
+                    joint=joint,
                 )
+                rec["heldout_nll"] = round(bound, 4)
+                if ar_nll is not None:
+                    rec["heldout_ar_nll"] = round(ar_nll, 4)
             records.append(rec)
             logf.write(json.dumps(rec) + "\n")
             logf.flush()
@@ -380,6 +443,9 @@ def _check_same_objective(out: Path, cfg: TrainConfig) -> None:
     if not saved.is_file():
         return
     before = sorted(json.loads(saved.read_text(encoding="utf-8")).get("block_sizes", []))
+    was_joint = json.loads(saved.read_text(encoding="utf-8")).get("ar_weight", 0.0) > 0
+    if was_joint != (cfg.ar_weight > 0):
+        raise UsageError(f"{out} was trained {'with' if was_joint else 'without'} the AR mode; resume it as it began")
     if before != sorted(cfg.block_sizes):
         raise UsageError(
             f"{out} was trained with block sizes {before or 'none (bidirectional)'}; resume it with the same "
@@ -468,10 +534,13 @@ def _same_kind(init: Path, model: LLaDAModel) -> bool:
     from ..errors import CelerisError
 
     try:
-        block = bool(getattr(ModelFolder.open(init).cfg, "block_causal", False))
+        cfg = ModelFolder.open(init).cfg
     except (OSError, CelerisError):
         return False
-    return block == bool(model.cfg.block_causal)
+    block = bool(getattr(cfg, "block_causal", False))
+    return block == bool(model.cfg.block_causal) and bool(getattr(cfg, "causal_context", False)) == bool(
+        model.cfg.causal_context
+    )
 
 
 def plot_log(log_path: Path, png: Path, title: str = "celeris-tiny training curve") -> None:
