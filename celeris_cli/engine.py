@@ -27,6 +27,7 @@ from .arch.tokenizer import Tokenizer
 from .backoff import is_out_of_memory, largest_fitting, run_backing_off
 from .backoff import too_large as too_large_error
 from .decode import waves
+from .decode.pace import ForwardCost
 from .decode.running import BlockRequest, BlockScheduler
 from .decode.runset import Occupancy, RunningSet
 from .decode.sampling import RowNoise, request_seed
@@ -139,6 +140,8 @@ class Engine:
             raise ModelError(f"{GENERATION_CONFIG}: eos_token_id {outside[0]} is outside the embedding table")
         self.special = SpecialTokens(tokenizer.mask_id, tokenizer.stop_ids | extra_stops, tokenizer.pad_id)
         self.positions_computed = 0  # positions through the network over every decode (for `bench`)
+        self.drafted = self.accepted = 0  # self-speculation's draft tokens verified and confirmed (for `bench`)
+        self._forward_cost: ForwardCost | None = None
         self.last_occupancy: Occupancy | None = None  # the last running set's (for `bench`)
         self.memory = MemoryBudget(model, dtype)  # the planner's view of this model; no budget unless set
 
@@ -235,6 +238,8 @@ class Engine:
         prompt_mask = torch.tensor([[False] * (P - len(ids)) + [True] * len(ids) for ids in batch], device=self.device)
         noise = RowNoise([request_seed(s, ids) for s, ids in zip(seeds, batch)], self.device, seeds)
         net = Net(self.model)
+        if STRATEGIES[params.strategy].decoder == "self-spec" and params.drafting == "auto":
+            net.cost = self.forward_cost()
         extra: dict[str, Any] = {"rules": rules} if any(r is not None for r in rules) else {}
         with invariant.enabled(params.deterministic):
             if extra:  # only strategies with the `structure` part get here with rules (params refuses others)
@@ -246,7 +251,17 @@ class Engine:
             else:
                 raise UsageError(f"the {params.strategy} strategy commits no blocks to report")
         self.positions_computed += net.positions_computed
+        self.drafted, self.accepted = self.drafted + net.drafted, self.accepted + net.accepted
         return out[:, P:].tolist(), net.nfe
+
+    def forward_cost(self) -> ForwardCost:
+        """The model's forward cost on this engine's device and dtype (`decode.pace.calibrate`), measured on
+        first use and kept: what self-speculation's per-round choice weighs."""
+        if self._forward_cost is None:
+            from .decode.pace import calibrate
+
+            self._forward_cost = calibrate(self.model)
+        return self._forward_cost
 
     def _scheduler(
         self,

@@ -30,6 +30,7 @@ Remasking = Literal["low_confidence", "random", "sequential"]
 CacheMode = Literal["none", "prefix", "dual"]
 Confidence = Literal["prob", "margin", "lead", "entropy"]
 DreamAlg = Literal["maskgit_plus", "topk_margin", "entropy", "origin"]
+DraftPolicy = Literal["auto", "always", "never"]
 MAX_SEED = 2**63 - 1
 # The ceiling of every length and count a user gives (tokens, steps, block length, top-k...): above any
 # model's context, and checked before anything is sized by the value (a list per block of a 10^9-token
@@ -240,6 +241,15 @@ KNOBS: dict[str, Knob] = {
         "between 0 and 1",
         help="nemotron-spec: each draft forward fills every masked position of the block at least this sure, "
         "and always the surest; 0 drafts the whole block in one forward (the family's default).",
+    ),
+    # self-speculative decoding (`spec`): whether a round drafts
+    "drafting": Knob(
+        str,
+        "auto",
+        choices=("auto", "always", "never"),
+        help="spec: whether a round drafts the next tokens by diffusion as it verifies the last draft: auto "
+        "(where the engine's calibrated cost of a forward at the width in flight says it pays), always, or never "
+        "(one token a forward, the AR mode). The answer is the same either way; only the forwards differ.",
     ),
     # token editing (LLaDA2.1; the block strategies)
     "edit_threshold": Knob(
@@ -629,6 +639,21 @@ class Draft:
 
 
 @dataclass(frozen=True)
+class Drafting:
+    """Self-speculative decoding's settings (`decode.selfspec`). A drafting round appends `width` masks, so a
+    wholly accepted answer takes about denoise_steps forwards: denoise_steps = gen_length is the AR mode's one
+    token a forward, fewer steps draft wider."""
+
+    gen_length: int
+    denoise_steps: int
+    drafting: DraftPolicy
+
+    @property
+    def width(self) -> int:
+        return -(-self.gen_length // max(1, min(self.denoise_steps, self.gen_length)))
+
+
+@dataclass(frozen=True)
 class Denoising:
     """DiffusionGemma's steps: the temperature falling linearly from `temperature` (t_max) to
     `temperature_final` (t_min), the entropy bound on what a step keeps, and the adaptive stop (off where
@@ -699,6 +724,7 @@ PARTS: dict[str, type] = {
     "filters": Filters,
     "entropy": EntropyRanking,
     "draft": Draft,
+    "drafting": Drafting,
     "denoising": Denoising,
     "noise": CanvasNoise,
     "stops": StopIds,
@@ -740,6 +766,7 @@ class GenerationParams:
     alg_temp: float = KNOBS["alg_temp"].default
     block_steps: int = KNOBS["block_steps"].default
     draft_threshold: float = KNOBS["draft_threshold"].default
+    drafting: DraftPolicy = KNOBS["drafting"].default
     edit_threshold: float = KNOBS["edit_threshold"].default
     max_post_edit_steps: int = KNOBS["max_post_edit_steps"].default
     greedy: bool = KNOBS["greedy"].default

@@ -108,14 +108,16 @@ def test_scaling_measures_each_cell_that_fits_as_one_batch(eos_prone: Engine) ->
     report = scaling(eos_prone, gen_lengths=(8, 300), batches=(1, 3), block_length=4)
     cells = {(c["gen_length"], c["batch"]): c for c in report["cells"]}
     assert set(cells) == {(8, 1), (8, 3), (300, 1), (300, 3)}
-    assert "context 256" in cells[(300, 1)]["skipped"] and "reference" not in cells[(300, 3)]
+    assert "context 256" in cells[(300, 1)]["skipped"] and "modes" not in cells[(300, 3)]
+    assert report["yardstick"] == "ar-limit" and report["modes"] == ["reference", *report["modes"][1:-1], "ar-limit"]
     for batch in (1, 3):
-        cell = cells[(8, batch)]
-        ref, fast = cell["reference"], cell["dual-cache"]
+        modes = cells[(8, batch)]["modes"]
+        ref, fast, limit = modes["reference"], modes["dual-cache"], modes["ar-limit"]
         assert ref["nfe"] == 8  # one batch, one forward per step, steps = gen_length
         assert 0 < ref["output_tokens"] <= 8 * batch and fast["output_tokens"] <= 8 * batch
-        assert ref["peak_mem_mb"] >= 0 and fast["tokens_per_s"] > 0
-        assert cell["speedup"] == round(fast["tokens_per_s"] / ref["tokens_per_s"], 2)
+        assert ref["peak_mem_mb"] >= 0 and fast["tokens_per_s"] > 0 and limit["output_tokens"] == 8 * batch
+        assert fast["x_ar"] == round(fast["tokens_per_s"] / limit["tokens_per_s"], 2) and limit["x_ar"] == 1.0
+    assert all(report["same_answers_in_every_cell"].values()) and report["the_ar_modes_answers"] == {}
 
 
 def test_bench_versus_another_model_on_the_same_prompts(tiny_model: Path, tiny_tokenizer: Path, tmp_path: Path) -> None:

@@ -102,7 +102,7 @@ def test_ray_runs_batch_with_the_prompts_model_and_batch_size_asked(
 def test_scaling_measures_its_cells_and_rejects_a_bad_list(tiny_model: Path, tmp_path: Path) -> None:
     args = ["scaling", "--model", str(tiny_model), "--gen-lengths", "8", "--batch-sizes", "2", "--block-length", "8"]
     out = _run([*args, "--device", "cpu", "--out", str(tmp_path / "s.json")]).stdout
-    assert "speedup" in out and json.loads((tmp_path / "s.json").read_text())["cells"][0]["batch"] == 2
+    assert "x ar-limit" in out and json.loads((tmp_path / "s.json").read_text())["cells"][0]["batch"] == 2
     report = json.loads(_run([*args[:-4], "--batch-sizes", "1", "--device", "cpu", "--json"]).stdout)
     assert [(c["gen_length"], c["batch"]) for c in report["cells"]] == [(8, 1)]
     r = runner.invoke(app, ["bench", *args[:6], "2,x"])

@@ -79,9 +79,9 @@ def test_the_query_scale_and_yarn_act_past_the_original_length() -> None:
     assert (full[:, 16:] - plain[:, 16:]).abs().max() > 1e-3
 
 
-def test_it_loads_with_its_three_strategies_its_own_first(engine) -> None:  # type: ignore[no-untyped-def]
+def test_it_loads_with_its_strategies_self_speculation_first(engine) -> None:  # type: ignore[no-untyped-def]
     assert engine.arch.name == "nemotron_labs_diffusion"
-    assert engine.arch.strategies == ("nemotron", "ar", "nemotron-spec") and engine.params().strategy == "nemotron"
+    assert engine.arch.strategies == ("spec", "nemotron", "ar", "nemotron-spec") and engine.params().strategy == "spec"
     assert engine.tokenizer.mask_id == REF["ids"]["mask"] and engine.tokenizer.eos_id == REF["ids"]["eos"]
 
 
@@ -161,14 +161,14 @@ def test_sampling_depends_on_the_seed_alone(engine) -> None:  # type: ignore[no-
         assert a[2] == b[0] and b[0] != c[0]
 
 
-def test_generate_runs_it_as_saved_in_both_modes() -> None:
+def test_generate_runs_it_as_saved_by_default_and_in_its_ar_mode() -> None:
     for extra in ([], ["--strategy", "ar"]):
         result = CliRunner().invoke(
             app, ["generate", "--model", str(FOLDER), "--prompt", "hello", "--gen-length", "16", *extra, "--json"]
         )
         assert result.exit_code == 0, result.output
         record = json.loads(result.stdout)
-        assert record["output_tokens"] > 0 and record["settings"]["strategy"] == (extra[-1] if extra else "nemotron")
+        assert record["output_tokens"] > 0 and record["settings"]["strategy"] == (extra[-1] if extra else "spec")
 
 
 def test_each_blocks_seed_is_the_ar_next_token_after_the_text_so_far(engine) -> None:  # type: ignore[no-untyped-def]

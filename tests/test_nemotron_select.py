@@ -96,7 +96,8 @@ def test_leftmost_with_a_threshold_is_refused_by_name(engine) -> None:  # type: 
         engine.params({**BASE, "remasking": "sequential", "threshold": 0.5})
     result = CliRunner().invoke(
         app,
-        ["generate", "--model", str(FOLDER), "--prompt", "hi", "--remasking", "sequential", "--threshold", "0.5"],
+        ["generate", "--model", str(FOLDER), "--prompt", "hi", "--strategy", "nemotron"]
+        + ["--remasking", "sequential", "--threshold", "0.5"],
     )
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert "--threshold: sequential remasking" in result.output
@@ -108,7 +109,7 @@ def test_generate_runs_leftmost_from_the_command_line() -> None:
         result = CliRunner().invoke(
             app,
             ["generate", "--model", str(FOLDER), "--prompt", "hello", "--gen-length", "16", "--block-length", "8"]
-            + ["--block-steps", "3", "--remasking", remasking, "--json"],
+            + ["--block-steps", "3", "--remasking", remasking, "--strategy", "nemotron", "--json"],
         )
         assert result.exit_code == 0, result.output
         record = json.loads(result.stdout)

@@ -109,7 +109,7 @@ def test_settings_it_does_not_honour_are_refused_by_name(engine) -> None:  # typ
         engine.params({"strategy": "nemotron", "draft_threshold": 0.5})
     for args, message in [
         (["--model", str(FOLDER), "--strategy", "nemotron-spec", "--remasking", "random"], "--remasking: not used"),
-        (["--model", str(FOLDER), "--draft-threshold", "0.5"], "--draft-threshold: not used by the nemotron"),
+        (["--model", str(FOLDER), "--draft-threshold", "0.5"], "--draft-threshold: not used by the spec strategy"),
         (["--strategy", "nemotron-spec"], "nemotron-spec"),  # the default model has no AR mode
     ]:
         result = CliRunner().invoke(app, ["generate", "--prompt", "hi", *args])
@@ -129,11 +129,13 @@ def test_generate_runs_it_from_the_command_line() -> None:
     assert record["output_tokens"] > 0
 
 
-def test_bench_runs_the_three_modes_side_by_side_the_ar_mode_first(engine) -> None:  # type: ignore[no-untyped-def]
+def test_bench_runs_its_modes_side_by_side_the_ar_mode_first(engine) -> None:  # type: ignore[no-untyped-def]
     from celeris_cli.measure.bench import bench
 
     report = bench(engine, n_prompts=2, batch_size=2, gen_length=8, block_length=4, cache_agreement=False)
     modes = report["modes"]
-    assert list(modes) == ["ar", "nemotron", "nemotron-spec"] and modes["ar"]["speedup"] == 1.0
-    assert modes["nemotron-spec"]["output_tokens"] == modes["ar"]["output_tokens"]  # greedy: the same answers
-    assert modes["nemotron-spec"]["distinct_2"] == modes["ar"]["distinct_2"]
+    assert list(modes) == ["ar", "nemotron", "nemotron-spec", "spec"] and modes["ar"]["speedup"] == 1.0
+    for spec in ("nemotron-spec", "spec"):
+        assert modes[spec]["output_tokens"] == modes["ar"]["output_tokens"]  # greedy: the same answers
+        assert modes[spec]["distinct_2"] == modes["ar"]["distinct_2"]
+    assert report["default_mode"] == "spec"

@@ -81,7 +81,7 @@ def test_every_strategy_declares_what_it_honours() -> None:
     dream, block = {"eps", "alg", "alg_temp"}, {"block_steps"}
     editing = {"edit_threshold", "max_post_edit_steps"}  # the block strategies' alone
     rnd1 = {"greedy", "eb_gamma"}  # RND1's own sampler's alone
-    draft = {"draft_threshold"}  # speculative decoding's alone
+    draft = {"draft_threshold", "drafting"}  # the speculative strategies' alone
     gemma = {"temperature_final", "entropy_bound", "stability_threshold", "confidence_threshold", "stop_token_ids"}
     gemma |= {"noise", "initial_canvases"}  # DiffusionGemma's own decoder's alone
     assert set(KNOBS) - set(honoured("fast")) == dream | block | editing | rnd1 | draft | gemma  # the rest
@@ -123,6 +123,7 @@ def test_every_strategy_declares_what_it_honours() -> None:
     assert set(honoured("nemotron-spec")) == {"gen_length", "block_length", "draft_threshold"} | sampling | set(
         PER_REQUEST
     )
+    assert set(honoured("spec")) == {"gen_length", "denoise_steps", "drafting"} | sampling | set(PER_REQUEST)
     for strategy in STRATEGIES:
         assert set(PER_REQUEST) <= set(honoured(strategy))
 

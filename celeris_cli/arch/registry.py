@@ -94,7 +94,21 @@ _ENTRIES = (
         attention="block-causal",
         strategies=_BLOCK,
         defaults={"block_length": 8, "block_steps": 8, "threshold": 0.9},
-        when={"block_causal": True},
+        when={"block_causal": True, "causal_context": None},
+    ),
+    # LLaDA's layout trained jointly as a causal LM and block diffusion over a causal cache (`celeris train
+    # --ar-weight`): its AR mode, self-speculation over it (the default: the AR answer, drafted where it pays)
+    # and Nemotron's diffusion mode (a seed, then a block of masks over the causal cache)
+    Architecture(
+        name="llada_spec",
+        classes=("LLaDAModelLM",),
+        model_types=("llada",),
+        module="llada",
+        layout="LLaDA (OLMo names)",
+        attention="block-causal",
+        strategies=("spec", "ar", "nemotron"),
+        defaults={"denoise_steps": 16, "block_length": 4, "threshold": 1.0},
+        when={"block_causal": True, "causal_context": True},
     ),
     Architecture(
         name="dream",
@@ -153,7 +167,7 @@ _ENTRIES = (
         module="nemotron",
         layout="Ministral-3 (YaRN, Llama-4 query scale; encoder., diffusion_head)",
         attention="block-causal",
-        strategies=("nemotron", "ar", "nemotron-spec"),
+        strategies=("spec", "nemotron", "ar", "nemotron-spec"),
         defaults={"block_length": 32, "block_steps": 32, "threshold": 1.0},
     ),
     # Gemma 4 run as a causal encoder (prompt, then each finished canvas) and a bidirectional decoder that

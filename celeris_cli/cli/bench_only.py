@@ -22,7 +22,6 @@ from .bench import (
     OUT,
     PROMPTS,
     SET,
-    STEPS,
     THREADS,
     _measure,
     bench_app,
@@ -95,25 +94,42 @@ def ray_cmd(
 def scaling_cmd(
     model: Path = MODEL,
     gen_lengths: str = typer.Option("64,256,1024", "--gen-lengths", metavar="N,N,...", help="The gen-lengths."),
-    batch_sizes: str = typer.Option("1,16,64", "--batch-sizes", metavar="B,B,...", help="The batch sizes."),
+    batch_sizes: str = typer.Option("1,4,16,64", "--batch-sizes", metavar="B,B,...", help="The batch sizes."),
     block_length: int = BLOCK_LENGTH,
-    steps: int = STEPS,
+    steps: int = typer.Option(
+        None,
+        "--denoise-steps",
+        "--steps",
+        min=1,
+        help="Default: the model's (gen-length for a model without an AR mode).",
+    ),
     set_name: str = SET,
     device: DeviceOpt = DEVICE,
     dtype: DtypeOpt = DTYPE,
     threads: int = THREADS,
+    plot: Path = typer.Option(
+        None, "--plot", metavar="FILE", help="Also draw tokens/s against the batch size per mode: FILE.svg or FILE.png."
+    ),
     out: Path = OUT,
     as_json: bool = AS_JSON,
 ) -> None:
-    """Output tokens/s and peak memory of the reference and the default mode for each gen-length x batch
-    size (one batch of poem openings per cell)."""
+    """Output tokens/s of every mode the model decodes in, against decoding it left to right, for each
+    gen-length x batch size (one batch of poem openings per cell): tokens per forward, positions per output
+    token, draft acceptance, and whether every answer is the same at every width."""
     from ..engine import load_engine
+    from ..measure.scaling import plot as draw
     from ..measure.scaling import render_scaling, scaling
+
+    if plot is not None and plot.suffix.lower() not in (".svg", ".png"):
+        fail(UsageError(f"--plot {plot}: give a .svg or .png file"))
 
     def measure() -> dict[str, Any]:
         gens, batches = _int_list("--gen-lengths", gen_lengths), _int_list("--batch-sizes", batch_sizes)
         engine = load_engine(model, device.value, dtype.value, threads)
-        return scaling(engine, gens, batches, block_length, steps, _json_setting(set_name))
+        report = scaling(engine, gens, batches, block_length, steps, _json_setting(set_name))
+        if plot is not None:
+            draw(report, plot)
+        return report
 
     _measure(measure, out, as_json, render_scaling)
 

@@ -30,9 +30,11 @@ from .diffusion_gemma import DiffusionGemmaPlan, generate_diffusion_gemma
 from .dream import DreamPlan, generate_dream
 from .fast import FastPlan, generate_fast
 from .nemotron import ARPlan, SeededPlan, generate_ar, generate_seeded
+from .pace import ForwardCost
 from .reference import ReferencePlan, generate_reference
 from .rnd1 import RND1Plan, generate_rnd1
 from .sampling import RowNoise
+from .selfspec import SelfSpecPlan, generate_self_spec
 from .speculative import SpecPlan, generate_speculative
 
 
@@ -55,6 +57,9 @@ class Net:
         self.chunk = logit_chunk(model.cfg.rows) if chunk is None else chunk
         self.nfe = 0
         self.positions_computed = 0  # positions (rows x tokens) through the network, over every forward
+        self.drafted = 0  # draft tokens put to a verify pass (self-speculative decoding)
+        self.accepted = 0  # of them, those the AR mode confirmed
+        self.cost: ForwardCost | None = None  # a forward's cost model, for self-speculation's choice
         self.shift = model.logit_shift
 
     @staticmethod
@@ -239,6 +244,18 @@ def _stopping(decode: Callable[..., torch.Tensor], plan: type) -> Decode:
     return run
 
 
+def _self_spec(
+    net: Net,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: GenerationParams,
+    tokens: SpecialTokens,
+    noise: RowNoise,
+) -> torch.Tensor:
+    plan = _plan(SelfSpecPlan, params)
+    return generate_self_spec(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, net.cost)
+
+
 def _diffusion_gemma(
     net: Net,
     prompt: torch.Tensor,
@@ -273,6 +290,7 @@ DECODERS: dict[str, Decoder] = {
     "seeded": Decoder(SeededPlan, _stopping(generate_seeded, SeededPlan)),
     "ar": Decoder(ARPlan, _stopping(generate_ar, ARPlan)),
     "speculative": Decoder(SpecPlan, _stopping(generate_speculative, SpecPlan)),
+    "self-spec": Decoder(SelfSpecPlan, _self_spec),
     "diffusion-gemma": Decoder(DiffusionGemmaPlan, _diffusion_gemma),
 }
 

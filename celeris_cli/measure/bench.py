@@ -36,12 +36,13 @@ MODES: dict[str, dict[str, Any]] = {
 BY_CACHE = {"none": "threshold+exit", "prefix": "prefix-cache", "dual": "dual-cache"}
 # block-diffusion families (LLaDA2): the reference recomputes the prefix at every step; block-fast caches it
 BLOCK_MODES: dict[str, dict[str, Any]] = {"block": {"strategy": "block"}, "block-fast": {"strategy": "block-fast"}}
-# one checkpoint decoded left to right, by diffusion and by speculation (Nemotron-Labs-Diffusion): its own AR
-# mode is the baseline
+# one checkpoint decoded left to right, by diffusion and by speculation (Nemotron-Labs-Diffusion, a model
+# trained with --ar-weight): its own AR mode is the baseline; the modes its architecture runs
 SEEDED_MODES: dict[str, dict[str, Any]] = {
     "ar": {"strategy": "ar"},
     "nemotron": {"strategy": "nemotron"},
     "nemotron-spec": {"strategy": "nemotron-spec"},
+    "spec": {"strategy": "spec"},
 }
 
 
@@ -52,7 +53,8 @@ def modes_for(engine: Engine, settings: dict[str, Any] | None = None) -> tuple[d
     if "block" in engine.arch.strategies:
         return BLOCK_MODES, "block-fast"
     if "ar" in engine.arch.strategies:
-        return SEEDED_MODES, "nemotron"
+        runs = {k: v for k, v in SEEDED_MODES.items() if v["strategy"] in engine.arch.strategies}
+        return runs, engine.arch.default_strategy
     return MODES, BY_CACHE[engine.params(settings or {}).cache]
 
 
@@ -233,17 +235,20 @@ def bench(
     prompts = [r["prompt"] for r in evalset.poems[:n_prompts]]
     table, default_mode = modes_for(engine, settings)
     baseline = next(iter(table))
-    if table is BLOCK_MODES or table is SEEDED_MODES:
+    seeded = "ar" in table
+    if table is BLOCK_MODES or seeded:
         steps_knob = {"block_steps": steps} if steps else {}
     else:
         steps_knob = {"denoise_steps": steps or gen_length}
-    layer = {**(settings or {}), "gen_length": gen_length, "block_length": block_length, **steps_knob}
+    layer: dict[str, Any] = {**(settings or {}), "gen_length": gen_length, "block_length": block_length, **steps_knob}
+    if seeded:  # the settings as the diffusion mode (which honours the most) reads them; each mode keeps its own
+        layer.setdefault("strategy", "nemotron")
     base = engine.params(layer)
 
     def mode(name: str, params: GenerationParams) -> GenerationParams:
         """The mode's settings over `params`; the AR and speculative modes of a seeded table keep only the
         knobs they honour (no steps; the AR mode no blocks either)."""
-        if table is SEEDED_MODES and name != "nemotron":
+        if seeded and name != "nemotron":
             strategy = table[name]["strategy"]
             return engine.params(
                 {**{k: v for k, v in params.report().items() if k in honoured(strategy)}, "strategy": strategy}

@@ -1,0 +1,93 @@
+"""Whether a round of self-speculative decoding (`decode.selfspec`) drafts: a forward's cost, measured once per
+engine (its device and dtype), against the tokens drafting has yielded.
+
+A forward's wall time is modelled as `fixed + per_position * positions` (rows x columns). `calibrate` times
+the network's plain forward at a few shapes (1 to 64 rows, 1 and 8 columns each: the shapes of an AR step and
+of a drafting round), the fastest of three after a warm-up each, and fits the two numbers by least squares.
+On this project's 2-core CPU the tiny embedded model costs a few milliseconds fixed and tens of microseconds a
+position; on a GPU the fixed part dominates to much wider batches. The engine calibrates on its first
+self-speculative decode and keeps the result (`Engine.forward_cost`).
+
+A round of b rows with drafts of k_r tokens in hand computes b x (1 + max k + width) positions when it drafts
+(the rows padded to the widest) and b when it steps left to right; it yields about `yield_` tokens per row
+when drafting (the mean over this decode's drafting rounds so far, starting from an optimistic 2 so the first
+rounds try) and exactly 1 otherwise. It drafts where yield_ / cost(drafting) > 1 / cost(AR step). The choice
+never changes an answer (`decode.selfspec`), only how many forwards it takes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+PRIOR_YIELD = 2.0  # tokens per row per drafting round assumed before any round has drafted
+PRIOR_WEIGHT = 2  # rounds the prior counts for
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """Seconds of one forward: fixed + per_position x positions."""
+
+    fixed: float
+    per_position: float
+
+    def seconds(self, positions: int) -> float:
+        return self.fixed + self.per_position * positions
+
+
+class Pace:
+    """The per-round choice of one decode: `drafts(width, k)` before a round, `saw(...)` after it."""
+
+    def __init__(self, policy: str, width: int, cost: ForwardCost | None, net: Any) -> None:
+        self.policy, self.width = policy, width
+        self.cost = cost if cost is not None or policy != "auto" else calibrate(net.model)
+        self.tokens, self.rows = PRIOR_YIELD * PRIOR_WEIGHT, PRIOR_WEIGHT
+
+    def drafts(self, b: int, k: torch.Tensor) -> bool:
+        if self.width < 2 or self.policy == "never":
+            return False
+        if self.policy == "always":
+            return True
+        assert self.cost is not None
+        yield_ = self.tokens / self.rows
+        drafting = self.cost.seconds(b * (1 + int(k.max()) + self.width))
+        return yield_ / drafting > 1 / self.cost.seconds(b)
+
+    def saw(self, b: int, tokens: int, drafted: bool) -> None:
+        if drafted:
+            self.tokens += tokens
+            self.rows += b
+
+
+_CALIBRATION = ((1, 1), (1, 8), (4, 1), (4, 8), (16, 1), (16, 8), (64, 1), (64, 8))
+
+
+@torch.no_grad()
+def calibrate(model: Any, shapes: tuple[tuple[int, int], ...] = _CALIBRATION) -> ForwardCost:
+    """Fit `ForwardCost` to the model's forward times at `shapes` (rows, columns) on its device and dtype."""
+    device = next(model.parameters()).device
+    xs, ys = [], []
+    for rows, cols in shapes:
+        ids = torch.full((rows, cols), int(model.cfg.mask_token_id), device=device)
+        pos = torch.arange(cols, device=device).expand(rows, cols)
+        mask = torch.ones(rows, 1, cols, cols, dtype=torch.bool, device=device).tril()
+        model.hidden(ids, pos, mask, keep_kv=False)  # warm-up
+        best = float("inf")
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            h, _ = model.hidden(ids, pos, mask, keep_kv=False)
+            model.head(h[:, -1])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        xs.append(rows * cols)
+        ys.append(best)
+    x, y = torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)
+    a = torch.stack([torch.ones_like(x), x], 1)
+    fixed, per = torch.linalg.lstsq(a, y[:, None]).solution.flatten().tolist()
+    return ForwardCost(max(fixed, 1e-6), max(per, 1e-9))

@@ -1,0 +1,173 @@
+"""Self-speculative decoding (`spec`): one network decoded left to right exactly, in fewer forwards where
+drafting pays. The answer is the AR mode's token for token (`decode.nemotron.generate_ar`), whatever is
+drafted and whether a round drafts at all.
+
+The network has two modes (`celeris train --ar-weight`, or Nemotron-Labs-Diffusion): causally, position i
+predicts token i + 1 (the AR mode); a block of masks after some text, attending to that text and to each
+other, predicts its own positions (the diffusion mode). Each row holds a seed (its last decided token, not yet
+in the cache) and a draft of k tokens after it (k may be 0). A round is one forward per row, over
+
+    [seed, draft_1 .. draft_k]  causally: each position's prediction is the AR mode's next token, and
+    [mask x m]                  where the round drafts: the masks see the cache, the seed, the draft and
+                                each other (m = the draft width, `Drafting.width`).
+
+The AR predictions are accepted while the draft agrees with them, and one more (the first disagreement's own,
+or the bonus after the last draft token): 1 to k + 1 tokens. Every accepted token at answer position t is
+drawn from the row's stream (block 0, step t), as the AR mode draws token t, so at any temperature the answer
+is the AR mode's. The forward wrote the keys and values of the seed and the draft causally; those of accepted
+text are what a causal pass writes, the rest is overwritten later. Where the whole draft was accepted, the
+masks after it become the next draft (their first is the bonus's place, which the AR mode has decided; the
+others are each mask's likeliest token); after a disagreement the next round starts with no draft.
+
+Drafting costs positions: a drafting round computes 1 + k + m positions per row, an AR step 1. Where a
+forward's time is its fixed cost (a small batch, a GPU), a round that yields more than one token per row is
+faster; where it is its positions (a wide batch on a CPU), one position per token is. Each round decides from
+the width in flight, by `Pace`: the engine's calibrated cost of a forward (`decode.pace`) and the tokens the
+rounds that drafted have yielded per row so far. The choice changes how many forwards an answer takes,
+never its tokens. `drafting` "always" or "never" fixes it (never: the AR mode, one token a forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..params import Drafting, Sampling
+from .nemotron import CausalCanvas, stop_after
+from .pace import ForwardCost, Pace
+from .predict import Places, StepLogits, choose
+from .sampling import RowNoise
+
+
+@dataclass(frozen=True)
+class SelfSpecPlan:
+    """The parts of the settings self-speculative decoding honours."""
+
+    drafting: Drafting
+    sampling: Sampling
+
+
+class _Rows:
+    """The rows still decoding: their batch indices, the canvas index of each one's seed, its draft (b, width)
+    of which the first `k` are real, and the cache over their slots, in the same order."""
+
+    def __init__(self, cv: CausalCanvas, P: int, width: int) -> None:
+        B = cv.x.shape[0]
+        assert cv.cache is not None
+        self.cv, self.cache = cv, cv.cache
+        self.idx = torch.arange(B, device=cv.x.device)
+        self.seed_at = torch.full((B,), P, dtype=torch.long, device=cv.x.device)
+        self.draft = torch.zeros(B, max(width - 1, 1), dtype=torch.long, device=cv.x.device)
+        self.k = torch.zeros(B, dtype=torch.long, device=cv.x.device)
+
+    def keep(self, stays: torch.Tensor) -> None:
+        self.idx, self.seed_at, self.draft, self.k = (t[stays] for t in (self.idx, self.seed_at, self.draft, self.k))
+        self.cache.keep(stays)
+
+    def forward(self, ids: torch.Tensor, v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """Hidden states (b, T) of each row's round `ids` at its own place over its cache: columns [0, v)
+        causal (the seed and the draft), [v, e) the masks (all of [0, e)), the rest padding (itself only)."""
+        T = ids.shape[1]
+        s = self.seed_at
+        L = int(s.max()) + T
+        k = torch.arange(L, device=ids.device)[None, None, :]  # (1, 1, L) key index
+        c = torch.arange(T, device=ids.device)[None, :, None]  # (1, T, 1) query column
+        j = k - s[:, None, None]  # (b, 1, L) key column inside the round
+        v, e = v[:, None, None], e[:, None, None]
+        before = self.cv.keys[self.idx, :L][:, None, :] & (j < 0) & (c < e)
+        causal = (c < v) & (j >= 0) & (j <= c)
+        masks = (c >= v) & (c < e) & (j >= 0) & (j < e)
+        pad = (c >= e) & (j == c)
+        at = (s[:, None] + torch.arange(T, device=ids.device)[None, :]).clamp_max(self.cv.pos.shape[1] - 1)
+        pos = self.cv.pos[self.idx[:, None], at]
+        view = self.cache.view(slice(None), L)
+        h, _ = self.cv.net.hidden(ids, pos, (before | causal | masks | pad)[:, None], view, s, False)
+        return h
+
+
+def _guess(net: Any, h: torch.Tensor, rows: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The next draft (n, W - 1) from the masks' hidden states (n, W - 1, d): each one's likeliest token (the
+    rows' batch indices and the answer position of their first drafted token serve a test's oracle)."""
+    return net.head(h).argmax(-1)
+
+
+@torch.no_grad()
+def generate_self_spec(
+    net: Any,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    plan: SelfSpecPlan,
+    mask_id: int,
+    stop_ids: frozenset[int],
+    noise: RowNoise,
+    cost: ForwardCost | None = None,
+) -> torch.Tensor:
+    """Self-speculative decoding (see the module's text): prompt (B, P) left-padded -> the canvas
+    (B, P + gen_length), the rest of a finished row its stop token. `cost`: the forward's cost model for the
+    "auto" choice (calibrated here from `net` if not given)."""
+    B, P = prompt.shape
+    G, W = plan.drafting.gen_length, plan.drafting.width
+    sampling = plan.sampling
+    dev = prompt.device
+    cv = CausalCanvas(net, prompt, prompt_mask, G + 2 * W, mask_id)  # room for a round past the answer's end
+    stop = torch.tensor(sorted(stop_ids), device=dev, dtype=prompt.dtype)
+    h = cv.forward(0, P, causal=True)[:, -1]
+    cv.x[:, P] = cv.pick(h, sampling, noise.at(list(range(B)), 0, 0))  # the AR mode's first token
+    rows = _Rows(cv, P, W)
+    pace = Pace(plan.drafting.drafting, W, cost if cost is not None or plan.drafting.drafting != "auto" else None, net)
+    stays = ~torch.isin(cv.x[:, P], stop) & torch.full((B,), G > 1, device=dev)
+    while bool(stays.any()):
+        if not bool(stays.all()):
+            rows.keep(stays)
+        b = len(rows.idx)
+        room = P + G - 1 - rows.seed_at  # answer positions after each seed (>= 1)
+        drafts = pace.drafts(b, rows.k)
+        k = torch.minimum(rows.k, room - 1) if drafts else torch.zeros_like(rows.k)
+        m = torch.clamp(room - k, max=W) if drafts else torch.zeros_like(k)  # masks, the bonus's place first
+        m = torch.where(m >= 2, m, 0)  # a single mask drafts nothing: its place is the bonus's
+        v, e = 1 + k, 1 + k + m
+        T = int(e.max())
+        cols = torch.arange(T, device=dev)[None, :]
+        ids = torch.full((b, T), mask_id, device=dev, dtype=prompt.dtype)
+        ids[:, 0] = cv.x[rows.idx, rows.seed_at]
+        if T > 1:
+            draft_cols = (cols >= 1) & (cols < v[:, None])
+            padded = torch.cat([rows.draft, rows.draft.new_zeros(b, T)], 1)[:, : T - 1]
+            ids[:, 1:] = torch.where(draft_cols[:, 1:], padded, mask_id)
+        h = rows.forward(ids, v, e)
+        # the AR mode's token after each causal column: answer position (seed's) + 1 + column
+        verify = cols < v[:, None]
+        r_of, c_of = verify.nonzero(as_tuple=True)
+        t_of = rows.seed_at[r_of] - P + 1 + c_of
+        draws = noise.at(rows.idx[r_of], 0, t_of.tolist())
+        places = Places.counted([1] * len(r_of), dev)
+        x0, _ = choose(StepLogits(net.step_head(), [h[r_of, c_of]]), places, sampling, None, draws, net.chunk)
+        ar = torch.full((b, T), -1, device=dev, dtype=torch.long)
+        ar[r_of, c_of] = x0
+        agree = (ar[:, : T - 1] == ids[:, 1:]) & (cols[:, 1:] < v[:, None])
+        a = agree.long().cumprod(1).sum(1) if T > 1 else torch.zeros(b, dtype=torch.long, device=dev)
+        accepted = a + 1
+        written = cols < accepted[:, None]
+        at = (rows.seed_at[:, None] + 1 + cols).clamp_max(cv.x.shape[1] - 1)
+        cv.x[rows.idx[:, None], at] = torch.where(written, ar.to(cv.x.dtype), cv.x[rows.idx[:, None], at])
+        new = written & (at < P + G)
+        if hasattr(net, "drafted"):
+            net.drafted += int(k.sum())
+            net.accepted += int(a.sum())
+        pace.saw(b, int(accepted.sum()), drafts)
+        # the next draft: the masks after the bonus's place, where the whole draft was accepted
+        rows.k = torch.zeros_like(k)
+        whole = (a == k) & (m >= 2)
+        if bool(whole.any()):
+            r = whole.nonzero().flatten()
+            span = torch.arange(1, W, device=dev)[None, :]  # mask columns after the bonus's place
+            mcol = (v[r, None] + span).clamp_max(T - 1)
+            first = rows.seed_at[r] + accepted[r] + 1 - P  # answer position of each next draft's first token
+            rows.draft[r] = _guess(net, h[r[:, None], mcol], rows.idx[r], first)
+            rows.k[r] = m[r] - 1
+        rows.seed_at = rows.seed_at + accepted
+        stays = ~(torch.isin(ar, stop) & new).any(1) & (rows.seed_at < P + G - 1)
+    stop_after(cv.x[:, : P + G], P, stop)
+    return cv.x[:, : P + G]

@@ -1,0 +1,56 @@
+"""`celeris bench scaling` on a model with an AR mode (Nemotron-Labs-Diffusion's tiny checkpoint): every mode
+per batch size against the real AR decode, with tokens per forward, positions per output token and draft
+acceptance; the exact modes' answers are the AR mode's and the same in every cell; `--plot` draws tokens/s
+against the batch size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from celeris_cli import load_engine
+from celeris_cli.cli import app
+from celeris_cli.measure.scaling import plot, scaling
+
+FOLDER = Path(__file__).parent / "data" / "nemotron" / "nemotron_tiny"
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    engine = load_engine(FOLDER, device="cpu", dtype="float32")
+    return scaling(engine, gen_lengths=(12,), batches=(1, 4), settings={"temperature": 0.0}, steps=4)
+
+
+def test_every_mode_is_measured_against_the_real_ar_decode(report: dict) -> None:
+    assert report["yardstick"] == "ar" and report["default_mode"] == "spec"
+    assert report["modes"] == ["ar", "nemotron", "nemotron-spec", "spec", "spec-always"]
+    for cell in report["cells"]:
+        modes = cell["modes"]
+        ar = modes["ar"]["tokens_per_s"]
+        for m in modes.values():
+            assert m["tokens_per_forward"] > 0 and m["x_ar"] == round(m["tokens_per_s"] / ar, 2)
+        assert "draft_acceptance" in modes["spec-always"] and "draft_acceptance" not in modes["ar"]
+        assert 0 <= modes["spec-always"]["draft_acceptance"] <= 1
+        # drafting every round computes more positions per token than stepping (its drafts rarely agree)
+        assert modes["spec-always"]["positions_per_output_token"] > modes["ar"]["positions_per_output_token"]
+    assert report["the_ar_modes_answers"] == {"nemotron-spec": True, "spec": True, "spec-always": True}
+    assert all(report["same_answers_in_every_cell"].values())
+
+
+def test_the_plot_is_an_svg_with_a_line_per_mode(report: dict, tmp_path: Path) -> None:
+    plot(report, tmp_path / "s.svg")
+    svg = (tmp_path / "s.svg").read_text()
+    assert svg.startswith("<svg") and svg.count("<polyline") == 1 + len(report["modes"])  # the axes, the modes
+    assert "spec (default)" in svg and "gen_length 12" in svg
+
+
+def test_the_command_writes_its_plot_and_refuses_another_format(tmp_path: Path) -> None:
+    args = ["bench", "scaling", "--model", str(FOLDER), "--gen-lengths", "8", "--batch-sizes", "2", "--device", "cpu"]
+    r = CliRunner().invoke(app, [*args, "--plot", str(tmp_path / "p.svg"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["cells"][0]["batch"] == 2 and (tmp_path / "p.svg").read_text().startswith("<svg")
+    r = CliRunner().invoke(app, [*args, "--plot", str(tmp_path / "p.gif")])
+    assert r.exit_code != 0 and "give a .svg or .png file" in r.output and "Traceback" not in r.output

@@ -1,0 +1,158 @@
+"""Self-speculative decoding (`spec`): each round verifies the row's draft causally and, where it drafts,
+appends a block of masks whose guesses are the next draft. The verifier is the AR mode, so the answer is the
+AR mode's token for token, greedy and sampled, alone and batched, at any width in flight and whichever way
+the per-round choice goes; only the forwards change. Nemotron-Labs-Diffusion's tiny checkpoint has both
+modes; its drafts rarely agree with its AR mode, so a perfect draft (the AR answer, put in where the masks'
+guesses are read) shows how many tokens a round accepts and that the cache stays exact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from celeris_cli import load_engine
+from celeris_cli.decode import pace, selfspec
+from celeris_cli.decode.pace import ForwardCost, Pace
+
+DATA = Path(__file__).parent / "data" / "nemotron"
+FOLDER = DATA / "nemotron_tiny"
+REF = json.loads((DATA / "nemotron_reference.json").read_text(encoding="utf-8"))
+PROMPTS = [list(p) for p in dict.fromkeys(tuple(c["input_ids"]) for c in REF["ar_generate"]["cases"])]
+EOS = REF["ids"]["eos"]
+
+
+@pytest.fixture(scope="module")
+def engine():  # type: ignore[no-untyped-def]
+    return load_engine(FOLDER, device="cpu", dtype="float32")
+
+
+def _ar(engine: Any, n: int, temperature: float = 0.0) -> Any:
+    return engine.params({"strategy": "ar", "gen_length": n, "temperature": temperature})
+
+
+def _spec(engine: Any, n: int, **extra: Any) -> Any:
+    return engine.params({"strategy": "spec", "gen_length": n, "temperature": 0.0, **extra})
+
+
+def test_spec_is_the_default_of_the_model_with_both_modes(engine) -> None:  # type: ignore[no-untyped-def]
+    assert engine.params({}).strategy == "spec"
+
+
+@pytest.mark.parametrize("drafting", ["always", "never", "auto"])
+@pytest.mark.parametrize("steps", [40, 10, 4])
+def test_greedy_self_speculation_is_the_ar_mode_alone_and_batched(engine, drafting, steps) -> None:  # type: ignore[no-untyped-def]
+    n = 40
+    ar, _ = engine.decode_ids(PROMPTS, _ar(engine, n))
+    spec = _spec(engine, n, drafting=drafting, denoise_steps=steps)
+    assert len({len(p) for p in PROMPTS}) > 1  # left padding is exercised
+    assert engine.decode_ids(PROMPTS, spec)[0] == ar
+    assert [engine.decode_ids([p], spec)[0][0] for p in PROMPTS] == ar
+
+
+def test_sampled_self_speculation_draws_the_ar_modes_tokens_from_the_same_streams(engine) -> None:  # type: ignore[no-untyped-def]
+    seeds = [3, 4, 5, 6][: len(PROMPTS)]
+    ar, _ = engine.decode_ids(PROMPTS, _ar(engine, 32, temperature=1.0), seeds=seeds)
+    spec = _spec(engine, 32, temperature=1.0, drafting="always", denoise_steps=6)
+    assert engine.decode_ids(PROMPTS, spec, seeds=seeds)[0] == ar
+    assert engine.decode_ids(PROMPTS[1:2], spec, seeds=[seeds[1]])[0][0] == ar[1]
+    assert engine.decode_ids(PROMPTS[1:2], spec, seeds=[9])[0][0] != ar[1]
+
+
+def _oracle(answers: dict[int, list[int]], wrong_at: int | None) -> Any:
+    """Masks that guess the AR answer (row -> its answer ids), wrong at draft column `wrong_at` if given."""
+
+    def guess(net, h, rows, first):  # type: ignore[no-untyped-def]
+        out = torch.empty(h.shape[:2], dtype=torch.long)
+        for i, (r, t) in enumerate(zip(rows.tolist(), first.tolist())):
+            want = (answers[r] + [EOS] * 64)[t : t + h.shape[1]]
+            out[i] = torch.tensor(want)
+            if wrong_at is not None:
+                out[i, wrong_at] = (want[wrong_at] + 1) % 100 + 200
+        return out
+
+    return guess
+
+
+@pytest.mark.parametrize(
+    ("steps", "wrong_at", "per_round"), [(5, None, 5), (7, None, 3), (5, 1, 2)], ids=["w5", "w3", "w5-wrong-2nd"]
+)
+def test_a_round_accepts_the_agreeing_draft_and_one_token_more(engine, monkeypatch, steps, wrong_at, per_round) -> None:  # type: ignore[no-untyped-def]
+    """gen_length 21 over denoise_steps 5 drafts 5 wide (4 guesses after the bonus's place): a perfect draft
+    gives 5 tokens a round, denoise_steps 7 gives 3; one wrong at the second guess, 2 (the first guess, then
+    the verifier's own), and the next round has no draft to verify. The text after each round is decoded on
+    from the cache that round left, so the answer is the AR mode's only if the cache holds exactly the
+    committed tokens' keys and values."""
+    n, prompts = 21, [PROMPTS[0], PROMPTS[2]]
+    ar, _ = engine.decode_ids(prompts, _ar(engine, n))
+    assert all(EOS not in row for row in ar) and len(prompts[0]) != len(prompts[1])  # to the end, left-padded
+    monkeypatch.setattr(selfspec, "_guess", _oracle(dict(enumerate(ar)), wrong_at))
+    before = engine.drafted, engine.accepted
+    got, forwards = engine.decode_ids(prompts, _spec(engine, n, drafting="always", denoise_steps=steps))
+    assert got == ar
+    # the prefill (token 1), a round with no draft (token 2, and the first draft), then whole rounds
+    if wrong_at is None:
+        assert forwards == 2 + -(-(n - 2) // per_round)
+        assert engine.accepted - before[1] == engine.drafted - before[0] > 0
+    else:  # rounds alternate: a draft (2 tokens), then none (1 token and a new draft)
+        assert forwards > 2 + -(-(n - 2) // 5)
+        assert 0 < engine.accepted - before[1] < engine.drafted - before[0]
+    never, ar_forwards = engine.decode_ids(prompts, _spec(engine, n, drafting="never", denoise_steps=steps))
+    assert never == ar and ar_forwards == n  # one token a forward: the prefill and n - 1 steps
+
+
+def test_the_same_requests_give_the_same_tokens_at_widths_1_16_and_64(engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """64 sampled requests decoded 1, 16 and 64 at a time: the width in flight changes each round's choice
+    (on this cost model drafting pays at width 1, not at 64), never a token."""
+    monkeypatch.setattr(engine, "_forward_cost", ForwardCost(fixed=0.004, per_position=1e-4))
+    texts = [engine.tokenizer.decode(p) for p in PROMPTS]
+    prompts = [texts[i % len(texts)] for i in range(64)]
+    params = _spec(engine, 24, temperature=0.8, denoise_steps=6)  # drafts 4 wide
+    seeds = list(range(64))
+    runs, drafted = {}, {}
+    for w in (1, 16, 64):
+        before = engine.drafted
+        runs[w] = [r.text for r in engine.generate(prompts, params, batch_size=w, seeds=seeds)]
+        drafted[w] = engine.drafted - before
+    assert drafted[1] > 0 and drafted[64] == 0  # the choice went both ways
+    assert runs[1] == runs[16] == runs[64] and len(set(runs[64])) > len(texts)  # the seeds matter
+    ar = [r.text for r in engine.generate(prompts, _ar(engine, 24, temperature=0.8), batch_size=64, seeds=seeds)]
+    assert runs[64] == ar
+
+
+def test_the_pace_drafts_where_a_forward_costs_its_fixed_part_and_not_where_it_costs_its_positions() -> None:
+    k = torch.full((4,), 3)
+    fixed = Pace("auto", 4, ForwardCost(fixed=0.010, per_position=1e-6), None)
+    assert fixed.drafts(1, k[:1]) and fixed.drafts(4, k)
+    compute = Pace("auto", 4, ForwardCost(fixed=1e-5, per_position=1e-3), None)
+    assert not compute.drafts(1, k[:1]) and not compute.drafts(64, torch.full((64,), 3))
+    mixed = Pace("auto", 4, ForwardCost(fixed=0.004, per_position=1e-4), None)
+    assert mixed.drafts(1, k[:1]) and not mixed.drafts(64, torch.full((64,), 3))  # by the width in flight
+    wide = Pace("auto", 2, ForwardCost(fixed=1e-3, per_position=1e-4), None)
+    for _ in range(20):  # drafts that yield 4 tokens a row: worth 4 positions a row against one, 16 rows wide
+        wide.saw(1, 4, True)
+    assert wide.drafts(16, torch.ones(16, dtype=torch.long))
+    for _ in range(20):  # drafts that never agree: a drafting round yields one token a row
+        mixed.saw(1, 1, True)
+    assert not mixed.drafts(1, k[:1])
+    assert Pace("always", 4, None, None).drafts(64, k) and not Pace("never", 4, None, None).drafts(1, k)
+    assert not Pace("always", 1, None, None).drafts(1, k)  # a width of 1 has no guess after the bonus's place
+
+
+def test_the_engine_calibrates_its_forward_cost_once(engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    calls: list[int] = []
+    real = pace.calibrate
+
+    def counting(model: Any) -> ForwardCost:
+        calls.append(1)
+        return real(model, ((1, 1), (4, 4)))
+
+    monkeypatch.setattr(pace, "calibrate", counting)
+    monkeypatch.setattr(engine, "_forward_cost", None)
+    for _ in range(2):
+        engine.decode_ids(PROMPTS[:1], _spec(engine, 8))
+    engine.decode_ids(PROMPTS[:1], _spec(engine, 8, drafting="never"))
+    assert len(calls) == 1 and engine.forward_cost().fixed > 0
