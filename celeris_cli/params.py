@@ -896,6 +896,19 @@ class GenerationParams:
             self._check_canvases(name)
         if self.structured_layout == "template" and self.structured_outputs is None and "structured_layout" in layer:
             raise UsageError(f"{name('structured_layout')}: needs a constraint (structured_outputs or response_format)")
+        if (
+            self.structured_layout == "template"
+            and strategy.decoder == "self-spec"
+            and self.explicit
+            & {
+                "structured_layout",
+                "strategy",
+            }
+        ):
+            raise UsageError(
+                f"{name('structured_layout')} template: the {self.strategy} strategy decides an answer left to right "
+                "(its AR mode's order), with no masked slots for a template to hold open; use left-to-right"
+            )
         if self.top_logprobs > 0 and not self.logprobs and "top_logprobs" in layer:
             raise UsageError(f"{name('top_logprobs')}: needs {name('logprobs')} on")
         editing = self.part("editing").active

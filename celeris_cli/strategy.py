@@ -71,7 +71,7 @@ STRATEGIES: dict[str, Strategy] = {
     "nemotron": Strategy(("blocks", "sampling", "ordering", "commit"), "seeded", "seeded", None),
     "ar": Strategy(("length", "sampling"), "ar", "per_token", None),
     "nemotron-spec": Strategy(("draft", "sampling"), "speculative", "per_token", None),
-    "spec": Strategy(("drafting", "sampling"), "self-spec", "per_token", None),
+    "spec": Strategy(("drafting", "sampling", "structure"), "self-spec", "per_token", None),
     "diffusion-gemma": Strategy(
         ("blocks", "denoising", "noise", "stops", "structure"),
         "diffusion-gemma",

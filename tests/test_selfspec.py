@@ -156,3 +156,51 @@ def test_the_engine_calibrates_its_forward_cost_once(engine, monkeypatch) -> Non
         engine.decode_ids(PROMPTS[:1], _spec(engine, 8))
     engine.decode_ids(PROMPTS[:1], _spec(engine, 8, drafting="never"))
     assert len(calls) == 1 and engine.forward_cost().fixed > 0
+
+
+REGEX = json.dumps({"regex": "[0-9]{3}-[a-z]{2,5}"})
+
+
+@pytest.mark.parametrize("drafting", ["always", "never"])
+def test_a_constrained_answer_follows_its_grammar_whether_or_not_rounds_draft(engine, drafting) -> None:  # type: ignore[no-untyped-def]
+    import re
+
+    texts = [engine.tokenizer.decode(p) for p in PROMPTS]
+    params = _spec(engine, 16, structured_outputs=REGEX, drafting=drafting, denoise_steps=4)
+    results = engine.generate(texts, params, batch_size=len(texts))
+    assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", r.text) and r.finish_reason == "stop" for r in results)
+    plain = engine.generate(texts, _spec(engine, 16, drafting=drafting, denoise_steps=4), batch_size=len(texts))
+    assert [r.text for r in plain] != [r.text for r in results]  # the grammar changed the answers
+
+
+def test_constrained_answers_are_the_same_drafted_or_not(engine) -> None:  # type: ignore[no-untyped-def]
+    texts = [engine.tokenizer.decode(p) for p in PROMPTS]
+    runs = [
+        [
+            r.text
+            for r in engine.generate(texts, _spec(engine, 16, structured_outputs=REGEX, drafting=d, temperature=0.9))
+        ]
+        for d in ("always", "never")
+    ]
+    assert runs[0] == runs[1]
+
+
+def test_log_probabilities_are_those_of_the_ar_modes_tokens(engine) -> None:  # type: ignore[no-untyped-def]
+    texts = [engine.tokenizer.decode(p) for p in PROMPTS]
+    ar = engine.generate(texts, _ar(engine, 12), batch_size=len(texts))
+    for drafting in ("always", "never"):
+        got = engine.generate(
+            texts, _spec(engine, 12, logprobs=True, top_logprobs=2, drafting=drafting, denoise_steps=3)
+        )
+        assert [r.text for r in got] == [r.text for r in ar]
+        for r in got:
+            assert r.logprobs is not None and len(r.logprobs) == r.output_tokens
+            assert all(e["logprob"] <= 0 and e["logprob"] == e["top_logprobs"][0]["logprob"] for e in r.logprobs)
+
+
+def test_the_template_layout_is_refused_by_name(engine) -> None:  # type: ignore[no-untyped-def]
+    from celeris_cli.errors import UsageError
+
+    schema = json.dumps({"json": {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}})
+    with pytest.raises(UsageError, match="structured_layout template: the spec strategy decides an answer left"):
+        engine.params({"strategy": "spec", "structured_outputs": schema, "structured_layout": "template"})

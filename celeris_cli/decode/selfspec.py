@@ -25,6 +25,11 @@ faster; where it is its positions (a wide batch on a CPU), one position per toke
 the width in flight, by `Pace`: the engine's calibrated cost of a forward (`decode.pace`) and the tokens the
 rounds that drafted have yielded per row so far. The choice changes how many forwards an answer takes,
 never its tokens. `drafting` "always" or "never" fixes it (never: the AR mode, one token a forward).
+
+A row under a constraint or asking for log probabilities (`structured.commit.Rule`) has its verify columns
+decided one after the other, as the AR mode would decide them: each under its grammar's mask after the text
+before it (the accepted answer, then the draft), the grammar taking the token, until the first column that
+disagrees with the draft; a grammar that allows nothing ends the answer with its end of text and says why.
 """
 
 from __future__ import annotations
@@ -34,10 +39,11 @@ from typing import Any
 
 import torch
 
-from ..params import Drafting, Sampling
+from ..params import NO_STRUCTURE, Drafting, Sampling, Structure
+from ..structured.commit import Rule, Rules, note, short_error
 from .nemotron import CausalCanvas, stop_after
 from .pace import ForwardCost, Pace
-from .predict import Places, StepLogits, choose
+from .predict import Places, StepLogits, choose, sample_with_probability
 from .sampling import RowNoise
 
 
@@ -47,6 +53,7 @@ class SelfSpecPlan:
 
     drafting: Drafting
     sampling: Sampling
+    structure: Structure = NO_STRUCTURE  # the rows' rules come per row (`structured.commit`)
 
 
 class _Rows:
@@ -87,6 +94,26 @@ class _Rows:
         return h
 
 
+def _ruled(net: Any, h: torch.Tensor, rule: Rule, sampling: Sampling, noise: RowNoise, row: int, t: int) -> int:
+    """Answer position t of batch row `row` from its hidden state (d,) under the row's rule: its grammar's
+    mask (taken; a dead end ends the answer), its log probability noted; drawn from the stream the AR mode
+    draws position t from."""
+    scores = net.head(h[None]).float()  # (1, V)
+    if rule.grammar is not None:
+        allowed = rule.grammar.allowed(scores.device)
+        if not bool(allowed[: scores.shape[-1]].any()):
+            rule.dead = short_error(rule.grammar.error()) or "the grammar allows no token here"
+            rule.ended = True
+            return rule.grammar.vocab.eos_id
+        scores = scores.masked_fill(~allowed[: scores.shape[-1]], float("-inf"))
+    token = int(sample_with_probability(scores, sampling, Places.counted([1], h.device), noise.at([row], 0, t))[0])
+    if rule.grammar is not None:
+        rule.grammar.take(token)
+    if rule.record is not None:
+        note(rule.record, scores, token, t)
+    return token
+
+
 def _guess(net: Any, h: torch.Tensor, rows: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     """The next draft (n, W - 1) from the masks' hidden states (n, W - 1, d): each one's likeliest token (the
     rows' batch indices and the answer position of their first drafted token serve a test's oracle)."""
@@ -103,10 +130,12 @@ def generate_self_spec(
     stop_ids: frozenset[int],
     noise: RowNoise,
     cost: ForwardCost | None = None,
+    rules: Rules | None = None,
 ) -> torch.Tensor:
     """Self-speculative decoding (see the module's text): prompt (B, P) left-padded -> the canvas
     (B, P + gen_length), the rest of a finished row its stop token. `cost`: the forward's cost model for the
-    "auto" choice (calibrated here from `net` if not given)."""
+    "auto" choice (calibrated here from `net` if not given). `rules`: each row's constraint and log-probability
+    record, or None."""
     B, P = prompt.shape
     G, W = plan.drafting.gen_length, plan.drafting.width
     sampling = plan.sampling
@@ -115,6 +144,10 @@ def generate_self_spec(
     stop = torch.tensor(sorted(stop_ids), device=dev, dtype=prompt.dtype)
     h = cv.forward(0, P, causal=True)[:, -1]
     cv.x[:, P] = cv.pick(h, sampling, noise.at(list(range(B)), 0, 0))  # the AR mode's first token
+    ruled = [b for b, r in enumerate(rules or []) if r is not None]
+    for b in ruled:  # the first token again, under the row's rule
+        assert rules is not None and rules[b] is not None
+        cv.x[b, P] = _ruled(net, h[b], rules[b], sampling, noise, b, 0)  # type: ignore[arg-type]
     rows = _Rows(cv, P, W)
     pace = Pace(plan.drafting.drafting, W, cost if cost is not None or plan.drafting.drafting != "auto" else None, net)
     stays = ~torch.isin(cv.x[:, P], stop) & torch.full((B,), G > 1, device=dev)
@@ -146,6 +179,14 @@ def generate_self_spec(
         x0, _ = choose(StepLogits(net.step_head(), [h[r_of, c_of]]), places, sampling, None, draws, net.chunk)
         ar = torch.full((b, T), -1, device=dev, dtype=torch.long)
         ar[r_of, c_of] = x0
+        for i in [i for i, r in enumerate(rows.idx.tolist()) if r in ruled]:  # rows with rules, column by column
+            rule, start = rules[int(rows.idx[i])], int(rows.seed_at[i]) - P + 1  # type: ignore[index]
+            assert rule is not None
+            ar[i] = -1
+            for c in range(int(v[i])):
+                ar[i, c] = _ruled(net, h[i, c], rule, sampling, noise, int(rows.idx[i]), start + c)
+                if c + 1 == int(v[i]) or int(ar[i, c]) != int(ids[i, c + 1]) or rule.ended:
+                    break
         agree = (ar[:, : T - 1] == ids[:, 1:]) & (cols[:, 1:] < v[:, None])
         a = agree.long().cumprod(1).sum(1) if T > 1 else torch.zeros(b, dtype=torch.long, device=dev)
         accepted = a + 1

@@ -251,9 +251,12 @@ def _self_spec(
     params: GenerationParams,
     tokens: SpecialTokens,
     noise: RowNoise,
+    on_block: OnBlock | None = None,
+    rules: Rules | None = None,
 ) -> torch.Tensor:
+    assert on_block is None, "spec streams no blocks"
     plan = _plan(SelfSpecPlan, params)
-    return generate_self_spec(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, net.cost)
+    return generate_self_spec(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, net.cost, rules)
 
 
 def _diffusion_gemma(
