@@ -698,6 +698,7 @@ class Structure:
 
 # a plan's structure where a row's rule comes with the row (`structured.commit`), not with the plan
 NO_STRUCTURE = Structure(None, "left-to-right", False, 0)
+NO_SHAPING = Shaping(0.0, 0, 0.0)
 
 
 @dataclass(frozen=True)

@@ -204,3 +204,29 @@ def test_the_template_layout_is_refused_by_name(engine) -> None:  # type: ignore
     schema = json.dumps({"json": {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}})
     with pytest.raises(UsageError, match="structured_layout template: the spec strategy decides an answer left"):
         engine.params({"strategy": "spec", "structured_outputs": schema, "structured_layout": "template"})
+
+
+SHAPING = {"presence_penalty": 1.5, "min_tokens": 6, "subword_min_p": 0.5, "temperature": 0.9}
+
+
+def test_the_shaping_reads_each_columns_own_history_as_the_ar_mode_does(engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The presence penalty, min_tokens and subword_min_p change the answer, and self-speculation with them
+    is the AR mode with them, token for token: with perfect drafts every verify column's history holds draft
+    tokens, which the penalty must count as the AR mode's history holds them."""
+    texts = [engine.tokenizer.decode(p) for p in PROMPTS]
+    seeds = list(range(len(texts)))
+
+    def ar(shaping: dict[str, Any]) -> list[str]:
+        params = engine.params({"strategy": "ar", "gen_length": 20, "temperature": 0.9, **shaping})
+        return [r.text for r in engine.generate(texts, params, seeds=seeds)]
+
+    shaped = ar(SHAPING)
+    assert shaped != ar({})
+    for drafting in ("always", "never"):
+        params = _spec(engine, 20, drafting=drafting, denoise_steps=4, **SHAPING)
+        assert [r.text for r in engine.generate(texts, params, seeds=seeds)] == shaped
+    ids = engine.decode_ids(PROMPTS, engine.params({"strategy": "ar", "gen_length": 20, **SHAPING}), seeds=seeds)[0]
+    monkeypatch.setattr(selfspec, "_guess", _oracle(dict(enumerate(ids)), None))
+    before = engine.accepted
+    params = _spec(engine, 20, drafting="always", denoise_steps=4, **SHAPING)
+    assert engine.decode_ids(PROMPTS, params, seeds=seeds)[0] == ids and engine.accepted > before

@@ -116,14 +116,16 @@ def test_every_strategy_declares_what_it_honours() -> None:
             "remasking", "order_temperature", "cfg_scale",
         } | shaping | block | editing | structure | set(PER_REQUEST)  # fmt: skip
     sampling = {"temperature", "min_p", "top_p", "top_k"}
-    assert set(honoured("ar")) == {"gen_length"} | sampling | set(PER_REQUEST)
+    assert set(honoured("ar")) == {"gen_length"} | sampling | shaping | set(PER_REQUEST)
     assert set(honoured("nemotron")) == {
         "gen_length", "block_length", "denoise_steps", "threshold", "remasking", "order_temperature"
     } | sampling | block | set(PER_REQUEST)  # fmt: skip
     assert set(honoured("nemotron-spec")) == {"gen_length", "block_length", "draft_threshold"} | sampling | set(
         PER_REQUEST
     )
-    assert set(honoured("spec")) == {"gen_length", "denoise_steps", "drafting"} | sampling | set(PER_REQUEST)
+    assert set(honoured("spec")) == {"gen_length", "denoise_steps", "drafting"} | sampling | shaping | structure | set(
+        PER_REQUEST
+    )
     for strategy in STRATEGIES:
         assert set(PER_REQUEST) <= set(honoured(strategy))
 

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from ..arch.kv import KVCache
-from ..params import Blocks, Commit, Length, Ordering, Sampling
+from ..params import NO_SHAPING, Blocks, Commit, Length, Ordering, Sampling, Shaping
 from .predict import Places, StepLogits, choose
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
-from .sampling import Draws, RowNoise
+from .sampling import Draws, RowNoise, shaper
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class ARPlan:
 
     length: Length
     sampling: Sampling
+    shaping: Shaping = NO_SHAPING
 
 
 @dataclass(frozen=True)
@@ -93,11 +94,54 @@ class CausalCanvas:
         h, _ = self.net.hidden(ids, pos, self._mask(s, e, causal), cache, s, False)
         return h
 
-    def pick(self, h: torch.Tensor, sampling: Sampling, draws: Draws) -> torch.Tensor:
-        """One token per row from the hidden state of its last position (the next position's prediction)."""
-        places = Places.counted([1] * h.shape[0], h.device)
-        x0, _ = choose(StepLogits(self.net.step_head(), [h]), places, sampling, None, draws, self.net.chunk)
+    def pick(self, h: torch.Tensor, sampling: Sampling, draws: Draws, shaped: Shaped | None = None) -> torch.Tensor:
+        """One token per row from the hidden state of its last position (the next position's prediction),
+        its logits shaped by `shaped` where given (`ar_shaping`)."""
+        return self.logits(h, shaped).pick(sampling, draws, self.net.chunk)
+
+    def logits(self, h: torch.Tensor, shaped: Shaped | None = None) -> Picks:
+        shape, where = shaped if shaped is not None else (None, None)
+        return Picks(StepLogits(self.net.step_head(), [h], 0.0, shape, where), h.shape[0])
+
+
+Shaped = tuple[Any, torch.Tensor]  # a shaper and each position's (row, column), for `StepLogits`
+
+
+@dataclass(frozen=True)
+class Picks:
+    """The logits of n positions, one token each to pick."""
+
+    logits: StepLogits
+    n: int
+
+    def pick(self, sampling: Sampling, draws: Draws, chunk: int) -> torch.Tensor:
+        places = Places.counted([1] * self.n, self.logits.hs[0].device)
+        x0, _ = choose(self.logits, places, sampling, None, draws, chunk)
         return x0
+
+
+def ar_shaping(
+    s: Shaping,
+    history: torch.Tensor,
+    at: torch.Tensor,
+    mask_id: int,
+    stop: torch.Tensor,
+    temperature: float,
+    word_pieces: frozenset[int],
+) -> Shaped | None:
+    """The logit shaping (`sampling.shape_masked`) of N positions decided left to right: position n is answer
+    position at[n], after the answer history[n] (N, A; mask_id past what precedes it): the presence penalty
+    on the tokens before it, no stop token below min_tokens, subword_min_p when sampling. None where the
+    shaping changes nothing."""
+    pieces = torch.tensor(sorted(word_pieces), device=history.device, dtype=torch.long)
+    shape = shaper(s, history, at, mask_id, stop, temperature, pieces)
+    if shape is None:
+        return None
+    n = history.shape[0]
+    where = torch.stack(
+        [torch.arange(n, device=history.device), torch.zeros(n, dtype=torch.long, device=history.device)], 1
+    )
+    return shape, where
 
 
 def stop_after(x: torch.Tensor, start: int, stop: torch.Tensor) -> None:
@@ -118,9 +162,11 @@ def generate_ar(
     mask_id: int,
     stop_ids: frozenset[int],
     noise: RowNoise,
+    word_pieces: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """Left to right: prompt (B, P) left-padded -> the canvas (B, P + gen_length), every row decoded until
-    its stop token or the end (the rest of a finished row is its stop token)."""
+    its stop token or the end (the rest of a finished row is its stop token). The shaping, where the plan
+    has one, reads each row's answer so far (`ar_shaping`)."""
     B, P = prompt.shape
     G = plan.length.gen_length
     cv = CausalCanvas(net, prompt, prompt_mask, G, mask_id)
@@ -128,8 +174,11 @@ def generate_ar(
     rows = list(range(B))
     done = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # no masks left to right: any stop ends a row
     h = cv.forward(0, P, causal=True)[:, -1]
+    temperature = plan.sampling.temperature
     for t in range(G):
-        cv.x[:, P + t] = cv.pick(h, plan.sampling, noise.at(rows, 0, t))
+        at = torch.full((B,), t, device=prompt.device)
+        shaped = ar_shaping(plan.shaping, cv.x[:, P : P + G], at, mask_id, stop, temperature, word_pieces)
+        cv.x[:, P + t] = cv.pick(h, plan.sampling, noise.at(rows, 0, t), shaped)
         done |= torch.isin(cv.x[:, P + t], stop)
         if t + 1 == G or bool(done.all()):
             break

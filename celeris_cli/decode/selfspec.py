@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from ..params import NO_STRUCTURE, Drafting, Sampling, Structure
+from ..params import NO_SHAPING, NO_STRUCTURE, Drafting, Sampling, Shaping, Structure
 from ..structured.commit import Rule, Rules, note, short_error
-from .nemotron import CausalCanvas, stop_after
+from .nemotron import CausalCanvas, ar_shaping, stop_after
 from .pace import ForwardCost, Pace
 from .predict import Places, StepLogits, choose, sample_with_probability
 from .sampling import RowNoise
@@ -53,6 +53,7 @@ class SelfSpecPlan:
 
     drafting: Drafting
     sampling: Sampling
+    shaping: Shaping = NO_SHAPING
     structure: Structure = NO_STRUCTURE  # the rows' rules come per row (`structured.commit`)
 
 
@@ -94,11 +95,11 @@ class _Rows:
         return h
 
 
-def _ruled(net: Any, h: torch.Tensor, rule: Rule, sampling: Sampling, noise: RowNoise, row: int, t: int) -> int:
-    """Answer position t of batch row `row` from its hidden state (d,) under the row's rule: its grammar's
-    mask (taken; a dead end ends the answer), its log probability noted; drawn from the stream the AR mode
-    draws position t from."""
-    scores = net.head(h[None]).float()  # (1, V)
+def _ruled(logits: torch.Tensor, rule: Rule, sampling: Sampling, noise: RowNoise, row: int, t: int) -> int:
+    """Answer position t of batch row `row` from its logits (1, V) under the row's rule: its grammar's mask
+    (taken; a dead end ends the answer), its log probability noted; drawn from the stream the AR mode draws
+    position t from."""
+    scores = logits.float()
     if rule.grammar is not None:
         allowed = rule.grammar.allowed(scores.device)
         if not bool(allowed[: scores.shape[-1]].any()):
@@ -106,7 +107,7 @@ def _ruled(net: Any, h: torch.Tensor, rule: Rule, sampling: Sampling, noise: Row
             rule.ended = True
             return rule.grammar.vocab.eos_id
         scores = scores.masked_fill(~allowed[: scores.shape[-1]], float("-inf"))
-    token = int(sample_with_probability(scores, sampling, Places.counted([1], h.device), noise.at([row], 0, t))[0])
+    token = int(sample_with_probability(scores, sampling, Places.counted([1], scores.device), noise.at([row], 0, t))[0])
     if rule.grammar is not None:
         rule.grammar.take(token)
     if rule.record is not None:
@@ -131,11 +132,13 @@ def generate_self_spec(
     noise: RowNoise,
     cost: ForwardCost | None = None,
     rules: Rules | None = None,
+    word_pieces: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """Self-speculative decoding (see the module's text): prompt (B, P) left-padded -> the canvas
     (B, P + gen_length), the rest of a finished row its stop token. `cost`: the forward's cost model for the
     "auto" choice (calibrated here from `net` if not given). `rules`: each row's constraint and log-probability
-    record, or None."""
+    record, or None. The logit shaping (`nemotron.ar_shaping`) reads, at each verify column, the answer before
+    it: the accepted text, then the draft up to that column, as the AR mode's history."""
     B, P = prompt.shape
     G, W = plan.drafting.gen_length, plan.drafting.width
     sampling = plan.sampling
@@ -143,11 +146,14 @@ def generate_self_spec(
     cv = CausalCanvas(net, prompt, prompt_mask, G + 2 * W, mask_id)  # room for a round past the answer's end
     stop = torch.tensor(sorted(stop_ids), device=dev, dtype=prompt.dtype)
     h = cv.forward(0, P, causal=True)[:, -1]
-    cv.x[:, P] = cv.pick(h, sampling, noise.at(list(range(B)), 0, 0))  # the AR mode's first token
+    t, shaping = sampling.temperature, plan.shaping
+    zero = torch.zeros(B, dtype=torch.long, device=dev)
+    opening = cv.logits(h, ar_shaping(shaping, cv.x[:, P : P + G], zero, mask_id, stop, t, word_pieces))
+    cv.x[:, P] = opening.pick(sampling, noise.at(list(range(B)), 0, 0), net.chunk)  # the AR mode's first token
     ruled = [b for b, r in enumerate(rules or []) if r is not None]
     for b in ruled:  # the first token again, under the row's rule
         assert rules is not None and rules[b] is not None
-        cv.x[b, P] = _ruled(net, h[b], rules[b], sampling, noise, b, 0)  # type: ignore[arg-type]
+        cv.x[b, P] = _ruled(opening.logits(slice(b, b + 1)), rules[b], sampling, noise, b, 0)  # type: ignore[arg-type]
     rows = _Rows(cv, P, W)
     pace = Pace(plan.drafting.drafting, W, cost if cost is not None or plan.drafting.drafting != "auto" else None, net)
     stays = ~torch.isin(cv.x[:, P], stop) & torch.full((B,), G > 1, device=dev)
@@ -176,15 +182,26 @@ def generate_self_spec(
         t_of = rows.seed_at[r_of] - P + 1 + c_of
         draws = noise.at(rows.idx[r_of], 0, t_of.tolist())
         places = Places.counted([1] * len(r_of), dev)
-        x0, _ = choose(StepLogits(net.step_head(), [h[r_of, c_of]]), places, sampling, None, draws, net.chunk)
+        shaped = None
+        if shaping.active:  # each column's history: the accepted answer, then the draft before it
+            history = cv.x[rows.idx[r_of], P : P + G].clone()
+            seed = rows.seed_at[r_of] - P
+            for j in range(1, T):
+                sel = c_of >= j
+                history[sel, seed[sel] + j] = ids[r_of[sel], j]
+            shaped = ar_shaping(shaping, history, t_of, mask_id, stop, t, word_pieces)
+        logits = StepLogits(net.step_head(), [h[r_of, c_of]], 0.0, *(shaped or (None, None)))
+        x0, _ = choose(logits, places, sampling, None, draws, net.chunk)
         ar = torch.full((b, T), -1, device=dev, dtype=torch.long)
         ar[r_of, c_of] = x0
+        flat = torch.cumsum(v, 0) - v  # each row's first verify column in the flat order of r_of, c_of
         for i in [i for i, r in enumerate(rows.idx.tolist()) if r in ruled]:  # rows with rules, column by column
             rule, start = rules[int(rows.idx[i])], int(rows.seed_at[i]) - P + 1  # type: ignore[index]
             assert rule is not None
             ar[i] = -1
             for c in range(int(v[i])):
-                ar[i, c] = _ruled(net, h[i, c], rule, sampling, noise, int(rows.idx[i]), start + c)
+                n = int(flat[i]) + c
+                ar[i, c] = _ruled(logits(slice(n, n + 1)), rule, sampling, noise, int(rows.idx[i]), start + c)
                 if c + 1 == int(v[i]) or int(ar[i, c]) != int(ids[i, c + 1]) or rule.ended:
                     break
         agree = (ar[:, : T - 1] == ids[:, 1:]) & (cols[:, 1:] < v[:, None])

@@ -244,6 +244,18 @@ def _stopping(decode: Callable[..., torch.Tensor], plan: type) -> Decode:
     return run
 
 
+def _ar(
+    net: Net,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: GenerationParams,
+    tokens: SpecialTokens,
+    noise: RowNoise,
+) -> torch.Tensor:
+    plan = _plan(ARPlan, params)
+    return generate_ar(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces)
+
+
 def _self_spec(
     net: Net,
     prompt: torch.Tensor,
@@ -256,7 +268,9 @@ def _self_spec(
 ) -> torch.Tensor:
     assert on_block is None, "spec streams no blocks"
     plan = _plan(SelfSpecPlan, params)
-    return generate_self_spec(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, net.cost, rules)
+    return generate_self_spec(
+        net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, net.cost, rules, tokens.word_pieces
+    )
 
 
 def _diffusion_gemma(
@@ -291,7 +305,7 @@ DECODERS: dict[str, Decoder] = {
     "block": Decoder(BlockPlan, _blocks(generate_block)),
     "block-cached": Decoder(BlockPlan, _blocks(generate_block_cached)),
     "seeded": Decoder(SeededPlan, _stopping(generate_seeded, SeededPlan)),
-    "ar": Decoder(ARPlan, _stopping(generate_ar, ARPlan)),
+    "ar": Decoder(ARPlan, _ar),
     "speculative": Decoder(SpecPlan, _stopping(generate_speculative, SpecPlan)),
     "self-spec": Decoder(SelfSpecPlan, _self_spec),
     "diffusion-gemma": Decoder(DiffusionGemmaPlan, _diffusion_gemma),
