@@ -65,7 +65,7 @@ def test_sampled_self_speculation_draws_the_ar_modes_tokens_from_the_same_stream
 def _oracle(answers: dict[int, list[int]], wrong_at: int | None) -> Any:
     """Masks that guess the AR answer (row -> its answer ids), wrong at draft column `wrong_at` if given."""
 
-    def guess(net, h, rows, first):  # type: ignore[no-untyped-def]
+    def guess(net, h, rows, first, pick):  # type: ignore[no-untyped-def]
         out = torch.empty(h.shape[:2], dtype=torch.long)
         for i, (r, t) in enumerate(zip(rows.tolist(), first.tolist())):
             want = (answers[r] + [EOS] * 64)[t : t + h.shape[1]]

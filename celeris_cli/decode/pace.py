@@ -3,7 +3,8 @@ engine (its device and dtype), against the tokens drafting has yielded.
 
 A forward's wall time is modelled as `fixed + per_position * positions` (rows x columns). `calibrate` times
 the network's plain forward at a few shapes (1 to 64 rows, 1 and 8 columns each: the shapes of an AR step and
-of a drafting round), the fastest of three after a warm-up each, and fits the two numbers by least squares.
+of a drafting round), the fastest of three after a warm-up each, smallest first and no larger once a forward
+takes a quarter of a second (a large model on a CPU), and fits the two numbers by least squares.
 On this project's 2-core CPU the tiny embedded model costs a few milliseconds fixed and tens of microseconds a
 position; on a GPU the fixed part dominates to much wider batches. The engine calibrates on its first
 self-speculative decode and keeps the result (`Engine.forward_cost`).
@@ -25,6 +26,7 @@ import torch
 
 PRIOR_YIELD = 2.0  # tokens per row per drafting round assumed before any round has drafted
 PRIOR_WEIGHT = 2  # rounds the prior counts for
+SLOW = 0.25  # seconds: a calibration forward this slow ends the calibration (the fit uses what was timed)
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,9 @@ def calibrate(model: Any, shapes: tuple[tuple[int, int], ...] = _CALIBRATION) ->
     """Fit `ForwardCost` to the model's forward times at `shapes` (rows, columns) on its device and dtype."""
     device = next(model.parameters()).device
     xs, ys = [], []
-    for rows, cols in shapes:
+    for rows, cols in sorted(shapes, key=lambda s: s[0] * s[1]):
+        if len(set(xs)) >= 2 and ys[-1] > SLOW:  # a large model: the shapes so far fit it, the next would cost
+            break
         ids = torch.full((rows, cols), int(model.cfg.mask_token_id), device=device)
         pos = torch.arange(cols, device=device).expand(rows, cols)
         mask = torch.ones(rows, 1, cols, cols, dtype=torch.bool, device=device).tril()

@@ -17,7 +17,9 @@ drawn from the row's stream (block 0, step t), as the AR mode draws token t, so 
 is the AR mode's. The forward wrote the keys and values of the seed and the draft causally; those of accepted
 text are what a causal pass writes, the rest is overwritten later. Where the whole draft was accepted, the
 masks after it become the next draft (their first is the bonus's place, which the AR mode has decided; the
-others are each mask's likeliest token); after a disagreement the next round starts with no draft.
+others are drawn from the diffusion mode's distribution with the very number the AR mode will draw that
+position with, so that close distributions give the same token); after a disagreement the next round starts
+with no draft.
 
 Drafting costs positions: a drafting round computes 1 + k + m positions per row, an AR step 1. Where a
 forward's time is its fixed cost (a small batch, a GPU), a round that yields more than one token per row is
@@ -34,6 +36,7 @@ disagrees with the draft; a grammar that allows nothing ends the answer with its
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,10 +118,14 @@ def _ruled(logits: torch.Tensor, rule: Rule, sampling: Sampling, noise: RowNoise
     return token
 
 
-def _guess(net: Any, h: torch.Tensor, rows: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """The next draft (n, W - 1) from the masks' hidden states (n, W - 1, d): each one's likeliest token (the
-    rows' batch indices and the answer position of their first drafted token serve a test's oracle)."""
-    return net.head(h).argmax(-1)
+def _guess(net: Any, h: torch.Tensor, rows: torch.Tensor, first: torch.Tensor, pick: Guesser) -> torch.Tensor:
+    """The next draft (n, W - 1) from the masks' hidden states (n, W - 1, d), drawn by `pick` (the rows' batch
+    indices and the answer position of their first drafted token serve a test's oracle)."""
+    return pick(h, rows, first)
+
+
+# (hidden states (n, W - 1, d), batch rows (n,), answer position of each first guess (n,)) -> tokens (n, W - 1)
+Guesser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @torch.no_grad()
@@ -157,6 +164,22 @@ def generate_self_spec(
     rows = _Rows(cv, P, W)
     pace = Pace(plan.drafting.drafting, W, cost if cost is not None or plan.drafting.drafting != "auto" else None, net)
     stays = ~torch.isin(cv.x[:, P], stop) & torch.full((B,), G > 1, device=dev)
+
+    def guesser(hm: torch.Tensor, at_rows: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """The diffusion mode's guesses, each drawn with the number the AR mode will draw its position with
+        (the same row, block 0, step t): where the two distributions are close the two draws pick the same
+        token, so a sampled answer's drafts are accepted about as often as a greedy one's."""
+        n, w = hm.shape[:2]
+        r = at_rows.repeat_interleave(w)
+        t = (first[:, None] + torch.arange(w, device=dev)[None, :]).flatten().clamp_max(G - 1)
+        history = cv.x[r, P : P + G]  # the accepted answer (the guesses before each one are not in it)
+        shaped = ar_shaping(shaping, history, t, mask_id, stop, sampling.temperature, word_pieces)
+        logits = StepLogits(net.step_head(), [hm.flatten(0, 1)], 0.0, *(shaped or (None, None)))
+        x0, _ = choose(
+            logits, Places.counted([1] * (n * w), dev), sampling, None, noise.at(r, 0, t.tolist()), net.chunk
+        )
+        return x0.view(n, w)
+
     while bool(stays.any()):
         if not bool(stays.all()):
             rows.keep(stays)
@@ -223,7 +246,7 @@ def generate_self_spec(
             span = torch.arange(1, W, device=dev)[None, :]  # mask columns after the bonus's place
             mcol = (v[r, None] + span).clamp_max(T - 1)
             first = rows.seed_at[r] + accepted[r] + 1 - P  # answer position of each next draft's first token
-            rows.draft[r] = _guess(net, h[r[:, None], mcol], rows.idx[r], first)
+            rows.draft[r] = _guess(net, h[r[:, None], mcol], rows.idx[r], first, guesser)
             rows.k[r] = m[r] - 1
         rows.seed_at = rows.seed_at + accepted
         stays = ~(torch.isin(ar, stop) & new).any(1) & (rows.seed_at < P + G - 1)

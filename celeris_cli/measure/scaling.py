@@ -52,6 +52,8 @@ def scaling(
     modes, default_mode, yardstick = _modes(engine, settings)
     seeded = yardstick == "ar"
     poems = [r["prompt"] for r in EvalSet.load().poems]
+    if any(m.get("strategy") == "spec" for m in modes.values()):
+        engine.forward_cost()  # calibrated once, before anything is timed
     cells: list[dict[str, Any]] = []
     answers: dict[str, dict[tuple[int, int], str]] = {m: {} for m in modes}  # mode -> (gen, opening) -> text
     same: dict[str, bool] = {m: True for m in modes}
