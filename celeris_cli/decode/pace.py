@@ -71,7 +71,8 @@ _CALIBRATION = ((1, 1), (1, 8), (4, 1), (4, 8), (16, 1), (16, 8), (64, 1), (64, 
 def calibrate(model: Any, shapes: tuple[tuple[int, int], ...] = _CALIBRATION) -> ForwardCost:
     """Fit `ForwardCost` to the model's forward times at `shapes` (rows, columns) on its device and dtype."""
     device = next(model.parameters()).device
-    xs, ys = [], []
+    xs: list[int] = []
+    ys: list[float] = []
     for rows, cols in sorted(shapes, key=lambda s: s[0] * s[1]):
         if len(set(xs)) >= 2 and ys[-1] > SLOW:  # a large model: the shapes so far fit it, the next would cost
             break
