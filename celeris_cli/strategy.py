@@ -23,8 +23,9 @@ StepsRule = Literal["schedule", "block_steps", "seeded", "per_token", "denoise",
 # what the memory planner counts for one step (`arch.memory.plan`): "fast": the fast decoder's cache and
 # windows; "block-cached": block diffusion's exact cache; "block": block diffusion recomputing its canvas;
 # "canvas-block": a full-canvas forward, the head on a block; "canvas-answer": the same, the head on the answer;
-# "canvas-vocab": DiffusionGemma's canvas x vocabulary of float32 logits and sampling buffers over a causal cache
-MemoryRule = Literal["fast", "block-cached", "block", "canvas-block", "canvas-answer", "canvas-vocab"]
+# "canvas-vocab": DiffusionGemma's canvas x vocabulary of float32 logits and sampling buffers over a causal cache;
+# "causal": a causal cache over the canvas and a round of verified and drafted columns (block_length: the draft's)
+MemoryRule = Literal["fast", "block-cached", "block", "canvas-block", "canvas-answer", "canvas-vocab", "causal"]
 RowKind = Literal["block", "waves"]
 
 
@@ -71,7 +72,7 @@ STRATEGIES: dict[str, Strategy] = {
     "nemotron": Strategy(("blocks", "sampling", "ordering", "commit"), "seeded", "seeded", None),
     "ar": Strategy(("length", "sampling", "shaping"), "ar", "per_token", None),
     "nemotron-spec": Strategy(("draft", "sampling"), "speculative", "per_token", None),
-    "spec": Strategy(("drafting", "sampling", "shaping", "structure"), "self-spec", "per_token", None),
+    "spec": Strategy(("drafting", "sampling", "shaping", "structure"), "self-spec", "per_token", "causal"),
     "diffusion-gemma": Strategy(
         ("blocks", "denoising", "noise", "stops", "structure"),
         "diffusion-gemma",

@@ -230,3 +230,27 @@ def test_the_shaping_reads_each_columns_own_history_as_the_ar_mode_does(engine, 
     before = engine.accepted
     params = _spec(engine, 20, drafting="always", denoise_steps=4, **SHAPING)
     assert engine.decode_ids(PROMPTS, params, seeds=seeds)[0] == ids and engine.accepted > before
+
+
+def test_where_the_shaping_forbids_what_the_grammar_allows_the_grammar_wins(engine) -> None:  # type: ignore[no-untyped-def]
+    """min_tokens 6 forbids the end of text that a short choice must end with, subword_min_p may forbid its
+    pieces: the position is then decided on the unshaped logits under the grammar's mask (as the block
+    decoders do), never on a row of -inf."""
+    texts = [engine.tokenizer.decode(p) for p in PROMPTS]
+    choice = json.dumps({"choice": ["yes", "no", "maybe"]})
+    params = _spec(engine, 12, structured_outputs=choice, **SHAPING)
+    for r in engine.generate(texts, params, seeds=list(range(len(texts)))):
+        assert r.text in ("yes", "no", "maybe") and r.finish_reason == "stop", r.text
+
+
+def test_the_memory_planner_counts_a_causal_cache_and_a_round_of_the_drafts_width(engine) -> None:  # type: ignore[no-untyped-def]
+    from celeris_cli.arch.memory import plan, request_of, shape_of_model
+
+    shape = shape_of_model(engine.model)
+
+    def peak(batch: int, steps: int) -> int:
+        return plan(shape, request_of(_spec(engine, 64, denoise_steps=steps), batch, 16, "float32")).peak
+
+    assert request_of(_spec(engine, 64, denoise_steps=8), 1, 16, "float32").block_length == 8  # the draft's width
+    assert peak(1, 16) < peak(16, 16) < peak(64, 16)
+    assert peak(16, 16) < peak(16, 2)  # drafts 32 wide: a round of 64 columns and a longer cache

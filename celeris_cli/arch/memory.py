@@ -256,6 +256,12 @@ def plan(shape: Shape, req: Request) -> Estimate:
             phases.append(Estimate(weights, cache, _activations(shape, prefill, a, req.upcast), 0))
             step = _activations(shape, B * W, a, req.upcast) + (_kv(shape, B, C, 4) // shape.layers if f32 else 0)
             phases.append(Estimate(weights, cache, step, _head(shape, masked, req, int8, kernel)))
+    elif rule == "causal":  # a causal cache over the canvas and a round past it; the prompts' prefill, a round
+        cache = _kv(shape, B, L + 2 * W, 4 if f32 else a)
+        prefill = _activations(shape, B * req.prompt, a, req.upcast)
+        phases.append(Estimate(weights, cache, prefill, _head(shape, B, req, int8, kernel)))
+        step = _activations(shape, B * 2 * W, a, req.upcast)
+        phases.append(Estimate(weights, cache, step, _head(shape, B * 2 * W, req, int8, kernel)))
     elif rule == "canvas-vocab":
         from .canvas_memory import canvas_phases
 
@@ -376,7 +382,7 @@ def request_of(p: GenerationParams, batch: int, prompt: int, dtype: str, quantiz
         batch=batch,
         prompt=prompt,
         gen_length=p.gen_length,
-        block_length=p.block_length,
+        block_length=p.part("drafting").width if "drafting" in STRATEGIES[p.strategy].parts else p.block_length,
         dtype=dtype,
         quantize=quantize,
         cache=p.cache,

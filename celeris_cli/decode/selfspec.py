@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from ..params import NO_SHAPING, NO_STRUCTURE, Drafting, Sampling, Shaping, Structure
-from ..structured.commit import Rule, Rules, note, short_error
+from ..structured.commit import Rule, Rules, note, short_error, under_mask
 from .nemotron import CausalCanvas, ar_shaping, stop_after
 from .pace import ForwardCost, Pace
 from .predict import Places, StepLogits, choose, sample_with_probability
@@ -98,19 +98,22 @@ class _Rows:
         return h
 
 
-def _ruled(logits: torch.Tensor, rule: Rule, sampling: Sampling, noise: RowNoise, row: int, t: int) -> int:
-    """Answer position t of batch row `row` from its logits (1, V) under the row's rule: its grammar's mask
-    (taken; a dead end ends the answer), its log probability noted; drawn from the stream the AR mode draws
-    position t from."""
-    scores = logits.float()
-    if rule.grammar is not None:
-        allowed = rule.grammar.allowed(scores.device)
-        if not bool(allowed[: scores.shape[-1]].any()):
+def _ruled(logits: StepLogits, n: int, rule: Rule, sampling: Sampling, noise: RowNoise, row: int, t: int) -> int:
+    """Answer position t of batch row `row`, flat position n of `logits`, under the row's rule: its grammar's
+    mask (taken; a dead end ends the answer; where the shaping forbids every token the grammar allows, the
+    grammar wins, as in `structured.commit`), its log probability noted; drawn from the stream the AR mode
+    draws position t from."""
+    if rule.grammar is None:
+        scores: torch.Tensor | None = logits(slice(n, n + 1)).float()
+    else:
+        scores = under_mask(logits, n, rule.grammar.allowed(noise.device))
+        if scores is None:
             rule.dead = short_error(rule.grammar.error()) or "the grammar allows no token here"
             rule.ended = True
             return rule.grammar.vocab.eos_id
-        scores = scores.masked_fill(~allowed[: scores.shape[-1]], float("-inf"))
-    token = int(sample_with_probability(scores, sampling, Places.counted([1], scores.device), noise.at([row], 0, t))[0])
+    assert scores is not None
+    places = Places.counted([1], scores.device)
+    token = int(sample_with_probability(scores, sampling, places, noise.at([row], 0, t))[0])
     if rule.grammar is not None:
         rule.grammar.take(token)
     if rule.record is not None:
@@ -160,7 +163,7 @@ def generate_self_spec(
     ruled = [b for b, r in enumerate(rules or []) if r is not None]
     for b in ruled:  # the first token again, under the row's rule
         assert rules is not None and rules[b] is not None
-        cv.x[b, P] = _ruled(opening.logits(slice(b, b + 1)), rules[b], sampling, noise, b, 0)  # type: ignore[arg-type]
+        cv.x[b, P] = _ruled(opening.logits, b, rules[b], sampling, noise, b, 0)  # type: ignore[arg-type]
     rows = _Rows(cv, P, W)
     pace = Pace(plan.drafting.drafting, W, cost if cost is not None or plan.drafting.drafting != "auto" else None, net)
     stays = ~torch.isin(cv.x[:, P], stop) & torch.full((B,), G > 1, device=dev)
@@ -224,7 +227,7 @@ def generate_self_spec(
             ar[i] = -1
             for c in range(int(v[i])):
                 n = int(flat[i]) + c
-                ar[i, c] = _ruled(logits(slice(n, n + 1)), rule, sampling, noise, int(rows.idx[i]), start + c)
+                ar[i, c] = _ruled(logits, n, rule, sampling, noise, int(rows.idx[i]), start + c)
                 if c + 1 == int(v[i]) or int(ar[i, c]) != int(ids[i, c + 1]) or rule.ended:
                     break
         agree = (ar[:, : T - 1] == ids[:, 1:]) & (cols[:, 1:] < v[:, None])

@@ -223,7 +223,7 @@ def _walk(
             here = grammar.allowed(device)
             if not bool(here[token]):
                 break
-            scores_c = _masked(logits, int(flat[b, c]), here)
+            scores_c = under_mask(logits, int(flat[b, c]), here)
             assert scores_c is not None
             note(rule.record, scores_c, token, offset + c)
         if not grammar.take(token):
@@ -244,7 +244,7 @@ def _decide(
     """The token of flat position i under the grammar's mask (consumed), and the masked logits; at a slot's
     last position a token after which the value is complete (the next likeliest where one is not)."""
     for _ in range(64 if last else 1):
-        scores = _masked(logits, i, allowed)
+        scores = under_mask(logits, i, allowed)
         if scores is None:
             break
         token = int(choose_one(scores, i))
@@ -257,7 +257,7 @@ def _decide(
     return None, torch.empty(0)
 
 
-def _masked(logits: Any, i: int, allowed: torch.Tensor) -> torch.Tensor | None:
+def under_mask(logits: Any, i: int, allowed: torch.Tensor) -> torch.Tensor | None:
     """The logits (1, V) of flat position i with the tokens not allowed at -inf; the unshaped logits where
     the shaping forbids every allowed token; None where nothing is allowed at all."""
     if not bool(allowed.any()):
