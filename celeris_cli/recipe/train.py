@@ -544,7 +544,8 @@ def _same_kind(init: Path, model: LLaDAModel) -> bool:
 
 
 def plot_log(log_path: Path, png: Path, title: str = "celeris-tiny training curve") -> None:
-    """Training loss and held-out NLL bound against tokens seen, as a PNG (needs matplotlib)."""
+    """Training loss and held-out NLL bound against tokens seen (and a joint run's AR loss and held-out AR
+    NLL), as a PNG (needs matplotlib)."""
     try:
         import matplotlib
 
@@ -565,7 +566,9 @@ def plot_log(log_path: Path, png: Path, title: str = "celeris-tiny training curv
         tokens_per_step = cfg["batch_size"] * cfg["seq_len"]
     x = [s * tokens_per_step / 1e6 for s in steps]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(x, [records[s]["loss"] for s in steps], lw=0.6, alpha=0.6, label="train loss (NLL bound)")
+    joint = any("ar_loss" in records[s] for s in steps)
+    label = "train loss (NLL bound + ar_weight x AR loss)" if joint else "train loss (NLL bound)"
+    ax.plot(x, [records[s]["loss"] for s in steps], lw=0.6, alpha=0.6, label=label)
     held = [s for s in steps if "heldout_nll" in records[s]]
     ax.plot(
         [s * tokens_per_step / 1e6 for s in held],
@@ -573,6 +576,22 @@ def plot_log(log_path: Path, png: Path, title: str = "celeris-tiny training curv
         "o-",
         label="held-out NLL bound",
     )
+    if joint:  # its AR mode's figures beside
+        ar_steps = [s for s in steps if "ar_loss" in records[s]]
+        ax.plot(
+            [s * tokens_per_step / 1e6 for s in ar_steps],
+            [records[s]["ar_loss"] for s in ar_steps],
+            lw=0.6,
+            alpha=0.6,
+            label="train AR loss (next-token NLL)",
+        )
+        ar_held = [s for s in steps if "heldout_ar_nll" in records[s]]
+        ax.plot(
+            [s * tokens_per_step / 1e6 for s in ar_held],
+            [records[s]["heldout_ar_nll"] for s in ar_held],
+            "s-",
+            label="held-out AR NLL",
+        )
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("nats per token")
     ax.set_title(title)
