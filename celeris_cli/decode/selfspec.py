@@ -21,6 +21,9 @@ others are drawn from the diffusion mode's distribution with the very number the
 position with, so that close distributions give the same token); after a disagreement the next round starts
 with no draft.
 
+Rows that finish wait in the batch, computing their last token again and taking nothing, until a quarter
+of the batch has finished; then they leave together (leaving copies the cache, so not one at a time).
+
 Drafting costs positions: a drafting round computes 1 + k + m positions per row, an AR step 1. Where a
 forward's time is its fixed cost (a small batch, a GPU), a round that yields more than one token per row is
 faster; where it is its positions (a wide batch on a CPU), one position per token is. Each round decides from
@@ -72,10 +75,25 @@ class _Rows:
         self.seed_at = torch.full((B,), P, dtype=torch.long, device=cv.x.device)
         self.draft = torch.zeros(B, max(width - 1, 1), dtype=torch.long, device=cv.x.device)
         self.k = torch.zeros(B, dtype=torch.long, device=cv.x.device)
+        self.keys, self.pos = cv.keys, cv.pos  # the rows' real keys and positions over the canvas
 
     def keep(self, stays: torch.Tensor) -> None:
         self.idx, self.seed_at, self.draft, self.k = (t[stays] for t in (self.idx, self.seed_at, self.draft, self.k))
+        self.keys, self.pos = self.keys[stays], self.pos[stays]
         self.cache.keep(stays)
+
+    def step(self, seeds: torch.Tensor) -> torch.Tensor:
+        """Hidden states (b, d) of each row's seed alone over its cache (a round that neither drafts nor
+        verifies: the AR mode's step, with as little around the forward as it needs)."""
+        s = self.seed_at
+        L = int(s.max()) + 1
+        k = torch.arange(L, device=seeds.device)[None, :]
+        seen = (self.keys[:, :L] & (k < s[:, None])) | (k == s[:, None])
+        pos = self.pos.gather(1, s[:, None])
+        view = self.cache.view(slice(None), L)
+        start = int(s[0]) if bool((s == s[0]).all()) else s  # rows side by side: one write into the cache
+        h, _ = self.cv.net.hidden(seeds[:, None], pos, seen[:, None, None, :], view, start, False)
+        return h[:, 0]
 
     def forward(self, ids: torch.Tensor, v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """Hidden states (b, T) of each row's round `ids` at its own place over its cache: columns [0, v)
@@ -87,12 +105,12 @@ class _Rows:
         c = torch.arange(T, device=ids.device)[None, :, None]  # (1, T, 1) query column
         j = k - s[:, None, None]  # (b, 1, L) key column inside the round
         v, e = v[:, None, None], e[:, None, None]
-        before = self.cv.keys[self.idx, :L][:, None, :] & (j < 0) & (c < e)
+        before = self.keys[:, :L][:, None, :] & (j < 0) & (c < e)
         causal = (c < v) & (j >= 0) & (j <= c)
         masks = (c >= v) & (c < e) & (j >= 0) & (j < e)
         pad = (c >= e) & (j == c)
-        at = (s[:, None] + torch.arange(T, device=ids.device)[None, :]).clamp_max(self.cv.pos.shape[1] - 1)
-        pos = self.cv.pos[self.idx[:, None], at]
+        at = (s[:, None] + torch.arange(T, device=ids.device)[None, :]).clamp_max(self.pos.shape[1] - 1)
+        pos = self.pos.gather(1, at)
         view = self.cache.view(slice(None), L)
         h, _ = self.cv.net.hidden(ids, pos, (before | causal | masks | pad)[:, None], view, s, False)
         return h
@@ -183,14 +201,32 @@ def generate_self_spec(
         )
         return x0.view(n, w)
 
-    while bool(stays.any()):
-        if not bool(stays.all()):
-            rows.keep(stays)
+    live = stays
+    while bool(live.any()):
+        if int((~live).sum()) * 4 >= len(live):  # finished rows leave a quarter at a time (each copies the cache)
+            rows.keep(live)
+            live = live[live]
         b = len(rows.idx)
-        room = P + G - 1 - rows.seed_at  # answer positions after each seed (>= 1)
         drafts = pace.drafts(b, rows.k)
-        k = torch.minimum(rows.k, room - 1) if drafts else torch.zeros_like(rows.k)
-        m = torch.clamp(room - k, max=W) if drafts else torch.zeros_like(k)  # masks, the bonus's place first
+        if not drafts and not ruled:  # the AR mode's step: each row's seed in, its next token out
+            seeds = cv.x[rows.idx, rows.seed_at]
+            t_row = rows.seed_at - P + 1
+            shaped = None
+            if shaping.active:
+                shaped = ar_shaping(shaping, cv.x[rows.idx, P : P + G], t_row, mask_id, stop, t, word_pieces)
+            picks = StepLogits(net.step_head(), [rows.step(seeds)], 0.0, *(shaped or (None, None)))
+            places = Places.counted([1] * b, dev)
+            token, _ = choose(picks, places, sampling, None, noise.at(rows.idx, 0, t_row.tolist()), net.chunk)
+            at = (rows.seed_at + 1).clamp_max(P + G - 1)
+            cv.x[rows.idx, at] = torch.where(live, token.to(cv.x.dtype), cv.x[rows.idx, at])
+            rows.seed_at = (rows.seed_at + 1).clamp_max(P + G - 1)  # finished rows too: the rows stay side by side
+            rows.k = torch.zeros_like(rows.k)  # a draft in hand is dropped: it would be verified a round late
+            live = live & ~torch.isin(token, stop) & (rows.seed_at < P + G - 1)
+            continue
+        room = (P + G - 1 - rows.seed_at).clamp_min(1)  # answer positions after each seed
+        none = torch.zeros_like(rows.k)
+        k = torch.where(live, torch.minimum(rows.k, room - 1), 0) if drafts else none
+        m = torch.where(live, torch.clamp(room - k, max=W), 0) if drafts else none  # the bonus's place first
         m = torch.where(m >= 2, m, 0)  # a single mask drafts nothing: its place is the bonus's
         v, e = 1 + k, 1 + k + m
         T = int(e.max())
@@ -221,7 +257,7 @@ def generate_self_spec(
         ar = torch.full((b, T), -1, device=dev, dtype=torch.long)
         ar[r_of, c_of] = x0
         flat = torch.cumsum(v, 0) - v  # each row's first verify column in the flat order of r_of, c_of
-        for i in [i for i, r in enumerate(rows.idx.tolist()) if r in ruled]:  # rows with rules, column by column
+        for i in [i for i, r in enumerate(rows.idx.tolist()) if r in ruled and live[i]]:  # rules: column by column
             rule, start = rules[int(rows.idx[i])], int(rows.seed_at[i]) - P + 1  # type: ignore[index]
             assert rule is not None
             ar[i] = -1
@@ -232,7 +268,7 @@ def generate_self_spec(
                     break
         agree = (ar[:, : T - 1] == ids[:, 1:]) & (cols[:, 1:] < v[:, None])
         a = agree.long().cumprod(1).sum(1) if T > 1 else torch.zeros(b, dtype=torch.long, device=dev)
-        accepted = a + 1
+        accepted = (a + 1) * live  # a finished row waiting to leave computes its seed again and takes nothing
         written = cols < accepted[:, None]
         at = (rows.seed_at[:, None] + 1 + cols).clamp_max(cv.x.shape[1] - 1)
         cv.x[rows.idx[:, None], at] = torch.where(written, ar.to(cv.x.dtype), cv.x[rows.idx[:, None], at])
@@ -240,10 +276,10 @@ def generate_self_spec(
         if hasattr(net, "drafted"):
             net.drafted += int(k.sum())
             net.accepted += int(a.sum())
-        pace.saw(b, int(accepted.sum()), drafts)
+        pace.saw(int(live.sum()), int(accepted.sum()), drafts)
         # the next draft: the masks after the bonus's place, where the whole draft was accepted
         rows.k = torch.zeros_like(k)
-        whole = (a == k) & (m >= 2)
+        whole = (a == k) & (m >= 2) & live
         if bool(whole.any()):
             r = whole.nonzero().flatten()
             span = torch.arange(1, W, device=dev)[None, :]  # mask columns after the bonus's place
@@ -252,6 +288,6 @@ def generate_self_spec(
             rows.draft[r] = _guess(net, h[r[:, None], mcol], rows.idx[r], first, guesser)
             rows.k[r] = m[r] - 1
         rows.seed_at = rows.seed_at + accepted
-        stays = ~(torch.isin(ar, stop) & new).any(1) & (rows.seed_at < P + G - 1)
+        live = live & ~(torch.isin(ar, stop) & new).any(1) & (rows.seed_at < P + G - 1)
     stop_after(cv.x[:, : P + G], P, stop)
     return cv.x[:, : P + G]
