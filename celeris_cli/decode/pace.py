@@ -86,7 +86,7 @@ def calibrate(model: Any, shapes: tuple[tuple[int, int], ...] = _CALIBRATION) ->
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             h, _ = model.hidden(ids, pos, mask, keep_kv=False)
-            model.head(h[:, -1])
+            model.head(h)  # every position: a drafting round reads the logits of all its columns
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - t0)
