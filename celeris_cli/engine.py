@@ -42,7 +42,7 @@ from .structured.template import check_structure, template_for
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "celeris-block"
+DEFAULT_MODEL = "celeris-spec"
 Scheduling = Literal["continuous", "static"]
 
 

@@ -139,6 +139,12 @@ def test_the_pace_drafts_where_a_forward_costs_its_fixed_part_and_not_where_it_c
         mixed.saw(1, 1, True)
     assert not mixed.drafts(1, k[:1])
     assert Pace("always", 4, None, None).drafts(64, k) and not Pace("never", 4, None, None).drafts(1, k)
+    slow = Pace("auto", 4, ForwardCost(fixed=0.010, per_position=1e-6), None)
+    assert slow.drafts(1, k[:1])
+    for _ in range(5):  # its drafting rounds took three times the calibrated forward (the decoder's own work)
+        slow.took(True, 8, 3 * 0.010)
+        slow.took(False, 1, 0.010)
+    assert not slow.drafts(1, k[:1])
     assert not Pace("always", 1, None, None).drafts(1, k)  # a width of 1 has no guess after the bonus's place
 
 

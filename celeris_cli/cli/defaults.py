@@ -12,7 +12,7 @@ from ..errors import CelerisError
 from ..params import PER_REQUEST, GenerationParams, honoured
 from ..strategy import STRATEGIES
 
-EMBEDDED = Path(__file__).parents[1] / "models" / "celeris-block"
+EMBEDDED = Path(__file__).parents[1] / "models" / "celeris-spec"
 
 
 @functools.cache

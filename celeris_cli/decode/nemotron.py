@@ -4,7 +4,8 @@
 Both start the same way: the prompt is run causally (each token sees itself and those before it) into the
 cache, and its last position's logits choose the first answer token (the "seed").
 
-- `ar`: one token per forward, left to right, as any causal LM (greedy at temperature 0).
+- `ar`: one token per forward, left to right, as any causal LM (greedy at temperature 0): `decode.selfspec`'s
+  AR step (self-speculation that never drafts), the one left-to-right step of every model with an AR mode.
 - `nemotron` (the family's `generate` with `causal_context=True`, written down from its source): the answer
   is decoded a block at a time after the prompt. A block starts as the seed followed by block_length - 1
   masks; each step runs the block alone over the cache, bidirectionally inside the block, and commits the
@@ -151,40 +152,6 @@ def stop_after(x: torch.Tensor, start: int, stop: torch.Tensor) -> None:
     for b in hit.any(1).nonzero().flatten().tolist():
         first = int(hit[b].int().argmax())
         ans[b, first + 1 :] = ans[b, first]
-
-
-@torch.no_grad()
-def generate_ar(
-    net: Any,
-    prompt: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    plan: ARPlan,
-    mask_id: int,
-    stop_ids: frozenset[int],
-    noise: RowNoise,
-    word_pieces: frozenset[int] = frozenset(),
-) -> torch.Tensor:
-    """Left to right: prompt (B, P) left-padded -> the canvas (B, P + gen_length), every row decoded until
-    its stop token or the end (the rest of a finished row is its stop token). The shaping, where the plan
-    has one, reads each row's answer so far (`ar_shaping`)."""
-    B, P = prompt.shape
-    G = plan.length.gen_length
-    cv = CausalCanvas(net, prompt, prompt_mask, G, mask_id)
-    stop = torch.tensor(sorted(stop_ids), device=prompt.device, dtype=prompt.dtype)
-    rows = list(range(B))
-    done = torch.zeros(B, dtype=torch.bool, device=prompt.device)  # no masks left to right: any stop ends a row
-    h = cv.forward(0, P, causal=True)[:, -1]
-    temperature = plan.sampling.temperature
-    for t in range(G):
-        at = torch.full((B,), t, device=prompt.device)
-        shaped = ar_shaping(plan.shaping, cv.x[:, P : P + G], at, mask_id, stop, temperature, word_pieces)
-        cv.x[:, P + t] = cv.pick(h, plan.sampling, noise.at(rows, 0, t), shaped)
-        done |= torch.isin(cv.x[:, P + t], stop)
-        if t + 1 == G or bool(done.all()):
-            break
-        h = cv.forward(P + t, P + t + 1, causal=True)[:, -1]
-    stop_after(cv.x, P, stop)
-    return cv.x
 
 
 @torch.no_grad()

@@ -11,9 +11,10 @@ self-speculative decode and keeps the result (`Engine.forward_cost`).
 
 A round of b rows with drafts of k_r tokens in hand computes b x (1 + max k + width) positions when it drafts
 (the rows padded to the widest) and b when it steps left to right; it yields about `yield_` tokens per row
-when drafting (the mean over this decode's drafting rounds so far, starting from an optimistic 2 so the first
-rounds try) and exactly 1 otherwise. It drafts where yield_ / cost(drafting) > 1 / cost(AR step). The choice
-never changes an answer (`decode.selfspec`), only how many forwards it takes.
+when drafting (the mean over this decode's drafting rounds that verified drafts, starting from 1.3 so that the
+first rounds try) and exactly 1 otherwise. It drafts where yield_ / cost(drafting) > 1.05 / cost(AR step), each cost
+the calibrated forward's times the measured overhead of its kind of round in this decode (`Pace.took`). The
+choice never changes an answer (`decode.selfspec`), only how many forwards it takes and the time.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from typing import Any
 
 import torch
 
-PRIOR_YIELD = 2.0  # tokens per row per drafting round assumed before any round has drafted
-PRIOR_WEIGHT = 2  # rounds the prior counts for
+PRIOR_YIELD = 1.3  # tokens per row per drafting round assumed before any draft has been verified
+MARGIN = 1.05  # drafting must look this much faster than the AR step: a wrong "yes" costs more than a wrong "no"
+PRIOR_WEIGHT = 1  # rounds the prior counts for
+OVERHEAD_WEIGHT = 0.3  # a round's weight in the moving average of its kind's measured / calibrated time
 SLOW = 0.25  # seconds: a calibration forward this slow ends the calibration (the fit uses what was timed)
 
 
@@ -41,12 +44,17 @@ class ForwardCost:
 
 
 class Pace:
-    """The per-round choice of one decode: `drafts(width, k)` before a round, `saw(...)` after it."""
+    """The per-round choice of one decode: `drafts(width, k)` before a round; `saw(...)` and `took(...)` after
+    it. The calibrated cost is the network's forward alone; a round also costs the decoder's own work around
+    it (a drafting round's most: its columns' bookkeeping, its guesses drawn), so each kind of round keeps the
+    ratio of its measured wall time to the calibrated forward's (a moving average, from 1), and the choice
+    weighs the two kinds by them: a decode learns within a few rounds what drafting costs here."""
 
     def __init__(self, policy: str, width: int, cost: ForwardCost | None, net: Any) -> None:
         self.policy, self.width = policy, width
         self.cost = cost if cost is not None or policy != "auto" else calibrate(net.model)
         self.tokens, self.rows = PRIOR_YIELD * PRIOR_WEIGHT, PRIOR_WEIGHT
+        self.overhead = {True: 1.0, False: 1.0}  # measured / calibrated seconds, drafting rounds and AR steps
 
     def drafts(self, b: int, k: torch.Tensor) -> bool:
         if self.width < 2 or self.policy == "never":
@@ -55,13 +63,21 @@ class Pace:
             return True
         assert self.cost is not None
         yield_ = self.tokens / self.rows
-        drafting = self.cost.seconds(b * (1 + int(k.max()) + self.width))
-        return yield_ / drafting > 1 / self.cost.seconds(b)
+        drafting = self.cost.seconds(b * (1 + int(k.max()) + self.width)) * self.overhead[True]
+        return yield_ / drafting > MARGIN / (self.cost.seconds(b) * self.overhead[False])
 
-    def saw(self, b: int, tokens: int, drafted: bool) -> None:
-        if drafted:
+    def saw(self, b: int, tokens: int, verified: bool) -> None:
+        """A round of b rows took `tokens`; `verified`: it drafted and had drafts to verify (the first drafting
+        round after AR steps has none: its rows take one token each whatever drafting is worth)."""
+        if verified:
             self.tokens += tokens
             self.rows += b
+
+    def took(self, drafted: bool, positions: int, seconds: float) -> None:
+        """A round of `positions` (rows x columns) took `seconds` of wall time."""
+        if self.cost is not None:
+            ratio = seconds / self.cost.seconds(positions)
+            self.overhead[drafted] = (1 - OVERHEAD_WEIGHT) * self.overhead[drafted] + OVERHEAD_WEIGHT * ratio
 
 
 _CALIBRATION = ((1, 1), (1, 8), (4, 1), (4, 8), (16, 1), (16, 8), (64, 1), (64, 8))

@@ -1,5 +1,5 @@
 """Self-speculative decoding (`spec`): one network decoded left to right exactly, in fewer forwards where
-drafting pays. The answer is the AR mode's token for token (`decode.nemotron.generate_ar`), whatever is
+drafting pays. The answer is the AR mode's token for token (the `ar` strategy: this decoder never drafting), whatever is
 drafted and whether a round drafts at all.
 
 The network has two modes (`celeris train --ar-weight`, or Nemotron-Labs-Diffusion): causally, position i
@@ -39,6 +39,7 @@ disagrees with the draft; a grammar that allows nothing ends the answer with its
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -207,6 +208,7 @@ def generate_self_spec(
             rows.keep(live)
             live = live[live]
         b = len(rows.idx)
+        began = time.perf_counter()
         drafts = pace.drafts(b, rows.k)
         if not drafts and not ruled:  # the AR mode's step: each row's seed in, its next token out
             seeds = cv.x[rows.idx, rows.seed_at]
@@ -222,6 +224,7 @@ def generate_self_spec(
             rows.seed_at = (rows.seed_at + 1).clamp_max(P + G - 1)  # finished rows too: the rows stay side by side
             rows.k = torch.zeros_like(rows.k)  # a draft in hand is dropped: it would be verified a round late
             live = live & ~torch.isin(token, stop) & (rows.seed_at < P + G - 1)
+            pace.took(False, b, time.perf_counter() - began)  # `live` was read: the round's work is done
             continue
         room = (P + G - 1 - rows.seed_at).clamp_min(1)  # answer positions after each seed
         none = torch.zeros_like(rows.k)
@@ -276,7 +279,7 @@ def generate_self_spec(
         if hasattr(net, "drafted"):
             net.drafted += int(k.sum())
             net.accepted += int(a.sum())
-        pace.saw(int(live.sum()), int(accepted.sum()), drafts)
+        pace.saw(int(live.sum()), int(accepted.sum()), drafts and bool(k.any()))
         # the next draft: the masks after the bonus's place, where the whole draft was accepted
         rows.k = torch.zeros_like(k)
         whole = (a == k) & (m >= 2) & live
@@ -289,5 +292,6 @@ def generate_self_spec(
             rows.k[r] = m[r] - 1
         rows.seed_at = rows.seed_at + accepted
         live = live & ~(torch.isin(ar, stop) & new).any(1) & (rows.seed_at < P + G - 1)
+        pace.took(drafts, b * T, time.perf_counter() - began)
     stop_after(cv.x[:, : P + G], P, stop)
     return cv.x[:, : P + G]

@@ -22,14 +22,14 @@ from ..arch.layers import Model
 from ..arch.memory import logit_chunk
 from ..arch.packed import PackedLayer
 from ..errors import UsageError
-from ..params import GenerationParams
+from ..params import Drafting, GenerationParams
 from ..strategy import STRATEGIES
 from ..structured.commit import Rules
 from .block import BlockPlan, OnBlock, generate_block, generate_block_cached
 from .diffusion_gemma import DiffusionGemmaPlan, generate_diffusion_gemma
 from .dream import DreamPlan, generate_dream
 from .fast import FastPlan, generate_fast
-from .nemotron import ARPlan, SeededPlan, generate_ar, generate_seeded
+from .nemotron import ARPlan, SeededPlan, generate_seeded
 from .pace import ForwardCost
 from .reference import ReferencePlan, generate_reference
 from .rnd1 import RND1Plan, generate_rnd1
@@ -252,8 +252,14 @@ def _ar(
     tokens: SpecialTokens,
     noise: RowNoise,
 ) -> torch.Tensor:
-    plan = _plan(ARPlan, params)
-    return generate_ar(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces)
+    """The AR mode: self-speculation that never drafts (`decode.selfspec`'s AR step, one token a forward), so
+    the yardstick and the default share one left-to-right step."""
+    ar = _plan(ARPlan, params)
+    G = ar.length.gen_length
+    plan = SelfSpecPlan(Drafting(G, G, "never"), ar.sampling, ar.shaping)
+    return generate_self_spec(
+        net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, None, None, tokens.word_pieces
+    )
 
 
 def _self_spec(
