@@ -34,7 +34,7 @@ def test_closed_sets_list_their_choices_from_the_knobs() -> None:
 
 
 def test_generate_help_shows_the_embedded_models_defaults() -> None:
-    config = json.loads((ROOT / "celeris_cli/models/celeris-block/generation_config.json").read_text())
+    config = json.loads((ROOT / "celeris_cli/models/celeris-spec/generation_config.json").read_text())
     params = {p.name: p for p in typer.main.get_command(app).commands["generate"].params}  # type: ignore[attr-defined]
     presets = config.pop("by_script", {})
     for name, value in config.items():
@@ -84,4 +84,4 @@ def test_generate_help_never_shows_a_default_the_default_model_refuses() -> None
             flag = "--" + name.replace("_", "-")
             engine.params({flag: parse_text(flag, {"on": True, "off": False}.get(shown, shown))})  # accepted
     steps = params["denoise_steps"].help or ""
-    assert f"[default: {engine.params().block_steps} per block (--block-steps)]" in steps
+    assert f"[default: {engine.params().denoise_steps}]" in steps  # self-speculation's: the draft's width

@@ -48,7 +48,7 @@ def test_a_required_argument_is_shown_plainly_on_the_usage_line() -> None:
 def test_inspect_names_what_the_config_declares_and_the_weights_format() -> None:
     r = runner.invoke(app, ["inspect"])
     assert r.exit_code == 0, r.output
-    assert re.search(r"architecture\s+llada_block \(model_type 'llada'\)$", r.output, re.M), r.output
+    assert re.search(r"architecture\s+llada_spec \(model_type 'llada'\)$", r.output, re.M), r.output
     r = runner.invoke(app, ["inspect", "--memory", "--dtype", "float32"])
     assert "float32, weights not quantized:" in r.output and "weights none" not in r.output, r.output
     r = runner.invoke(app, ["inspect", "--memory", "--dtype", "float32", "--quantize", "int8"])

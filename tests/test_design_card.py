@@ -98,24 +98,28 @@ def _wait(predicate, timeout: float = 240.0) -> None:  # type: ignore[no-untyped
         time.sleep(0.2)
 
 
-def test_the_seeds_step_sweep_runs_on_the_default_model_with_more_forwards_for_more_steps() -> None:
-    """The card's prompt at 5, 10, 20 and 40 steps: four answers, and the forwards per answer token rise with
-    the steps (per token: a sampled answer's length, and with it its blocks, moves with the steps too)."""
+def test_the_seeds_step_sweep_runs_on_the_default_model_and_trades_positions_for_forwards() -> None:
+    """The card's prompt at 5, 10, 20 and 40 steps on the default model (self-speculation, celeris-spec): the
+    steps set the draft's width (gen_length / steps), so the answer is the same at every count (its AR mode's)
+    and what moves is the work: drafting every round, fewer steps compute more positions per answer token."""
     from celeris_cli import load_engine
 
     engine = load_engine(device="cpu", dtype="float32")
-    per_token = []
+    texts, per_token = set(), []
     for steps in (5, 10, 20, 40):
-        [result] = engine.generate([CARD_PROMPT], engine.params({"denoise_steps": steps}))
-        assert result.text and result.denoise_steps == sum(result.steps_per_block) >= steps
-        per_token.append(result.nfe / result.output_tokens)
-    assert per_token == sorted(per_token) and per_token[0] < per_token[-1], per_token
+        before = engine.positions_computed
+        [result] = engine.generate([CARD_PROMPT], engine.params({"denoise_steps": steps, "drafting": "always"}))
+        assert result.text and result.settings["denoise_steps"] == steps
+        texts.add(result.text)
+        per_token.append((engine.positions_computed - before) / result.output_tokens)
+    assert len(texts) == 1
+    assert per_token == sorted(per_token, reverse=True) and per_token[0] > per_token[-1], per_token
 
 
-def test_guidance_and_random_remasking_change_the_default_models_greedy_answers() -> None:
+def test_guidance_and_random_remasking_change_the_block_models_greedy_answers() -> None:
     from celeris_cli import load_engine
 
-    engine = load_engine(device="cpu", dtype="float32")
+    engine = load_engine("celeris-block", device="cpu", dtype="float32")
     prompts = [CARD_PROMPT, "白日依山尽，", "春眠不觉晓，", "Shall I compare thee"]
     greedy = engine.params({"temperature": 0.0})
     plain = [r.text for r in engine.generate(prompts, greedy)]

@@ -101,8 +101,8 @@ def test_shaping_and_thresholds_apply_per_row_in_one_running_set(block_engine: E
     assert _running(block_engine, rows, max_batch=4) == [_alone(block_engine, p, s, seed) for p, s, seed in rows]
 
 
-def test_default_model_presets_share_one_running_set_and_answer_as_alone() -> None:
-    engine = load_engine(None, device="cpu", dtype="float32")
+def test_block_model_presets_share_one_running_set_and_answer_as_alone() -> None:
+    engine = load_engine("celeris-block", device="cpu", dtype="float32")
     prompts = ["床前明月光，", "The old man walked", "春眠不觉晓，", "She opened the door and", "白日依山尽，"]
     params = engine.params({"gen_length": 24, "seed": 5})
     running = engine.generate(prompts, params, batch_size=3)

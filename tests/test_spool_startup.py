@@ -43,7 +43,9 @@ def test_a_relative_model_resolves_against_root_as_the_config_says(tmp_path: Pat
 
 
 def test_an_unknown_model_name_lists_the_embedded_models(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"'celeris-tinny' is neither .*embedded: celeris-block, celeris-tiny"):
+    with pytest.raises(
+        ConfigError, match=r"'celeris-tinny' is neither .*embedded: celeris-block, celeris-spec, celeris-tiny"
+    ):
         load_config(fresh_config(tmp_path, model="celeris-tinny"))
 
 
