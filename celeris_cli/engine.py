@@ -31,7 +31,8 @@ from .decode.pace import ForwardCost
 from .decode.running import BlockRequest, BlockScheduler
 from .decode.runset import Occupancy, RunningSet
 from .decode.sampling import RowNoise, request_seed
-from .decode.strategies import Net, OnBlock, SpecialTokens, fast_plan_of, get_strategy, plan_of
+from .decode.specrun import SpecRequest, SpecScheduler
+from .decode.strategies import Net, OnBlock, SpecialTokens, fast_plan_of, get_strategy, plan_for, plan_of
 from .device import resolve_device, resolve_dtype
 from .errors import ModelError, TooLarge, UsageError
 from .params import GenerationParams, check_fits, model_layer, script_layers, script_of
@@ -281,6 +282,12 @@ class Engine:
             assert on_block is None, "the fast strategy commits no blocks to report"
             wave = (net, special.mask_id, special.stop_ids, max_batch, self.device, special.word_pieces)
             return waves.WaveScheduler(*wave, refill=refill, before_round=before_round), net
+        if kinds == {"spec"}:
+            assert on_block is None, "spec commits no blocks to report"
+            auto = any(p.drafting == "auto" for p in params)
+            spec = (net, special.mask_id, special.stop_ids, max_batch, self.device, special.word_pieces)
+            cost = self.forward_cost() if auto else None
+            return SpecScheduler(*spec, refill=refill, before_round=before_round, cost=cost), net
         args = (net, special.mask_id, special.stop_ids, special.pad_id, max_batch, self.device, special.word_pieces)
         return BlockScheduler(*args, refill=refill, on_block=on_block, before_round=before_round), net
 
@@ -289,10 +296,13 @@ class Engine:
         """A row for the running set of its kind, with its row seed (`request_seed`) and its rule."""
         if _running_kind(params) == "waves":
             return waves.FastRequest(key, list(ids), fast_plan_of(params), request_seed(seed, ids), rule)
+        if _running_kind(params) == "spec":
+            return SpecRequest(key, list(ids), plan_for(params), request_seed(seed, ids), rule)
         return BlockRequest(key, list(ids), plan_of(params), request_seed(seed, ids), rule)
 
     def _account(self, scheduler: RunningSet[Any], net: Net) -> None:
         self.positions_computed += net.positions_computed
+        self.drafted, self.accepted = self.drafted + net.drafted, self.accepted + net.accepted
         self.last_occupancy = scheduler.occupancy
 
     def _special(self, params: GenerationParams) -> SpecialTokens:

@@ -899,7 +899,7 @@ class GenerationParams:
             raise UsageError(f"{name('structured_layout')}: needs a constraint (structured_outputs or response_format)")
         if (
             self.structured_layout == "template"
-            and strategy.decoder == "self-spec"
+            and strategy.left_to_right
             and self.explicit
             & {
                 "structured_layout",

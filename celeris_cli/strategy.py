@@ -26,7 +26,7 @@ StepsRule = Literal["schedule", "block_steps", "seeded", "per_token", "denoise",
 # "canvas-vocab": DiffusionGemma's canvas x vocabulary of float32 logits and sampling buffers over a causal cache;
 # "causal": a causal cache over the canvas and a round of verified and drafted columns (block_length: the draft's)
 MemoryRule = Literal["fast", "block-cached", "block", "canvas-block", "canvas-answer", "canvas-vocab", "causal"]
-RowKind = Literal["block", "waves"]
+RowKind = Literal["block", "waves", "spec"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class Strategy:
     uncapped: bool = False  # its family's own code allows more steps than tokens (a step may commit nothing)
     whole_draw: bool = False  # its family's sampler draws over the whole vocabulary in float64, filtered or not
     end_slot: bool = False  # its family's sampler keeps the canvas's last position for the end of text
+    left_to_right: bool = False  # decides an answer in order: no masked slots for a template to hold open
 
 
 _BLOCK_PARTS = ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing", "structure")
@@ -72,7 +73,9 @@ STRATEGIES: dict[str, Strategy] = {
     "nemotron": Strategy(("blocks", "sampling", "ordering", "commit"), "seeded", "seeded", None),
     "ar": Strategy(("length", "sampling", "shaping"), "ar", "per_token", None),
     "nemotron-spec": Strategy(("draft", "sampling"), "speculative", "per_token", None),
-    "spec": Strategy(("drafting", "sampling", "shaping", "structure"), "self-spec", "per_token", "causal"),
+    "spec": Strategy(
+        ("drafting", "sampling", "shaping", "structure"), "self-spec", "per_token", "causal", "spec", left_to_right=True
+    ),
     "diffusion-gemma": Strategy(
         ("blocks", "denoising", "noise", "stops", "structure"),
         "diffusion-gemma",

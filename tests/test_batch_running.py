@@ -37,11 +37,16 @@ def _prefilled(forward: list[list[int]], prompt: list[int]) -> bool:
     return any(row[i : i + n] == prompt for row in forward for i in range(len(row) - n + 1))
 
 
-@pytest.mark.parametrize("name, kind", [(None, "block"), ("celeris-tiny", "waves")], ids=["block", "bidirectional"])
+@pytest.mark.parametrize(
+    "name, kind",
+    [(None, "spec"), ("celeris-block", "block"), ("celeris-tiny", "waves")],
+    ids=["self-spec", "block", "bidirectional"],
+)
 def test_a_later_batch_starts_while_an_earlier_one_is_still_running_and_answers_as_alone(
     name: str | None, kind: str
 ) -> None:
-    """Block diffusion (the default model) and a bidirectional model's fast strategy (celeris-tiny) alike."""
+    """Self-speculation (the default model), block diffusion (celeris-block) and a bidirectional model's fast
+    strategy (celeris-tiny) alike."""
     # greedy: where each row ends (which lets a later batch in early) does not move with the sampler's numbers
     backend = EngineBackend(name, "cpu", "float32", 1, {"gen_length": 32, "temperature": 0.0})
     executor = LocalExecutor(backend, batch_size=2)
@@ -49,7 +54,10 @@ def test_a_later_batch_starts_while_an_earlier_one_is_still_running_and_answers_
     model = backend.engine.model
     recorder = Recorder(model)
     backend.engine.model = recorder
-    requests = [Request(f"r{i}", i + 1, p) for i, p in enumerate(PROMPTS)]
+    # the first batch (the shortest prompts) must hold a row that ends early: the default model runs "The old
+    # man" and "At night" to their length at the same round, and stops "It was late" at its 22nd token
+    prompts = [PROMPTS[1], PROMPTS[0], *PROMPTS[2:]] if kind == "spec" else PROMPTS
+    requests = [Request(f"r{i}", i + 1, p) for i, p in enumerate(prompts)]
     yielded_at: list[tuple[int, list[str]]] = []  # (forwards so far, the batch's custom ids)
     got: dict[str, str] = {}
     for outcomes in executor.run(requests):

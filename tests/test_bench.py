@@ -146,7 +146,8 @@ def test_bench_versus_another_model_on_the_same_prompts(tiny_model: Path, tiny_t
 def test_an_embedded_model_is_named_by_its_folder_name(tmp_path: Path, monkeypatch: object) -> None:
     from celeris_cli.engine import default_model_dir, embedded_models, model_dir
 
-    assert model_dir("celeris-block") == default_model_dir() == embedded_models()["celeris-block"]
+    assert model_dir("celeris-spec") == default_model_dir() == embedded_models()["celeris-spec"]
+    assert model_dir("celeris-block") == embedded_models()["celeris-block"] != default_model_dir()
     assert model_dir("celeris-tiny") == embedded_models()["celeris-tiny"] != default_model_dir()
     assert model_dir(None) == default_model_dir()
     assert model_dir(str(tmp_path)) == tmp_path  # a folder that exists is a folder

@@ -1,7 +1,8 @@
 """`celeris bench structured`: the extraction workload decoded unconstrained, left to right and template-pinned
-on the embedded model, one row each; the constrained rows' answers that finish validate against their schemas
-as given, the counts add up, the template row pins the schemas of a fixed shape that fit, and the scoring
-counts what it says (checked on answers written by hand)."""
+on the embedded block-diffusion model (celeris-block), one row each; the constrained rows' answers that
+finish validate against their schemas as given, the counts add up, the template row pins the schemas of a
+fixed shape that fit, and the scoring counts what it says (checked on answers written by hand). On the
+default model (`spec`, left to right) the template row pins nothing."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
-    """One tiny run on the embedded model: its table and its --out report."""
+    """One tiny run on the embedded block-diffusion model: its table and its --out report."""
     out = tmp_path_factory.mktemp("bench") / "s.json"
     args = ["bench", "structured", "--requests", "6", "--gen-length", "48", "--dtype", "float32", "--out", str(out)]
+    args += ["--model", "celeris-block"]
     r = runner.invoke(app, args, terminal_width=200)
     assert r.exit_code == 0, r.output
     return r.stdout, json.loads(out.read_text())
@@ -66,6 +68,21 @@ def test_template_row_pins_the_fixed_shapes_that_fit(report: tuple[str, dict[str
     assert {name for name, s in schemas.items() if s["pinned"]} == {"person", "label"}
     assert [row["pinned"] for row in report[1]["rows"]] == [0, 0, 2]
     assert "event, tags" not in report[0] and "product, event, address, tags" in report[0]
+
+
+def test_a_left_to_right_default_decodes_the_template_row_left_to_right(tmp_path: Any) -> None:
+    """The default model decodes by self-speculation (`spec`), which holds no template open: its template row
+    pins nothing and decodes left to right, and its constrained answers that finish still validate."""
+    out = tmp_path / "s.json"
+    args = ["bench", "structured", "--requests", "6", "--gen-length", "48", "--dtype", "float32", "--out", str(out)]
+    r = runner.invoke(app, args, terminal_width=200)
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["strategy"] == "spec" and not any(s["pinned"] for s in data["schemas"].values())
+    rows = {row["way"]: row for row in data["rows"]}
+    assert [row["pinned"] for row in data["rows"]] == [0, 0, 0]
+    for way in ("left-to-right", "template"):
+        assert rows[way]["stop"] > 0 and rows[way]["stop_validates"] == rows[way]["stop"], rows[way]
 
 
 def test_requests_are_bounded_before_anything_loads() -> None:

@@ -78,7 +78,7 @@ def test_a_file_arriving_mid_decode_is_admitted_while_another_files_batch_is_run
 def test_the_daemon_runs_the_engine_as_a_running_set_unless_one_batch_at_a_time_is_asked(tmp_path: Path) -> None:
     from celeris_cli.spool.pool import InlinePool, as_pool
 
-    cfg = load_config(make_queue(tmp_path))
+    cfg = load_config(make_queue(tmp_path, generation={"gen_length": 8}))
     backend = EngineBackend(None, "cpu", "float32", 1, cfg.generation)
     assert isinstance(as_pool(backend, None, 4), RunningPool)
     assert isinstance(as_pool(backend, 30.0, 4), InlinePool)  # a per-batch timeout: one batch at a time
@@ -128,12 +128,12 @@ def test_a_request_failing_in_the_running_set_fails_alone_and_other_files_are_an
 
 
 def test_a_batch_that_cannot_join_the_running_set_decodes_on_its_own_beside_it(tmp_path: Path) -> None:
-    """A strategy of no running set (`block`, the block decoder that recomputes its canvas) keeps a row out:
+    """A strategy of no running set (`ar`, the default model's AR mode in static batches) keeps a row out:
     its batch takes turns with the running set (`RunningPool.alone`), and every answer is still its
     request's alone."""
     cfg = load_config(make_queue(tmp_path, batch_size=2, generation={"gen_length": 16}))
     backend = EngineBackend(None, "cpu", "float32", 1, cfg.generation)
-    lines = [{"prompt": "The old man"}, {"prompt": "床前明月光，", "strategy": "block"}, {"prompt": "The river"}]
+    lines = [{"prompt": "The old man"}, {"prompt": "床前明月光，", "strategy": "ar"}, {"prompt": "The river"}]
     drop(tmp_path, "g.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
     pool = RunningPool(backend, 2)
     alone_batches: list[int] = []
@@ -148,7 +148,7 @@ def test_a_batch_that_cannot_join_the_running_set_decodes_on_its_own_beside_it(t
     finally:
         daemon.as_pool = real
         del backend.run
-    assert alone_batches == [1]  # only the block-strategy row decoded on its own
+    assert alone_batches == [1]  # only the ar-strategy row decoded on its own
     got = [line["response"]["body"]["text"] for line in outputs(tmp_path)["g.jsonl.results.jsonl"]]
     want = []
     for x in lines:

@@ -88,7 +88,8 @@ def test_a_row_that_kills_the_process_whenever_it_decodes_is_poison_and_the_rest
 
 
 def test_watch_says_when_it_is_up_and_watching_before_any_batch(tmp_path: Path) -> None:
-    config = make_queue(tmp_path)  # the embedded model, an empty inbox: no batch will come
+    # the embedded model (its own settings: it drafts, it has no blocks), an empty inbox: no batch will come
+    config = make_queue(tmp_path, generation={"gen_length": 8, "denoise_steps": 4})
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     heartbeat = tmp_path / "logs" / "heartbeat.json"
     with open(tmp_path / "stderr.txt", "w") as err:

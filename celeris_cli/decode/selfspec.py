@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ..arch.kv import KVCache
 from ..params import NO_SHAPING, NO_STRUCTURE, Drafting, Sampling, Shaping, Structure
 from ..structured.commit import Rule, Rules, note, short_error, under_mask
 from .nemotron import CausalCanvas, ar_shaping, stop_after
@@ -64,41 +65,177 @@ class SelfSpecPlan:
     structure: Structure = NO_STRUCTURE  # the rows' rules come per row (`structured.commit`)
 
 
-class _Rows:
-    """The rows still decoding: their batch indices, the canvas index of each one's seed, its draft (b, width)
-    of which the first `k` are real, and the cache over their slots, in the same order."""
+class SpecRows:
+    """Rows decoding side by side under one plan: each its canvas at its own positions (its prompt, then its
+    answer from `ans` to `end`, then room for a round past it), its seed (the canvas index of its last
+    decided token, not yet in the cache), its draft (the first `k` of `draft` real), whether it is still
+    decoding (`live`), and its slot of the cache (row i owns slot i). `generate_self_spec` lays a batch in at
+    once (`of_batch`, one prefill of the left-padded prompts); the running set (`SpecScheduler`) adds rows as
+    they come (`join`, a prefill each) and drops them as they finish (`drop`). A round (`round`) is the
+    same for both. `idx` names each row's random stream in `noise` (and its rule in `rules`): the batch
+    index, or the running set's admission count."""
 
-    def __init__(self, cv: CausalCanvas, P: int, width: int) -> None:
-        B = cv.x.shape[0]
+    def __init__(
+        self,
+        net: Any,
+        plan: SelfSpecPlan,
+        mask_id: int,
+        stop: torch.Tensor,
+        noise: RowNoise,
+        pace: Pace,
+        word_pieces: frozenset[int] = frozenset(),
+    ) -> None:
+        self.net, self.plan, self.mask_id, self.stop, self.noise, self.pace = net, plan, mask_id, stop, noise, pace
+        self.pieces = word_pieces
+        self.W = plan.drafting.width
+        self.rules: dict[int, Rule] = {}
+        self.cache: KVCache | None = None
+        dev = noise.device
+        self.device = dev
+
+        def empty(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+            return torch.zeros(0, *shape, dtype=dtype, device=dev)
+
+        self.x, self.keys, self.pos = empty(torch.long, 0), empty(torch.bool, 0), empty(torch.long, 0)
+        self.ans, self.end, self.idx, self.seed_at = (empty(torch.long) for _ in range(4))
+        self.k, self.forwards = empty(torch.long), empty(torch.long)
+        self.draft = empty(torch.long, max(self.W - 1, 1))
+        self.live = empty(torch.bool)
+
+    @classmethod
+    def of_batch(
+        cls,
+        net: Any,
+        plan: SelfSpecPlan,
+        mask_id: int,
+        stop: torch.Tensor,
+        noise: RowNoise,
+        pace: Pace,
+        word_pieces: frozenset[int],
+        prompt: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        rules: Rules | None,
+    ) -> SpecRows:
+        """A static batch: the left-padded prompts (B, P), prefilled in one causal forward; row b is stream b."""
+        B, P = prompt.shape
+        G, W = plan.drafting.gen_length, plan.drafting.width
+        rows = cls(net, plan, mask_id, stop, noise, pace, word_pieces)
+        cv = CausalCanvas(net, prompt, prompt_mask, G + 2 * W, mask_id)  # room for a round past the answer's end
+        h = cv.forward(0, P, causal=True)[:, -1]
         assert cv.cache is not None
-        self.cv, self.cache = cv, cv.cache
-        self.idx = torch.arange(B, device=cv.x.device)
-        self.seed_at = torch.full((B,), P, dtype=torch.long, device=cv.x.device)
-        self.draft = torch.zeros(B, max(width - 1, 1), dtype=torch.long, device=cv.x.device)
-        self.k = torch.zeros(B, dtype=torch.long, device=cv.x.device)
-        self.keys, self.pos = cv.keys, cv.pos  # the rows' real keys and positions over the canvas
+        rows.cache, rows.x, rows.keys, rows.pos = cv.cache, cv.x, cv.keys, cv.pos
+        rows.rules = {b: r for b, r in enumerate(rules or []) if r is not None}
+        full = torch.full((B,), P, dtype=torch.long, device=prompt.device)
+        rows._lay(torch.arange(B, device=prompt.device), full, full + G, h, 0, 1)
+        return rows
 
-    def keep(self, stays: torch.Tensor) -> None:
-        self.idx, self.seed_at, self.draft, self.k = (t[stays] for t in (self.idx, self.seed_at, self.draft, self.k))
-        self.keys, self.pos = self.keys[stays], self.pos[stays]
-        self.cache.keep(stays)
+    def join(self, prompt: list[int], stream: int, rule: Rule | None, gen_length: int, slots: int) -> None:
+        """One more row: its prompt prefilled causally into the next slot, at positions from 0; it draws from
+        stream `stream` of `noise`. With no slot free the slots double, up to `slots` (the running set's
+        width); a longer canvas than the cache holds doubles its length (at least to the canvas)."""
+        P, dev = len(prompt), self.device
+        C = P + gen_length + 2 * self.W
+        b = len(self.idx)
+        if self.cache is None:
+            self.cache = allocate_cache(self.net, min(max(slots, 1), 4 * (b + 1)), C, dev)
+        if C > self.cache.length or b + 1 > self.cache.rows:
+            longer = max(C, 2 * self.cache.length) if C > self.cache.length else self.cache.length
+            more = max(b + 1, min(slots, 2 * self.cache.rows)) if b + 1 > self.cache.rows else self.cache.rows
+            self.cache.grow(longer, b, more)
+        if C > self.x.shape[1]:  # the canvases widen to the longest
+            more = C - self.x.shape[1]
+            self.x = torch.cat([self.x, self.x.new_full((b, more), self.mask_id)], 1)
+            self.keys = torch.cat([self.keys, self.keys.new_ones(b, more)], 1)
+            self.pos = torch.arange(C, device=dev).expand(b, C).clone()  # a joining row's place is its column
+        width = self.x.shape[1]
+        x = torch.full((1, width), self.mask_id, dtype=torch.long, device=dev)
+        x[0, :P] = torch.tensor(prompt, device=dev)
+        pos = torch.arange(width, device=dev)[None]
+        seen = torch.ones(1, P, P, dtype=torch.bool, device=dev).tril()[:, None]
+        h, _ = self.net.hidden(x[:, :P], pos[:, :P], seen, self.cache.view(slice(b, b + 1), P), 0, False)
+        self.x = torch.cat([self.x, x])
+        self.keys = torch.cat([self.keys, torch.ones(1, width, dtype=torch.bool, device=dev)])
+        self.pos = torch.cat([self.pos, pos])
+        if rule is not None:
+            self.rules[stream] = rule
+        at = torch.tensor([P], device=dev)
+        self._lay(torch.tensor([stream], device=dev), at, at + gen_length, h[:, -1], b, 1)
 
-    def step(self, seeds: torch.Tensor) -> torch.Tensor:
+    def _lay(
+        self, idx: torch.Tensor, ans: torch.Tensor, end: torch.Tensor, h: torch.Tensor, joined: int, prefills: int
+    ) -> None:
+        """Rows from `joined` on: their streams, answer spans and first tokens (the AR mode's, from `h`, the
+        hidden state of each one's last prompt position); `prefills`: the forwards each has taken part in."""
+        n, s = len(idx), self.plan.sampling
+        zero = torch.zeros(n, dtype=torch.long, device=self.device)
+        shaped = None
+        if self.plan.shaping.active:
+            fresh = torch.full((n, int((end - ans).max())), self.mask_id, dtype=torch.long, device=self.device)
+            shaped = ar_shaping(self.plan.shaping, fresh, zero, self.mask_id, self.stop, s.temperature, self.pieces)
+        logits = StepLogits(self.net.step_head(), [h], 0.0, *(shaped or (None, None)))
+        first, _ = choose(
+            logits, Places.counted([1] * n, self.device), s, None, self.noise.at(idx, 0, 0), self.net.chunk
+        )
+        for i, stream in enumerate(idx.tolist()):  # the first token again, under the row's rule
+            if stream in self.rules:
+                first[i] = _ruled(logits, i, self.rules[stream], s, self.noise, stream, 0)
+        rows = torch.arange(joined, joined + n, device=self.device)
+        self.x[rows, ans] = first.to(self.x.dtype)
+        self.idx, self.ans, self.end = (
+            torch.cat([self.idx, idx]),
+            torch.cat([self.ans, ans]),
+            torch.cat([self.end, end]),
+        )
+        self.seed_at = torch.cat([self.seed_at, ans])
+        self.draft = torch.cat([self.draft, self.draft.new_zeros(n, self.draft.shape[1])])
+        self.k = torch.cat([self.k, zero])
+        self.forwards = torch.cat([self.forwards, zero + prefills])
+        self.live = torch.cat([self.live, ~torch.isin(first, self.stop) & (end - ans > 1)])
+
+    def drop(self, stays: torch.Tensor) -> None:
+        """Only rows `stays` (a bool mask) go on, in their order; each moves into the first free slot."""
+        assert self.cache is not None
+        kept = stays.nonzero().flatten().tolist()
+        for slot, src in enumerate(kept):
+            if src != slot:
+                self.cache.move(src, slot, min(int(self.seed_at[src]) + 1, self.cache.length))
+        for name in ("x", "keys", "pos", "ans", "end", "idx", "seed_at", "k", "forwards", "draft", "live"):
+            setattr(self, name, getattr(self, name)[stays])
+        gone = set(self.rules) - set(self.idx.tolist())
+        for stream in gone:
+            del self.rules[stream]
+
+    def answers(self) -> torch.Tensor:
+        """Each row's answer so far (b, the longest answer), masks past its decided part and its end."""
+        G = int((self.end - self.ans).max())
+        cols = self.ans[:, None] + torch.arange(G, device=self.device)[None, :]
+        out = self.x.gather(1, cols.clamp_max(self.x.shape[1] - 1))
+        return out.masked_fill(cols >= self.end[:, None], self.mask_id)
+
+    def answer(self, i: int) -> list[int]:
+        """Row i's answer, every position after its first stop token that token (what the engine cuts)."""
+        out = self.x[i : i + 1, int(self.ans[i]) : int(self.end[i])].clone()
+        stop_after(out, 0, self.stop)
+        return out[0].tolist()
+
+    def _step(self, seeds: torch.Tensor) -> torch.Tensor:
         """Hidden states (b, d) of each row's seed alone over its cache (a round that neither drafts nor
         verifies: the AR mode's step, with as little around the forward as it needs)."""
+        assert self.cache is not None
         s = self.seed_at
         L = int(s.max()) + 1
         k = torch.arange(L, device=seeds.device)[None, :]
         seen = (self.keys[:, :L] & (k < s[:, None])) | (k == s[:, None])
         pos = self.pos.gather(1, s[:, None])
-        view = self.cache.view(slice(None), L)
+        view = self.cache.view(slice(0, len(s)), L)
         start = int(s[0]) if bool((s == s[0]).all()) else s  # rows side by side: one write into the cache
-        h, _ = self.cv.net.hidden(seeds[:, None], pos, seen[:, None, None, :], view, start, False)
+        h, _ = self.net.hidden(seeds[:, None], pos, seen[:, None, None, :], view, start, False)
         return h[:, 0]
 
-    def forward(self, ids: torch.Tensor, v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """Hidden states (b, T) of each row's round `ids` at its own place over its cache: columns [0, v)
         causal (the seed and the draft), [v, e) the masks (all of [0, e)), the rest padding (itself only)."""
+        assert self.cache is not None
         T = ids.shape[1]
         s = self.seed_at
         L = int(s.max()) + T
@@ -112,9 +249,124 @@ class _Rows:
         pad = (c >= e) & (j == c)
         at = (s[:, None] + torch.arange(T, device=ids.device)[None, :]).clamp_max(self.pos.shape[1] - 1)
         pos = self.pos.gather(1, at)
-        view = self.cache.view(slice(None), L)
-        h, _ = self.cv.net.hidden(ids, pos, (before | causal | masks | pad)[:, None], view, s, False)
+        view = self.cache.view(slice(0, len(s)), L)
+        h, _ = self.net.hidden(ids, pos, (before | causal | masks | pad)[:, None], view, s, False)
         return h
+
+    def round(self) -> int:
+        """One round: each row's AR step, or its verify-and-draft forward (`Pace`'s choice); returns the
+        positions it computed."""
+        b, dev, W = len(self.idx), self.device, self.W
+        sampling, shaping, t = self.plan.sampling, self.plan.shaping, self.plan.sampling.temperature
+        mask_id, stop, live, noise, net = self.mask_id, self.stop, self.live, self.noise, self.net
+        began = time.perf_counter()
+        drafts = self.pace.drafts(b, self.k)
+        ruled = [i for i, r in enumerate(self.idx.tolist()) if r in self.rules and bool(live[i])]
+        self.forwards += 1
+        lanes = torch.arange(b, device=dev)
+        if not drafts and not ruled:  # the AR mode's step: each row's seed in, its next token out
+            seeds = self.x[lanes, self.seed_at]
+            t_row = self.seed_at - self.ans + 1
+            shaped = None
+            if shaping.active:
+                shaped = ar_shaping(shaping, self.answers(), t_row, mask_id, stop, t, self.pieces)
+            picks = StepLogits(net.step_head(), [self._step(seeds)], 0.0, *(shaped or (None, None)))
+            places = Places.counted([1] * b, dev)
+            token, _ = choose(picks, places, sampling, None, noise.at(self.idx, 0, t_row.tolist()), net.chunk)
+            at = torch.minimum(self.seed_at + 1, self.end - 1)
+            self.x[lanes, at] = torch.where(live, token.to(self.x.dtype), self.x[lanes, at])
+            self.seed_at = at  # finished rows too: the rows stay side by side
+            self.k = torch.zeros_like(self.k)  # a draft in hand is dropped: it would be verified a round late
+            self.live = live & ~torch.isin(token, stop) & (self.seed_at < self.end - 1)
+            self.pace.took(False, b, time.perf_counter() - began)  # `live` was read: the round's work is done
+            return b
+        room = (self.end - 1 - self.seed_at).clamp_min(1)  # answer positions after each seed
+        none = torch.zeros_like(self.k)
+        k = torch.where(live, torch.minimum(self.k, room - 1), 0) if drafts else none
+        m = torch.where(live, torch.clamp(room - k, max=W), 0) if drafts else none  # the bonus's place first
+        m = torch.where(m >= 2, m, 0)  # a single mask drafts nothing: its place is the bonus's
+        v, e = 1 + k, 1 + k + m
+        T = int(e.max())
+        cols = torch.arange(T, device=dev)[None, :]
+        ids = torch.full((b, T), mask_id, device=dev, dtype=self.x.dtype)
+        ids[:, 0] = self.x[lanes, self.seed_at]
+        if T > 1:
+            draft_cols = (cols >= 1) & (cols < v[:, None])
+            padded = torch.cat([self.draft, self.draft.new_zeros(b, T)], 1)[:, : T - 1]
+            ids[:, 1:] = torch.where(draft_cols[:, 1:], padded, mask_id)
+        h = self._forward(ids, v, e)
+        # the AR mode's token after each causal column: answer position (seed's) + 1 + column
+        verify = cols < v[:, None]
+        r_of, c_of = verify.nonzero(as_tuple=True)
+        t_of = self.seed_at[r_of] - self.ans[r_of] + 1 + c_of
+        draws = noise.at(self.idx[r_of], 0, t_of.tolist())
+        places = Places.counted([1] * len(r_of), dev)
+        shaped = None
+        if shaping.active:  # each column's history: the accepted answer, then the draft before it
+            history = self.answers()[r_of].clone()
+            seed = self.seed_at[r_of] - self.ans[r_of]
+            for j in range(1, T):
+                sel = c_of >= j
+                history[sel, seed[sel] + j] = ids[r_of[sel], j]
+            shaped = ar_shaping(shaping, history, t_of, mask_id, stop, t, self.pieces)
+        logits = StepLogits(net.step_head(), [h[r_of, c_of]], 0.0, *(shaped or (None, None)))
+        x0, _ = choose(logits, places, sampling, None, draws, net.chunk)
+        ar = torch.full((b, T), -1, device=dev, dtype=torch.long)
+        ar[r_of, c_of] = x0
+        flat = torch.cumsum(v, 0) - v  # each row's first verify column in the flat order of r_of, c_of
+        for i in ruled:  # rules: column by column
+            stream = int(self.idx[i])
+            rule, start = self.rules[stream], int(self.seed_at[i] - self.ans[i]) + 1
+            ar[i] = -1
+            for c in range(int(v[i])):
+                ar[i, c] = _ruled(logits, int(flat[i]) + c, rule, sampling, noise, stream, start + c)
+                if c + 1 == int(v[i]) or int(ar[i, c]) != int(ids[i, c + 1]) or rule.ended:
+                    break
+        agree = (ar[:, : T - 1] == ids[:, 1:]) & (cols[:, 1:] < v[:, None])
+        a = agree.long().cumprod(1).sum(1) if T > 1 else torch.zeros(b, dtype=torch.long, device=dev)
+        accepted = (a + 1) * live  # a finished row waiting to leave computes its seed again and takes nothing
+        written = cols < accepted[:, None]
+        at = (self.seed_at[:, None] + 1 + cols).clamp_max(self.x.shape[1] - 1)
+        self.x[lanes[:, None], at] = torch.where(written, ar.to(self.x.dtype), self.x[lanes[:, None], at])
+        new = written & (at < self.end[:, None])
+        if hasattr(net, "drafted"):
+            net.drafted += int(k.sum())
+            net.accepted += int(a.sum())
+        self.pace.saw(int(live.sum()), int(accepted.sum()), drafts and bool(k.any()))
+        # the next draft: the masks after the bonus's place, where the whole draft was accepted
+        self.k = torch.zeros_like(k)
+        whole = (a == k) & (m >= 2) & live
+        if bool(whole.any()):
+            r = whole.nonzero().flatten()
+            span = torch.arange(1, W, device=dev)[None, :]  # mask columns after the bonus's place
+            mcol = (v[r, None] + span).clamp_max(T - 1)
+            first = self.seed_at[r] + accepted[r] + 1 - self.ans[r]  # answer position of each next draft's first
+            self.draft[r] = _guess(net, h[r[:, None], mcol], self.idx[r], first, self._guesser)
+            self.k[r] = m[r] - 1
+        self.seed_at = self.seed_at + accepted
+        self.live = live & ~(torch.isin(ar, stop) & new).any(1) & (self.seed_at < self.end - 1)
+        self.pace.took(drafts, b * T, time.perf_counter() - began)
+        return b * T
+
+    def _guesser(self, hm: torch.Tensor, streams: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """The diffusion mode's guesses, each drawn with the number the AR mode will draw its position with
+        (the same stream, block 0, step t): where the two distributions are close the two draws pick the same
+        token, so a sampled answer's drafts are accepted about as often as a greedy one's."""
+        n, w = hm.shape[:2]
+        dev = hm.device
+        order = {s: i for i, s in enumerate(self.idx.tolist())}
+        rows = torch.tensor([order[s] for s in streams.tolist()], device=dev).repeat_interleave(w)
+        span = (self.end - self.ans)[rows]
+        t = (first.repeat_interleave(w) + torch.arange(w, device=dev).repeat(n)).clamp_max(span - 1)
+        history = self.answers()[rows]  # the accepted answer (the guesses before each one are not in it)
+        s = self.plan.sampling
+        shaped = ar_shaping(self.plan.shaping, history, t, self.mask_id, self.stop, s.temperature, self.pieces)
+        logits = StepLogits(self.net.step_head(), [hm.flatten(0, 1)], 0.0, *(shaped or (None, None)))
+        places = Places.counted([1] * (n * w), dev)
+        x0, _ = choose(
+            logits, places, s, None, self.noise.at(streams.repeat_interleave(w), 0, t.tolist()), self.net.chunk
+        )
+        return x0.view(n, w)
 
 
 def _ruled(logits: StepLogits, n: int, rule: Rule, sampling: Sampling, noise: RowNoise, row: int, t: int) -> int:
@@ -163,135 +415,43 @@ def generate_self_spec(
     rules: Rules | None = None,
     word_pieces: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
-    """Self-speculative decoding (see the module's text): prompt (B, P) left-padded -> the canvas
-    (B, P + gen_length), the rest of a finished row its stop token. `cost`: the forward's cost model for the
-    "auto" choice (calibrated here from `net` if not given). `rules`: each row's constraint and log-probability
-    record, or None. The logit shaping (`nemotron.ar_shaping`) reads, at each verify column, the answer before
-    it: the accepted text, then the draft up to that column, as the AR mode's history."""
+    """Self-speculative decoding of a static batch (see the module's text): prompt (B, P) left-padded -> the
+    canvas (B, P + gen_length), the rest of a finished row its stop token. `cost`: the forward's cost model for
+    the "auto" choice (calibrated here from `net` if not given). `rules`: each row's constraint and
+    log-probability record, or None. The logit shaping (`nemotron.ar_shaping`) reads, at each verify column,
+    the answer before it: the accepted text, then the draft up to that column, as the AR mode's history.
+    Finished rows wait in the batch until a quarter of it has finished, then leave together."""
     B, P = prompt.shape
-    G, W = plan.drafting.gen_length, plan.drafting.width
-    sampling = plan.sampling
-    dev = prompt.device
-    cv = CausalCanvas(net, prompt, prompt_mask, G + 2 * W, mask_id)  # room for a round past the answer's end
-    stop = torch.tensor(sorted(stop_ids), device=dev, dtype=prompt.dtype)
-    h = cv.forward(0, P, causal=True)[:, -1]
-    t, shaping = sampling.temperature, plan.shaping
-    zero = torch.zeros(B, dtype=torch.long, device=dev)
-    opening = cv.logits(h, ar_shaping(shaping, cv.x[:, P : P + G], zero, mask_id, stop, t, word_pieces))
-    cv.x[:, P] = opening.pick(sampling, noise.at(list(range(B)), 0, 0), net.chunk)  # the AR mode's first token
-    ruled = [b for b, r in enumerate(rules or []) if r is not None]
-    for b in ruled:  # the first token again, under the row's rule
-        assert rules is not None and rules[b] is not None
-        cv.x[b, P] = _ruled(opening.logits, b, rules[b], sampling, noise, b, 0)  # type: ignore[arg-type]
-    rows = _Rows(cv, P, W)
-    pace = Pace(plan.drafting.drafting, W, cost if cost is not None or plan.drafting.drafting != "auto" else None, net)
-    stays = ~torch.isin(cv.x[:, P], stop) & torch.full((B,), G > 1, device=dev)
+    G = plan.drafting.gen_length
+    stop = torch.tensor(sorted(stop_ids), device=prompt.device, dtype=prompt.dtype)
+    policy = plan.drafting.drafting
+    pace = Pace(policy, plan.drafting.width, cost if cost is not None or policy != "auto" else None, net)
+    rows = SpecRows.of_batch(net, plan, mask_id, stop, noise, pace, word_pieces, prompt, prompt_mask, rules)
+    out = rows.x[:, : P + G].clone()
+    while bool(rows.live.any()):
+        if int((~rows.live).sum()) * 4 >= len(rows.live):  # finished rows leave a quarter at a time
+            _keep(rows, out, P + G)
+        rows.round()
+    _keep(rows, out, P + G)
+    stop_after(out, P, stop)
+    return out
 
-    def guesser(hm: torch.Tensor, at_rows: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-        """The diffusion mode's guesses, each drawn with the number the AR mode will draw its position with
-        (the same row, block 0, step t): where the two distributions are close the two draws pick the same
-        token, so a sampled answer's drafts are accepted about as often as a greedy one's."""
-        n, w = hm.shape[:2]
-        r = at_rows.repeat_interleave(w)
-        t = (first[:, None] + torch.arange(w, device=dev)[None, :]).flatten().clamp_max(G - 1)
-        history = cv.x[r, P : P + G]  # the accepted answer (the guesses before each one are not in it)
-        shaped = ar_shaping(shaping, history, t, mask_id, stop, sampling.temperature, word_pieces)
-        logits = StepLogits(net.step_head(), [hm.flatten(0, 1)], 0.0, *(shaped or (None, None)))
-        x0, _ = choose(
-            logits, Places.counted([1] * (n * w), dev), sampling, None, noise.at(r, 0, t.tolist()), net.chunk
-        )
-        return x0.view(n, w)
 
-    live = stays
-    while bool(live.any()):
-        if int((~live).sum()) * 4 >= len(live):  # finished rows leave a quarter at a time (each copies the cache)
-            rows.keep(live)
-            live = live[live]
-        b = len(rows.idx)
-        began = time.perf_counter()
-        drafts = pace.drafts(b, rows.k)
-        if not drafts and not ruled:  # the AR mode's step: each row's seed in, its next token out
-            seeds = cv.x[rows.idx, rows.seed_at]
-            t_row = rows.seed_at - P + 1
-            shaped = None
-            if shaping.active:
-                shaped = ar_shaping(shaping, cv.x[rows.idx, P : P + G], t_row, mask_id, stop, t, word_pieces)
-            picks = StepLogits(net.step_head(), [rows.step(seeds)], 0.0, *(shaped or (None, None)))
-            places = Places.counted([1] * b, dev)
-            token, _ = choose(picks, places, sampling, None, noise.at(rows.idx, 0, t_row.tolist()), net.chunk)
-            at = (rows.seed_at + 1).clamp_max(P + G - 1)
-            cv.x[rows.idx, at] = torch.where(live, token.to(cv.x.dtype), cv.x[rows.idx, at])
-            rows.seed_at = (rows.seed_at + 1).clamp_max(P + G - 1)  # finished rows too: the rows stay side by side
-            rows.k = torch.zeros_like(rows.k)  # a draft in hand is dropped: it would be verified a round late
-            live = live & ~torch.isin(token, stop) & (rows.seed_at < P + G - 1)
-            pace.took(False, b, time.perf_counter() - began)  # `live` was read: the round's work is done
-            continue
-        room = (P + G - 1 - rows.seed_at).clamp_min(1)  # answer positions after each seed
-        none = torch.zeros_like(rows.k)
-        k = torch.where(live, torch.minimum(rows.k, room - 1), 0) if drafts else none
-        m = torch.where(live, torch.clamp(room - k, max=W), 0) if drafts else none  # the bonus's place first
-        m = torch.where(m >= 2, m, 0)  # a single mask drafts nothing: its place is the bonus's
-        v, e = 1 + k, 1 + k + m
-        T = int(e.max())
-        cols = torch.arange(T, device=dev)[None, :]
-        ids = torch.full((b, T), mask_id, device=dev, dtype=prompt.dtype)
-        ids[:, 0] = cv.x[rows.idx, rows.seed_at]
-        if T > 1:
-            draft_cols = (cols >= 1) & (cols < v[:, None])
-            padded = torch.cat([rows.draft, rows.draft.new_zeros(b, T)], 1)[:, : T - 1]
-            ids[:, 1:] = torch.where(draft_cols[:, 1:], padded, mask_id)
-        h = rows.forward(ids, v, e)
-        # the AR mode's token after each causal column: answer position (seed's) + 1 + column
-        verify = cols < v[:, None]
-        r_of, c_of = verify.nonzero(as_tuple=True)
-        t_of = rows.seed_at[r_of] - P + 1 + c_of
-        draws = noise.at(rows.idx[r_of], 0, t_of.tolist())
-        places = Places.counted([1] * len(r_of), dev)
-        shaped = None
-        if shaping.active:  # each column's history: the accepted answer, then the draft before it
-            history = cv.x[rows.idx[r_of], P : P + G].clone()
-            seed = rows.seed_at[r_of] - P
-            for j in range(1, T):
-                sel = c_of >= j
-                history[sel, seed[sel] + j] = ids[r_of[sel], j]
-            shaped = ar_shaping(shaping, history, t_of, mask_id, stop, t, word_pieces)
-        logits = StepLogits(net.step_head(), [h[r_of, c_of]], 0.0, *(shaped or (None, None)))
-        x0, _ = choose(logits, places, sampling, None, draws, net.chunk)
-        ar = torch.full((b, T), -1, device=dev, dtype=torch.long)
-        ar[r_of, c_of] = x0
-        flat = torch.cumsum(v, 0) - v  # each row's first verify column in the flat order of r_of, c_of
-        for i in [i for i, r in enumerate(rows.idx.tolist()) if r in ruled and live[i]]:  # rules: column by column
-            rule, start = rules[int(rows.idx[i])], int(rows.seed_at[i]) - P + 1  # type: ignore[index]
-            assert rule is not None
-            ar[i] = -1
-            for c in range(int(v[i])):
-                n = int(flat[i]) + c
-                ar[i, c] = _ruled(logits, n, rule, sampling, noise, int(rows.idx[i]), start + c)
-                if c + 1 == int(v[i]) or int(ar[i, c]) != int(ids[i, c + 1]) or rule.ended:
-                    break
-        agree = (ar[:, : T - 1] == ids[:, 1:]) & (cols[:, 1:] < v[:, None])
-        a = agree.long().cumprod(1).sum(1) if T > 1 else torch.zeros(b, dtype=torch.long, device=dev)
-        accepted = (a + 1) * live  # a finished row waiting to leave computes its seed again and takes nothing
-        written = cols < accepted[:, None]
-        at = (rows.seed_at[:, None] + 1 + cols).clamp_max(cv.x.shape[1] - 1)
-        cv.x[rows.idx[:, None], at] = torch.where(written, ar.to(cv.x.dtype), cv.x[rows.idx[:, None], at])
-        new = written & (at < P + G)
-        if hasattr(net, "drafted"):
-            net.drafted += int(k.sum())
-            net.accepted += int(a.sum())
-        pace.saw(int(live.sum()), int(accepted.sum()), drafts and bool(k.any()))
-        # the next draft: the masks after the bonus's place, where the whole draft was accepted
-        rows.k = torch.zeros_like(k)
-        whole = (a == k) & (m >= 2) & live
-        if bool(whole.any()):
-            r = whole.nonzero().flatten()
-            span = torch.arange(1, W, device=dev)[None, :]  # mask columns after the bonus's place
-            mcol = (v[r, None] + span).clamp_max(T - 1)
-            first = rows.seed_at[r] + accepted[r] + 1 - P  # answer position of each next draft's first token
-            rows.draft[r] = _guess(net, h[r[:, None], mcol], rows.idx[r], first, guesser)
-            rows.k[r] = m[r] - 1
-        rows.seed_at = rows.seed_at + accepted
-        live = live & ~(torch.isin(ar, stop) & new).any(1) & (rows.seed_at < P + G - 1)
-        pace.took(drafts, b * T, time.perf_counter() - began)
-    stop_after(cv.x[:, : P + G], P, stop)
-    return cv.x[:, : P + G]
+def _keep(rows: SpecRows, out: torch.Tensor, end: int) -> None:
+    """Finished rows' canvases into `out` (by stream), and out of the batch."""
+    gone = ~rows.live
+    if bool(gone.any()):
+        out[rows.idx[gone]] = rows.x[gone, :end]
+        rows.drop(rows.live)
+
+
+def allocate_cache(net: Any, rows: int, length: int, device: torch.device) -> KVCache:
+    """An empty cache of `rows` slots and `length` positions, its layers, heads, head size and dtype from a
+    one-token forward of the model itself (not counted); float32 where attention runs in float32 under
+    low-precision weights (`Net.cache_of`)."""
+    one = torch.zeros(1, 1, dtype=torch.long, device=device)
+    model: Any = getattr(net, "model", net)
+    _, kv = model.hidden(one, one, None, None, 0, True)
+    k = kv[0][0]
+    dtype = torch.float32 if getattr(model, "upcast", False) else k.dtype
+    return KVCache.empty(len(kv), rows, k.shape[1], length, k.shape[3], dtype, device)

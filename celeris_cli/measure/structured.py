@@ -1,6 +1,7 @@
 """An extraction workload decoded three ways side by side (`celeris bench structured`): unconstrained, held
 left to right to its JSON schema (`structured_layout: left-to-right`), and template-pinned (`structured_layout:
-template`) where the schema has a fixed shape.
+template`) where the schema has a fixed shape and the model's strategy leaves slots open (a strategy that decides
+left to right, as `spec`, decodes the template row left to right, and pins nothing).
 
 The workload is short extraction prompts over six schemas ("Extract the person: Ada Lovelace, 36 years old.":
 a person, a product, an event with an enum and a date pattern, a nested address, an array of tags, a label),
@@ -23,6 +24,7 @@ from typing import Any
 
 from ..engine import Engine, Result
 from ..errors import UsageError
+from ..strategy import STRATEGIES
 from ..structured.template import TooLong, build
 from .bench import hardware
 
@@ -149,7 +151,9 @@ def bench_structured(
     for ids in encoded:
         engine.check_fits(len(ids), plain)
     vocab = engine.vocabulary()
-    pinned = {name: _pins(schema, vocab, gen_length) for name, schema in SCHEMAS.items()}
+    # a strategy that decides left to right holds no template open: its template row decodes left to right
+    templates = not STRATEGIES[plain.strategy].left_to_right
+    pinned = {name: templates and _pins(schema, vocab, gen_length) for name, schema in SCHEMAS.items()}
 
     def settings(way: str, i: int) -> Any:
         name, prompt = requests[i]

@@ -1,0 +1,131 @@
+"""The running set of self-speculative decoding (`spec`): rows that decode left to right exactly, drafting by
+diffusion where it pays, admitted as others finish so the batch stays full.
+
+A row joins with its prompt prefilled causally into a slot of its lane's cache (one forward of its own), its
+first token the AR mode's; then every round runs one forward per lane over all its rows, each at its own
+place: its AR step, or its verify-and-draft columns (`selfspec.SpecRows.round`, the very round a static batch
+runs). A row leaves the round it finishes, and the next waiting request takes its place at the next round.
+
+Rows of one lane share their sampler, shaping, draft width and drafting policy (`SelfSpecPlan` but for the
+answer's length, which is each row's own); rows that differ run in lanes of their own, a forward each per
+round. Each lane keeps its `Pace`: whether a round drafts is decided from the rows in flight in it then, with
+the engine's calibrated cost of a forward (`decode.pace`) and the tokens drafting has yielded in that lane so
+far. The choice changes how many forwards a row takes, never its tokens: a row's answer is its AR answer,
+drawn from its own stream (`request_seed`) at its own answer positions, whoever runs beside it and whenever
+it was admitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..structured.commit import Rule
+from .pace import ForwardCost, Pace
+from .runset import RunningSet
+from .sampling import RowNoise
+from .selfspec import SelfSpecPlan, SpecRows
+
+
+@dataclass(frozen=True)
+class SpecRequest:
+    """One request for the running set: its prompt ids, its settings and its row seed (`request_seed`)."""
+
+    key: int  # the caller's name for it, handed back with the answer
+    prompt: list[int]
+    plan: SelfSpecPlan
+    seed: int
+    rule: Rule | None = field(default=None, compare=False)  # its constraint and log probabilities, if any
+
+    @property
+    def gen_length(self) -> int:
+        return self.plan.drafting.gen_length
+
+
+def _lane_key(plan: SelfSpecPlan) -> tuple[Any, ...]:
+    """What rows of one lane share: everything in their settings but the answer's length."""
+    return plan.drafting.width, plan.drafting.drafting, plan.sampling, plan.shaping
+
+
+class SpecScheduler(RunningSet[SpecRequest]):
+    """Decodes `SpecRequest`s with at most `width` rows in flight; `run` yields (key, generated ids,
+    forwards) as each row finishes. `refill` False runs static batches instead (rows admitted only when
+    none is in flight). `cost`: the forward's cost model the lanes' "auto" choice weighs (calibrated from the
+    network on a lane's first round if not given)."""
+
+    def __init__(
+        self,
+        net: Any,
+        mask_id: int,
+        stop_ids: frozenset[int],
+        width: int,
+        device: torch.device,
+        word_pieces: frozenset[int] = frozenset(),
+        refill: bool = True,
+        before_round: Callable[[], None] | None = None,
+        cost: ForwardCost | None = None,
+    ) -> None:
+        super().__init__(width, device, word_pieces, refill, before_round)
+        self.net, self.mask_id, self.cost = net, mask_id, cost
+        self.stop = torch.tensor(sorted(stop_ids), device=device, dtype=torch.long)
+        self.noise = RowNoise([], device)  # stream i: the i-th row admitted
+        self.lanes: dict[tuple[Any, ...], SpecRows] = {}
+        self.key_of: dict[int, int] = {}  # stream -> the caller's key
+
+    def in_flight_keys(self) -> list[int]:
+        return [self.key_of[s] for lane in self.lanes.values() for s in lane.idx.tolist()]
+
+    def _drop_in_flight(self, keys: set[int]) -> None:
+        for lane in self.lanes.values():
+            streams = lane.idx.tolist()
+            if any(self.key_of[s] in keys for s in streams):
+                stays = torch.tensor([self.key_of[s] not in keys for s in streams], device=self.device)
+                self._forget([s for s in streams if self.key_of[s] in keys])
+                lane.drop(stays)
+
+    def _forget(self, streams: list[int]) -> None:
+        for s in streams:
+            del self.key_of[s]
+
+    @torch.no_grad()  # the weights may require grad: no graph may chain through the cache
+    def run(self, requests: Iterable[SpecRequest] = ()) -> Iterator[tuple[int, list[int], int]]:
+        self.add(requests)
+        while self.waiting or self.in_flight:
+            for req in self.admit():
+                self._admit(req)
+            for lane in list(self.lanes.values()):
+                yield from self._leave(lane)  # rows done at their first token never take a round
+                if len(lane.idx):
+                    b = len(lane.idx)
+                    self.occupancy.positions += lane.round()
+                    self.occupancy.forwards += 1
+                    self.occupancy.rows += b
+                    yield from self._leave(lane)
+
+    def _admit(self, req: SpecRequest) -> None:
+        key = _lane_key(req.plan)
+        if key not in self.lanes:
+            policy = req.plan.drafting.drafting
+            pace = Pace(policy, req.plan.drafting.width, self.cost if policy == "auto" else None, self.net)
+            self.lanes[key] = SpecRows(self.net, req.plan, self.mask_id, self.stop, self.noise, pace)
+        lane = self.lanes[key]
+        lane.pieces = frozenset(self.pieces.tolist())
+        stream = len(self.noise.seeds)
+        self.noise.seeds.append(req.seed)
+        self.key_of[stream] = req.key
+        lane.join(req.prompt, stream, req.rule, req.gen_length, self.width)
+        self.occupancy.prefills += 1
+        self.occupancy.positions += len(req.prompt)
+
+    def _leave(self, lane: SpecRows) -> Iterator[tuple[int, list[int], int]]:
+        """Hand back the lane's finished rows and free their slots."""
+        done = (~lane.live).nonzero().flatten().tolist()
+        if not done:
+            return
+        answers = [(self.key_of[int(lane.idx[i])], lane.answer(i), int(lane.forwards[i])) for i in done]
+        self._forget([int(lane.idx[i]) for i in done])
+        lane.drop(lane.live.clone())
+        yield from answers

@@ -1,0 +1,105 @@
+"""The running set of self-speculative decoding (`decode.specrun`): rows join as others leave, each at its own
+place in its own slot, in lanes by settings, and every answer is its request's alone, which is its AR
+answer: however wide the set, whoever ran beside it, whether rounds drafted, and whether rows beside it
+were dropped in flight."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from celeris_cli import load_engine
+from celeris_cli.engine import LiveRun
+
+PROMPTS = ["The old man", "It was late", "床前明月光，", "The river", "At night", "She opened the door", "白日依山尽，"]
+
+
+@pytest.fixture(scope="module")
+def engine():  # type: ignore[no-untyped-def]
+    return load_engine(None, device="cpu", dtype="float32")  # the default model: spec
+
+
+def _rows(engine: Any, drafting: str) -> tuple[list[str], list[Any], list[int]]:
+    """Requests of three lengths and two samplers (so two lanes, and rows that leave at different rounds), each
+    with the settings its prompt runs with (the script presets: more lanes)."""
+    prompts, params, seeds = [], [], []
+    for i in range(14):
+        p = PROMPTS[i % len(PROMPTS)]
+        layer = {"gen_length": (8, 20, 33)[i % 3], "temperature": (0.0, 0.9)[i % 2], "drafting": drafting}
+        prompts.append(p)
+        params.append(engine.params_for(p, engine.params({**layer, "denoise_steps": 4})))
+        seeds.append(100 + i)
+    return prompts, params, seeds
+
+
+def _alone(engine: Any, prompts: list[str], params: list[Any], seeds: list[int]) -> list[str]:
+    """Each request in a static batch of its own (the static decoder, `generate_self_spec`)."""
+    one = [
+        engine.decode_batch([p], [engine.encode_prompt(p)], q, [s], presets=False)[0]
+        for p, q, s in zip(prompts, params, seeds)
+    ]
+    return [r.text for r in one]
+
+
+@pytest.mark.parametrize("drafting", ["always", "never", "auto"])
+def test_rows_that_join_as_others_leave_answer_as_alone(engine, drafting) -> None:  # type: ignore[no-untyped-def]
+    prompts, params, seeds = _rows(engine, drafting)
+    encoded = [engine.encode_prompt(p) for p in prompts]
+    want = _alone(engine, prompts, params, seeds)
+    before = engine.drafted
+    got = engine.decode_running(prompts, encoded, params, seeds, 3)
+    assert [r.text for r in got] == want
+    if drafting != "auto":  # auto: width 3 on this CPU may go either way
+        assert (engine.drafted > before) == (drafting == "always")
+    refilled = engine.last_occupancy
+    assert refilled is not None and refilled.prefills == len(prompts)
+    static = engine.decode_running(prompts, encoded, params, seeds, 3, refill=False)
+    assert [r.text for r in static] == want
+    # rows joined as others left: more rows in flight per round than static batches of three keep
+    assert refilled.mean_in_flight > engine.last_occupancy.mean_in_flight
+
+
+def test_the_ar_strategy_and_spec_in_the_running_set_give_the_same_tokens(engine) -> None:  # type: ignore[no-untyped-def]
+    prompts = PROMPTS * 2
+    seeds = list(range(len(prompts)))
+    spec = engine.params({"gen_length": 24, "temperature": 0.8, "drafting": "always", "denoise_steps": 6})
+    ar = engine.params({"strategy": "ar", "gen_length": 24, "temperature": 0.8})
+    assert engine.continuous(spec) and not engine.continuous(ar)  # the AR yardstick stays in static batches
+    got = [r.text for r in engine.generate(prompts, spec, batch_size=4, seeds=seeds)]
+    assert got == [r.text for r in engine.generate(prompts, ar, batch_size=4, seeds=seeds)]
+
+
+def test_a_row_dropped_in_flight_leaves_the_others_answers_as_alone(engine) -> None:  # type: ignore[no-untyped-def]
+    prompts, params, seeds = _rows(engine, "always")
+    want = _alone(engine, prompts, params, seeds)
+    live = LiveRun(engine, 4)
+    rounds = [0]
+
+    def before_round() -> None:
+        rounds[0] += 1
+        if rounds[0] == 6:  # rows 0 and 2 are in flight (the longest answers first): 0 leaves mid-answer
+            live.cancel(0)
+
+    live.before_round = before_round
+    for i, (p, q, s) in enumerate(zip(prompts, params, seeds)):
+        live.add(i, p, engine.encode_prompt(p), q, s)
+    got = {key: r.text for key, r in live.answers()}
+    assert 0 not in got and got == {i: want[i] for i in range(1, len(prompts))}
+
+
+def test_a_constrained_row_in_the_running_set_follows_its_grammar_as_alone(engine) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
+    layer = {"gen_length": 40, "structured_outputs": json.dumps({"json": schema}), "drafting": "always"}
+    constrained = engine.params({**layer, "denoise_steps": 8})
+    plain = engine.params({"gen_length": 40, "drafting": "always", "denoise_steps": 8})
+    prompts = ["Extract the person: Ada, 36.", "The river", "Extract the person: Alan.", "At night"]
+    params = [constrained, plain, constrained, plain]
+    seeds = [1, 2, 3, 4]
+    got = engine.decode_running(prompts, [engine.encode_prompt(p) for p in prompts], params, seeds, 2)
+    assert [r.text for r in got] == _alone(engine, prompts, params, seeds)
+    for r in (got[0], got[2]):
+        if r.finish_reason == "stop":
+            assert set(json.loads(r.text)) == {"name"}
