@@ -283,11 +283,10 @@ class Engine:
             wave = (net, special.mask_id, special.stop_ids, max_batch, self.device, special.word_pieces)
             return waves.WaveScheduler(*wave, refill=refill, before_round=before_round), net
         if kinds == {"spec"}:
-            assert on_block is None, "spec commits no blocks to report"
             auto = any(p.drafting == "auto" for p in params)
             spec = (net, special.mask_id, special.stop_ids, max_batch, self.device, special.word_pieces)
             cost = self.forward_cost() if auto else None
-            return SpecScheduler(*spec, refill=refill, before_round=before_round, cost=cost), net
+            return SpecScheduler(*spec, refill=refill, before_round=before_round, cost=cost, on_block=on_block), net
         args = (net, special.mask_id, special.stop_ids, special.pad_id, max_batch, self.device, special.word_pieces)
         return BlockScheduler(*args, refill=refill, on_block=on_block, before_round=before_round), net
 
@@ -695,7 +694,7 @@ class LiveRun:
 
     def _fresh(self, params: GenerationParams) -> None:
         self.kind = _running_kind(params)
-        on_block = self.on_block if self.kind == "block" else None  # the fast strategy streams no blocks
+        on_block = self.on_block if STRATEGIES[params.strategy].streams_blocks else None  # not the fast strategy
         self.scheduler, self.net = self.engine._scheduler([params], self.width, self.refill, on_block, self._round)
 
     def _round(self) -> None:

@@ -74,7 +74,13 @@ STRATEGIES: dict[str, Strategy] = {
     "ar": Strategy(("length", "sampling", "shaping"), "ar", "per_token", None),
     "nemotron-spec": Strategy(("draft", "sampling"), "speculative", "per_token", None),
     "spec": Strategy(
-        ("drafting", "sampling", "shaping", "structure"), "self-spec", "per_token", "causal", "spec", left_to_right=True
+        ("drafting", "sampling", "shaping", "structure"),
+        "self-spec",
+        "per_token",
+        "causal",
+        "spec",
+        streams_blocks=True,
+        left_to_right=True,
     ),
     "diffusion-gemma": Strategy(
         ("blocks", "denoising", "noise", "stops", "structure"),

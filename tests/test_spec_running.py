@@ -103,3 +103,18 @@ def test_a_constrained_row_in_the_running_set_follows_its_grammar_as_alone(engin
     for r in (got[0], got[2]):
         if r.finish_reason == "stop":
             assert set(json.loads(r.text)) == {"name"}
+
+
+def test_the_hook_sees_each_rows_decided_ids_grow_to_its_answer(engine) -> None:  # type: ignore[no-untyped-def]
+    """What `serve` streams: after each round that added to a row, its answer so far; its whole answer as it
+    leaves. Decided tokens never change, so each report extends the one before, and the hook only reads."""
+    params = engine.params({"gen_length": 24, "temperature": 0.9, "drafting": "always", "denoise_steps": 6})
+    prompts = [engine.encode_prompt(p) for p in ("The old man", "床前明月光，")]
+    seen: dict[int, list[list[int]]] = {0: [], 1: []}
+    hooked, _ = engine.decode_ids(prompts, params, [4, 5], on_block=lambda b, ids: seen[b].append(ids))
+    plain, _ = engine.decode_ids(prompts, params, [4, 5])
+    assert hooked == plain
+    for b in (0, 1):
+        grown = seen[b]
+        assert len(grown) > 2 and all(a == c[: len(a)] and len(a) < len(c) for a, c in zip(grown, grown[1:]))
+        assert grown[-1] == plain[b] and engine.special.mask_id not in grown[-2]

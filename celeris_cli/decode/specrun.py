@@ -4,7 +4,8 @@ diffusion where it pays, admitted as others finish so the batch stays full.
 A row joins with its prompt prefilled causally into a slot of its lane's cache (one forward of its own), its
 first token the AR mode's; then every round runs one forward per lane over all its rows, each at its own
 place: its AR step, or its verify-and-draft columns (`selfspec.SpecRows.round`, the very round a static batch
-runs). A row leaves the round it finishes, and the next waiting request takes its place at the next round.
+runs). A row is handed back the round it finishes; it leaves its slot at once if a request is waiting for
+one (which joins at the next round), else once a quarter of its lane has finished (leaving copies slots).
 
 Rows of one lane share their sampler, shaping, draft width and drafting policy (`SelfSpecPlan` but for the
 answer's length, which is each row's own); rows that differ run in lanes of their own, a forward each per
@@ -13,6 +14,9 @@ the engine's calibrated cost of a forward (`decode.pace`) and the tokens draftin
 far. The choice changes how many forwards a row takes, never its tokens: a row's answer is its AR answer,
 drawn from its own stream (`request_seed`) at its own answer positions, whoever runs beside it and whenever
 it was admitted.
+
+Decided tokens never change, so a row streams: `on_block` sees its answer so far after every round that
+added to it (what `serve` sends as events), and its whole answer as it leaves.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import torch
 
 from ..structured.commit import Rule
+from .block import OnBlock
 from .pace import ForwardCost, Pace
 from .runset import RunningSet
 from .sampling import RowNoise
@@ -67,24 +72,25 @@ class SpecScheduler(RunningSet[SpecRequest]):
         refill: bool = True,
         before_round: Callable[[], None] | None = None,
         cost: ForwardCost | None = None,
+        on_block: OnBlock | None = None,
     ) -> None:
         super().__init__(width, device, word_pieces, refill, before_round)
-        self.net, self.mask_id, self.cost = net, mask_id, cost
+        self.net, self.mask_id, self.cost, self.on_block = net, mask_id, cost, on_block
         self.stop = torch.tensor(sorted(stop_ids), device=device, dtype=torch.long)
         self.noise = RowNoise([], device)  # stream i: the i-th row admitted
         self.lanes: dict[tuple[Any, ...], SpecRows] = {}
         self.key_of: dict[int, int] = {}  # stream -> the caller's key
 
     def in_flight_keys(self) -> list[int]:
-        return [self.key_of[s] for lane in self.lanes.values() for s in lane.idx.tolist()]
+        return [self.key_of[s] for lane in self.lanes.values() for s in lane.idx.tolist() if s in self.key_of]
 
     def _drop_in_flight(self, keys: set[int]) -> None:
         for lane in self.lanes.values():
             streams = lane.idx.tolist()
-            if any(self.key_of[s] in keys for s in streams):
-                stays = torch.tensor([self.key_of[s] not in keys for s in streams], device=self.device)
-                self._forget([s for s in streams if self.key_of[s] in keys])
-                lane.drop(stays)
+            gone = [s for s in streams if s in self.key_of and self.key_of[s] in keys]
+            if gone:
+                self._forget(gone)
+                lane.drop(torch.tensor([s in self.key_of for s in streams], dtype=torch.bool, device=self.device))
 
     def _forget(self, streams: list[int]) -> None:
         for s in streams:
@@ -99,11 +105,16 @@ class SpecScheduler(RunningSet[SpecRequest]):
             for lane in list(self.lanes.values()):
                 yield from self._leave(lane)  # rows done at their first token never take a round
                 if len(lane.idx):
-                    b = len(lane.idx)
+                    b, before = len(lane.idx), lane.seed_at
                     self.occupancy.positions += lane.round()
                     self.occupancy.forwards += 1
                     self.occupancy.rows += b
+                    if self.on_block is not None:
+                        self._report(lane, (lane.seed_at > before) & lane.live)
                     yield from self._leave(lane)
+        for lane in self.lanes.values():  # rows handed back and still in their lane leave now
+            if not bool(lane.live.all()):
+                lane.drop(lane.live.clone())
 
     def _admit(self, req: SpecRequest) -> None:
         key = _lane_key(req.plan)
@@ -120,12 +131,25 @@ class SpecScheduler(RunningSet[SpecRequest]):
         self.occupancy.prefills += 1
         self.occupancy.positions += len(req.prompt)
 
+    def _report(self, lane: SpecRows, moved: torch.Tensor) -> None:
+        """`on_block` with each row's decided answer so far, for the rows still decoding whose answer grew this
+        round (a finished row's whole answer comes back as it leaves)."""
+        assert self.on_block is not None
+        for i in moved.nonzero().flatten().tolist():
+            lo, hi = int(lane.ans[i]), int(lane.seed_at[i]) + 1
+            self.on_block(self.key_of[int(lane.idx[i])], lane.x[i, lo:hi].tolist())
+
     def _leave(self, lane: SpecRows) -> Iterator[tuple[int, list[int], int]]:
-        """Hand back the lane's finished rows and free their slots."""
-        done = (~lane.live).nonzero().flatten().tolist()
-        if not done:
-            return
+        """Hand back the lane's finished rows. They leave the lane (freeing their slots, each later row's moving
+        down) when a request is waiting for a place or a quarter of the lane has finished; till then they ride
+        along, taking nothing (leaving copies slots: not one row at a time)."""
+        dead = (~lane.live).nonzero().flatten().tolist()
+        done = [i for i in dead if int(lane.idx[i]) in self.key_of]  # not yet handed back
         answers = [(self.key_of[int(lane.idx[i])], lane.answer(i), int(lane.forwards[i])) for i in done]
+        if self.on_block is not None:
+            for key, ids, _ in answers:
+                self.on_block(key, ids)
         self._forget([int(lane.idx[i]) for i in done])
-        lane.drop(lane.live.clone())
+        if dead and (self.waiting or 4 * len(dead) >= len(lane.idx)):
+            lane.drop(lane.live.clone())
         yield from answers

@@ -272,7 +272,7 @@ def _self_spec(
     on_block: OnBlock | None = None,
     rules: Rules | None = None,
 ) -> torch.Tensor:
-    assert on_block is None, "spec streams no blocks"
+    assert on_block is None, "spec streams through its running set (`decode.specrun`)"
     plan = _plan(SelfSpecPlan, params)
     return generate_self_spec(
         net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, net.cost, rules, tokens.word_pieces
