@@ -87,3 +87,24 @@ def test_rows_of_one_shape_share_an_attention_call_and_get_exactly_what_each_get
     together = [Segment(0, 8, None, 0), Segment(8, 16, None, 1), Segment(16, 24, None, 2), Segment(24, 29)]
     assert [len(grp) for grp in packed._groups(together)] == [3, 1]
     assert torch.equal(run([[0, 1, 2, 3]]), run([[0], [1], [2], [3]]))
+
+
+def test_a_causal_segment_is_each_rows_causal_prefill(tiny_model: Path) -> None:
+    """A causal prefill (`Segment.causal`, self-speculation's rows joining together): each row's queries over
+    its keys up to their own, as its own forward under a causal mask, its keys written into its slot."""
+    model, a, b, *_, cache = _two_rows(tiny_model, (7, 12), seed=2, slots=2, length=16)
+    with torch.no_grad():
+        alone = []
+        for row in (a, b):
+            n = row.shape[1]
+            tril = torch.ones(1, 1, n, n, dtype=torch.bool).tril()
+            alone.append(model.hidden(row, torch.arange(n)[None], tril, None, 0, True))
+        segments = [Segment(0, 7, cache, 0, 0, 7, causal=True), Segment(7, 19, cache, 1, 0, 12, causal=True)]
+        ids, pos = torch.cat([a, b], 1), torch.cat([torch.arange(7), torch.arange(12)])[None]
+        h, _ = model.hidden(ids, pos, None, packed_layers(segments, len(cache.layers)), 0, False)
+        bidirectional, _ = model.hidden(a, torch.arange(7)[None], None, None, 0, False)
+    (ha, kva), (hb, kvb) = alone
+    assert torch.allclose(h[0, :7], ha[0], atol=1e-5) and torch.allclose(h[0, 7:], hb[0], atol=1e-5)
+    assert not torch.allclose(h[0, :6], bidirectional[0, :6], atol=1e-3)  # the mask mattered
+    for (ck, _), (fa, _), (fb, _) in zip(cache.layers, kva, kvb):
+        assert torch.allclose(ck[0, :, :7], fa[0], atol=1e-6) and torch.allclose(ck[1, :, :12], fb[0], atol=1e-6)

@@ -93,9 +93,9 @@ def test_a_round_accepts_the_agreeing_draft_and_one_token_more(engine, monkeypat
     before = engine.drafted, engine.accepted
     got, forwards = engine.decode_ids(prompts, _spec(engine, n, drafting="always", denoise_steps=steps))
     assert got == ar
-    # a prefill per row (token 1: the running set prefills each row as it joins), a round with no draft
+    # the prefill (token 1: the rows that join together, in one packed forward), a round with no draft
     # (token 2, and the first draft), then whole rounds
-    prefills = len(prompts)
+    prefills = 1
     if wrong_at is None:
         assert forwards == prefills + 1 + -(-(n - 2) // per_round)
         assert engine.accepted - before[1] == engine.drafted - before[0] > 0
@@ -103,7 +103,7 @@ def test_a_round_accepts_the_agreeing_draft_and_one_token_more(engine, monkeypat
         assert forwards > prefills + 1 + -(-(n - 2) // 5)
         assert 0 < engine.accepted - before[1] < engine.drafted - before[0]
     never, ar_forwards = engine.decode_ids(prompts, _spec(engine, n, drafting="never", denoise_steps=steps))
-    assert never == ar and ar_forwards == prefills + n - 1  # one token a forward: the prefills and n - 1 steps
+    assert never == ar and ar_forwards == prefills + n - 1  # one token a forward: the prefill and n - 1 steps
 
 
 def test_the_same_requests_give_the_same_tokens_at_widths_1_16_and_64(engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -36,6 +36,7 @@ class Segment:
     slot: int = 0
     at: int = 0
     keys: int = 0
+    causal: bool = False  # each query over the keys up to its own (a causal prefill: at 0, keys its own length)
 
 
 class PackedLayer:
@@ -77,7 +78,9 @@ class PackedLayer:
                 vs = v[0, :, lo:hi].unflatten(1, (n, width)).transpose(0, 1)
             if up:
                 qs, ks, vs = qs.float(), ks.float(), vs.float()
-            out = F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=gqa)  # (n, H, width, Dv)
+            out = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=first.causal, enable_gqa=gqa
+            )  # (n, H, width, Dv)
             y[0, :, lo:hi] = out.transpose(0, 1).flatten(1, 2)
         return y.to(dtype).transpose(1, 2).reshape(1, N, -1)
 
@@ -94,6 +97,7 @@ def _groups(segments: list[Segment]) -> list[list[Segment]]:
                 s.begin == last.end
                 and s.end - s.begin == last.end - last.begin
                 and s.cache is last.cache
+                and s.causal == last.causal
                 and (s.cache is None or (s.slot == last.slot + 1 and s.keys == last.keys))
             ):
                 groups[-1].append(s)

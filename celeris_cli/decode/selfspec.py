@@ -47,12 +47,23 @@ from typing import Any
 import torch
 
 from ..arch.kv import KVCache
+from ..arch.packed import Segment, packed_layers
 from ..params import NO_SHAPING, NO_STRUCTURE, Drafting, Sampling, Shaping, Structure
 from ..structured.commit import Rule, Rules, note, short_error, under_mask
 from .nemotron import CausalCanvas, ar_shaping, stop_after
 from .pace import ForwardCost, Pace
 from .predict import Places, StepLogits, choose, sample_with_probability
 from .sampling import RowNoise
+
+
+@dataclass(frozen=True)
+class Joining:
+    """A row joining a running lane (`SpecRows.join`): its prompt, its stream, its rule, its answer's length."""
+
+    prompt: list[int]
+    stream: int
+    rule: Rule | None
+    gen_length: int
 
 
 @dataclass(frozen=True)
@@ -129,37 +140,47 @@ class SpecRows:
         rows._lay(torch.arange(B, device=prompt.device), full, full + G, h, 0, 1)
         return rows
 
-    def join(self, prompt: list[int], stream: int, rule: Rule | None, gen_length: int, slots: int) -> None:
-        """One more row: its prompt prefilled causally into the next slot, at positions from 0; it draws from
-        stream `stream` of `noise`. With no slot free the slots double, up to `slots` (the running set's
-        width); a longer canvas than the cache holds doubles its length (at least to the canvas)."""
-        P, dev = len(prompt), self.device
-        C = P + gen_length + 2 * self.W
-        b = len(self.idx)
+    def join(self, joining: list[Joining], slots: int, first: tuple[int, int]) -> None:
+        """Rows that join this round: their prompts prefilled causally into the next slots, at positions from
+        0, in one packed forward (`arch.packed`: each row's attention over exactly its own prompt, as alone).
+        The cache is allocated at the first rows with `first` (slots, length: what the rows on their way
+        need), at least what these need; with too few slots they double, up to `slots` (the running set's
+        width), and a canvas longer than the cache holds doubles its length."""
+        dev, b, n = self.device, len(self.idx), len(joining)
+        C = max(len(j.prompt) + j.gen_length + 2 * self.W for j in joining)
         if self.cache is None:
-            self.cache = allocate_cache(self.net, min(max(slots, 1), 4 * (b + 1)), C, dev)
-        if C > self.cache.length or b + 1 > self.cache.rows:
+            self.cache = allocate_cache(self.net, max(first[0], b + n), max(first[1], C), dev)
+        if C > self.cache.length or b + n > self.cache.rows:
             longer = max(C, 2 * self.cache.length) if C > self.cache.length else self.cache.length
-            more = max(b + 1, min(slots, 2 * self.cache.rows)) if b + 1 > self.cache.rows else self.cache.rows
+            more = max(b + n, min(slots, 2 * self.cache.rows)) if b + n > self.cache.rows else self.cache.rows
             self.cache.grow(longer, b, more)
         if C > self.x.shape[1]:  # the canvases widen to the longest
-            more = C - self.x.shape[1]
-            self.x = torch.cat([self.x, self.x.new_full((b, more), self.mask_id)], 1)
-            self.keys = torch.cat([self.keys, self.keys.new_ones(b, more)], 1)
+            extra = C - self.x.shape[1]
+            self.x = torch.cat([self.x, self.x.new_full((b, extra), self.mask_id)], 1)
+            self.keys = torch.cat([self.keys, self.keys.new_ones(b, extra)], 1)
             self.pos = torch.arange(C, device=dev).expand(b, C).clone()  # a joining row's place is its column
         width = self.x.shape[1]
-        x = torch.full((1, width), self.mask_id, dtype=torch.long, device=dev)
-        x[0, :P] = torch.tensor(prompt, device=dev)
-        pos = torch.arange(width, device=dev)[None]
-        seen = torch.ones(1, P, P, dtype=torch.bool, device=dev).tril()[:, None]
-        h, _ = self.net.hidden(x[:, :P], pos[:, :P], seen, self.cache.view(slice(b, b + 1), P), 0, False)
+        x = torch.full((n, width), self.mask_id, dtype=torch.long, device=dev)
+        segments: list[Segment] = []
+        for i, j in enumerate(joining):
+            P = len(j.prompt)
+            x[i, :P] = torch.tensor(j.prompt, device=dev)
+            begin = segments[-1].end if segments else 0
+            segments.append(Segment(begin, begin + P, self.cache, b + i, 0, P, causal=True))
+            if j.rule is not None:
+                self.rules[j.stream] = j.rule
+        ids = torch.cat([x[i, : len(j.prompt)] for i, j in enumerate(joining)])
+        pos = torch.cat([torch.arange(len(j.prompt), device=dev) for j in joining])
+        layers = packed_layers(segments, len(self.cache.layers), dev)
+        h, _ = self.net.hidden(ids[None], pos[None], None, layers, 0, False)
+        last = torch.tensor([seg.end - 1 for seg in segments], device=dev)
         self.x = torch.cat([self.x, x])
-        self.keys = torch.cat([self.keys, torch.ones(1, width, dtype=torch.bool, device=dev)])
-        self.pos = torch.cat([self.pos, pos])
-        if rule is not None:
-            self.rules[stream] = rule
-        at = torch.tensor([P], device=dev)
-        self._lay(torch.tensor([stream], device=dev), at, at + gen_length, h[:, -1], b, 1)
+        self.keys = torch.cat([self.keys, torch.ones(n, width, dtype=torch.bool, device=dev)])
+        self.pos = torch.cat([self.pos, torch.arange(width, device=dev).expand(n, width)])
+        ans = torch.tensor([len(j.prompt) for j in joining], device=dev)
+        end = ans + torch.tensor([j.gen_length for j in joining], device=dev)
+        streams = torch.tensor([j.stream for j in joining], device=dev)
+        self._lay(streams, ans, end, h[0, last], b, 1)
 
     def _lay(
         self, idx: torch.Tensor, ans: torch.Tensor, end: torch.Tensor, h: torch.Tensor, joined: int, prefills: int

@@ -1,11 +1,12 @@
 """The running set of self-speculative decoding (`spec`): rows that decode left to right exactly, drafting by
 diffusion where it pays, admitted as others finish so the batch stays full.
 
-A row joins with its prompt prefilled causally into a slot of its lane's cache (one forward of its own), its
-first token the AR mode's; then every round runs one forward per lane over all its rows, each at its own
-place: its AR step, or its verify-and-draft columns (`selfspec.SpecRows.round`, the very round a static batch
-runs). A row is handed back the round it finishes; it leaves its slot at once if a request is waiting for
-one (which joins at the next round), else once a quarter of its lane has finished (leaving copies slots).
+A row joins with its prompt prefilled causally into a slot of its lane's cache (the rows joining a lane in
+one round in one packed forward, each over exactly its own prompt), its first token the AR mode's; then
+every round runs one forward per lane over all its rows, each at its own place: its AR step, or its
+verify-and-draft columns (`selfspec.SpecRows.round`, the very round a static batch runs). A row is handed
+back the round it finishes; it leaves its slot at once if a request is waiting for one (which joins at the
+next round), else once a quarter of its lane has finished (leaving copies slots).
 
 Rows of one lane share their sampler, shaping, draft width and drafting policy (`SelfSpecPlan` but for the
 answer's length, which is each row's own); rows that differ run in lanes of their own, a forward each per
@@ -32,7 +33,7 @@ from .block import OnBlock
 from .pace import ForwardCost, Pace
 from .runset import RunningSet
 from .sampling import RowNoise
-from .selfspec import SelfSpecPlan, SpecRows
+from .selfspec import Joining, SelfSpecPlan, SpecRows
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,17 @@ class SpecScheduler(RunningSet[SpecRequest]):
         self.noise = RowNoise([], device)  # stream i: the i-th row admitted
         self.lanes: dict[tuple[Any, ...], SpecRows] = {}
         self.key_of: dict[int, int] = {}  # stream -> the caller's key
+        self.sizes: dict[tuple[Any, ...], tuple[int, int]] = {}  # by lane: (slots, canvas length) its cache wants
+
+    def add(self, requests: Iterable[SpecRequest]) -> None:
+        new = list(requests)
+        # each lane's cache, allocated at its first row: as many slots as rows can run at once, as long as the
+        # longest canvas (growing it on the way would copy it, and hold the old and the new at once)
+        for r in new:
+            key = _lane_key(r.plan)
+            rows, length = self.sizes.get(key, (0, 0))
+            self.sizes[key] = (min(rows + 1, self.width), max(length, _canvas(r)))
+        super().add(new)
 
     def in_flight_keys(self) -> list[int]:
         return [self.key_of[s] for lane in self.lanes.values() for s in lane.idx.tolist() if s in self.key_of]
@@ -100,8 +112,11 @@ class SpecScheduler(RunningSet[SpecRequest]):
     def run(self, requests: Iterable[SpecRequest] = ()) -> Iterator[tuple[int, list[int], int]]:
         self.add(requests)
         while self.waiting or self.in_flight:
+            joining: dict[tuple[Any, ...], list[SpecRequest]] = {}
             for req in self.admit():
-                self._admit(req)
+                joining.setdefault(_lane_key(req.plan), []).append(req)
+            for key, reqs in joining.items():
+                self._admit(key, reqs)
             for lane in list(self.lanes.values()):
                 yield from self._leave(lane)  # rows done at their first token never take a round
                 if len(lane.idx):
@@ -116,20 +131,25 @@ class SpecScheduler(RunningSet[SpecRequest]):
             if not bool(lane.live.all()):
                 lane.drop(lane.live.clone())
 
-    def _admit(self, req: SpecRequest) -> None:
-        key = _lane_key(req.plan)
+    def _admit(self, key: tuple[Any, ...], reqs: list[SpecRequest]) -> None:
+        """Rows of one lane that join this round, prefilled together (`SpecRows.join`)."""
         if key not in self.lanes:
-            policy = req.plan.drafting.drafting
-            pace = Pace(policy, req.plan.drafting.width, self.cost if policy == "auto" else None, self.net)
-            self.lanes[key] = SpecRows(self.net, req.plan, self.mask_id, self.stop, self.noise, pace)
+            plan = reqs[0].plan
+            policy = plan.drafting.drafting
+            pace = Pace(policy, plan.drafting.width, self.cost if policy == "auto" else None, self.net)
+            self.lanes[key] = SpecRows(self.net, plan, self.mask_id, self.stop, self.noise, pace)
         lane = self.lanes[key]
         lane.pieces = frozenset(self.pieces.tolist())
-        stream = len(self.noise.seeds)
-        self.noise.seeds.append(req.seed)
-        self.key_of[stream] = req.key
-        lane.join(req.prompt, stream, req.rule, req.gen_length, self.width)
+        joining = []
+        for req in reqs:
+            stream = len(self.noise.seeds)
+            self.noise.seeds.append(req.seed)
+            self.key_of[stream] = req.key
+            joining.append(Joining(req.prompt, stream, req.rule, req.gen_length))
+        slots, length = self.sizes.get(key, (1, 0))
+        lane.join(joining, self.width, (min(slots, self.width), length))
         self.occupancy.prefills += 1
-        self.occupancy.positions += len(req.prompt)
+        self.occupancy.positions += sum(len(r.prompt) for r in reqs)
 
     def _report(self, lane: SpecRows, moved: torch.Tensor) -> None:
         """`on_block` with each row's decided answer so far, for the rows still decoding whose answer grew this
@@ -153,3 +173,8 @@ class SpecScheduler(RunningSet[SpecRequest]):
         if dead and (self.waiting or 4 * len(dead) >= len(lane.idx)):
             lane.drop(lane.live.clone())
         yield from answers
+
+
+def _canvas(req: SpecRequest) -> int:
+    """A row's canvas: its prompt, its answer and room for a round past it (`SpecRows.join`)."""
+    return len(req.prompt) + req.gen_length + 2 * req.plan.drafting.width
