@@ -81,7 +81,7 @@ class SpecRows:
     answer from `ans` to `end`, then room for a round past it), its seed (the canvas index of its last
     decided token, not yet in the cache), its draft (the first `k` of `draft` real), whether it is still
     decoding (`live`), and its slot of the cache (row i owns slot i). `generate_self_spec` lays a batch in at
-    once (`of_batch`, one prefill of the left-padded prompts); the running set (`SpecScheduler`) adds rows as
+    once (`lay_batch`, one prefill of the left-padded prompts); the running set (`SpecScheduler`) adds rows as
     they come (`join`, a prefill each) and drops them as they finish (`drop`). A round (`round`) is the
     same for both. `idx` names each row's random stream in `noise` (and its rule in `rules`): the batch
     index, or the running set's admission count."""
@@ -113,32 +113,18 @@ class SpecRows:
         self.draft = empty(torch.long, max(self.W - 1, 1))
         self.live = empty(torch.bool)
 
-    @classmethod
-    def of_batch(
-        cls,
-        net: Any,
-        plan: SelfSpecPlan,
-        mask_id: int,
-        stop: torch.Tensor,
-        noise: RowNoise,
-        pace: Pace,
-        word_pieces: frozenset[int],
-        prompt: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        rules: Rules | None,
-    ) -> SpecRows:
-        """A static batch: the left-padded prompts (B, P), prefilled in one causal forward; row b is stream b."""
+    def lay_batch(self, prompt: torch.Tensor, prompt_mask: torch.Tensor, rules: Rules | None) -> None:
+        """A static batch into these (empty) rows: the left-padded prompts (B, P), prefilled in one causal
+        forward; row b is stream b."""
         B, P = prompt.shape
-        G, W = plan.drafting.gen_length, plan.drafting.width
-        rows = cls(net, plan, mask_id, stop, noise, pace, word_pieces)
-        cv = CausalCanvas(net, prompt, prompt_mask, G + 2 * W, mask_id)  # room for a round past the answer's end
+        G = self.plan.drafting.gen_length
+        cv = CausalCanvas(self.net, prompt, prompt_mask, G + 2 * self.W, self.mask_id)  # room for a round past it
         h = cv.forward(0, P, causal=True)[:, -1]
         assert cv.cache is not None
-        rows.cache, rows.x, rows.keys, rows.pos = cv.cache, cv.x, cv.keys, cv.pos
-        rows.rules = {b: r for b, r in enumerate(rules or []) if r is not None}
+        self.cache, self.x, self.keys, self.pos = cv.cache, cv.x, cv.keys, cv.pos
+        self.rules = {b: r for b, r in enumerate(rules or []) if r is not None}
         full = torch.full((B,), P, dtype=torch.long, device=prompt.device)
-        rows._lay(torch.arange(B, device=prompt.device), full, full + G, h, 0, 1)
-        return rows
+        self._lay(torch.arange(B, device=prompt.device), full, full + G, h, 0, 1)
 
     def join(self, joining: list[Joining], slots: int, first: tuple[int, int]) -> None:
         """Rows that join this round: their prompts prefilled causally into the next slots, at positions from
@@ -447,7 +433,8 @@ def generate_self_spec(
     stop = torch.tensor(sorted(stop_ids), device=prompt.device, dtype=prompt.dtype)
     policy = plan.drafting.drafting
     pace = Pace(policy, plan.drafting.width, cost if cost is not None or policy != "auto" else None, net)
-    rows = SpecRows.of_batch(net, plan, mask_id, stop, noise, pace, word_pieces, prompt, prompt_mask, rules)
+    rows = SpecRows(net, plan, mask_id, stop, noise, pace, word_pieces)
+    rows.lay_batch(prompt, prompt_mask, rules)
     out = rows.x[:, : P + G].clone()
     while bool(rows.live.any()):
         if int((~rows.live).sum()) * 4 >= len(rows.live):  # finished rows leave a quarter at a time
