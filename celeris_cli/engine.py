@@ -27,10 +27,11 @@ from .arch.tokenizer import Tokenizer
 from .backoff import is_out_of_memory, largest_fitting, run_backing_off
 from .backoff import too_large as too_large_error
 from .decode import waves
-from .decode.pace import ForwardCost
+from .decode.pace import ForwardCost, Learned
 from .decode.running import BlockRequest, BlockScheduler
 from .decode.runset import Occupancy, RunningSet
 from .decode.sampling import RowNoise, request_seed
+from .decode.selfspec import SelfSpecPlan
 from .decode.specrun import SpecRequest, SpecScheduler
 from .decode.strategies import Net, OnBlock, SpecialTokens, fast_plan_of, get_strategy, plan_for, plan_of
 from .device import resolve_device, resolve_dtype
@@ -143,6 +144,7 @@ class Engine:
         self.positions_computed = 0  # positions through the network over every decode (for `bench`)
         self.drafted = self.accepted = 0  # self-speculation's draft tokens verified and confirmed (for `bench`)
         self._forward_cost: ForwardCost | None = None
+        self._learned: dict[tuple[Any, ...], Learned] = {}  # self-speculation's drafting yield, kept (`learned`)
         self.last_occupancy: Occupancy | None = None  # the last running set's (for `bench`)
         self.memory = MemoryBudget(model, dtype)  # the planner's view of this model; no budget unless set
 
@@ -241,6 +243,7 @@ class Engine:
         net = Net(self.model)
         if STRATEGIES[params.strategy].decoder == "self-spec" and params.drafting == "auto":
             net.cost = self.forward_cost()
+            net.learned = self.learned(plan_for(params))
         extra: dict[str, Any] = {"rules": rules} if any(r is not None for r in rules) else {}
         with invariant.enabled(params.deterministic):
             if extra:  # only strategies with the `structure` part get here with rules (params refuses others)
@@ -264,6 +267,11 @@ class Engine:
             self._forward_cost = calibrate(self.model)
         return self._forward_cost
 
+    def learned(self, plan: SelfSpecPlan) -> Learned:
+        """What this engine's self-speculative decodes have seen of drafting at this draft width and sampler
+        (`decode.pace.Learned`): kept across decodes, so that only the first explores."""
+        return self._learned.setdefault((plan.drafting.width, plan.sampling), Learned())
+
     def _scheduler(
         self,
         params: Sequence[GenerationParams],
@@ -286,7 +294,10 @@ class Engine:
             auto = any(p.drafting == "auto" for p in params)
             spec = (net, special.mask_id, special.stop_ids, max_batch, self.device, special.word_pieces)
             cost = self.forward_cost() if auto else None
-            return SpecScheduler(*spec, refill=refill, before_round=before_round, cost=cost, on_block=on_block), net
+            return (
+                SpecScheduler(*spec, refill, before_round, cost=cost, on_block=on_block, learned=self.learned),
+                net,
+            )
         args = (net, special.mask_id, special.stop_ids, special.pad_id, max_batch, self.device, special.word_pieces)
         return BlockScheduler(*args, refill=refill, on_block=on_block, before_round=before_round), net
 

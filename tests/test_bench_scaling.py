@@ -54,3 +54,28 @@ def test_the_command_writes_its_plot_and_refuses_another_format(tmp_path: Path) 
     assert json.loads(r.stdout)["cells"][0]["batch"] == 2 and (tmp_path / "p.svg").read_text().startswith("<svg")
     r = CliRunner().invoke(app, [*args, "--plot", str(tmp_path / "p.gif")])
     assert r.exit_code != 0 and "give a .svg or .png file" in r.output and "Traceback" not in r.output
+
+
+def test_repeats_keep_each_modes_median_run_the_order_alternating(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celeris_cli.measure import scaling as module
+
+    engine = load_engine(FOLDER, device="cpu", dtype="float32")
+    real, order, speeds = module.run_mode, [], iter([30.0, 20.0, 10.0])
+
+    def run(engine, prompts, params, batch):  # type: ignore[no-untyped-def]
+        r = real(engine, prompts, params, batch)
+        if batch == 2:  # the cell's runs (the untimed warm-up decodes four openings)
+            order.append((params.strategy, params.drafting if params.strategy == "spec" else None))
+            if params.strategy == "ar":
+                r["tokens_per_s"] = next(speeds)
+        return r
+
+    monkeypatch.setattr(module, "run_mode", run)
+    report = module.scaling(engine, gen_lengths=(8,), batches=(2,), settings={"temperature": 0.0}, steps=4, repeats=3)
+    assert (
+        report["repeats"] == 3 and report["cells"][0]["modes"]["ar"]["tokens_per_s"] == 20.0
+    )  # of 30, 20, 10: neither the first nor the last
+    n = len(report["modes"])
+    assert len(order) == 3 * n and order[:n] == order[n : 2 * n][::-1] == order[2 * n :]
+    with pytest.raises(Exception, match="--repeats"):
+        module.scaling(engine, gen_lengths=(8,), batches=(2,), repeats=0)

@@ -17,6 +17,7 @@ import torch
 from celeris_cli import load_engine
 from celeris_cli.decode import pace, selfspec
 from celeris_cli.decode.pace import ForwardCost, Pace
+from celeris_cli.decode.strategies import plan_for
 
 DATA = Path(__file__).parent / "data" / "nemotron"
 FOLDER = DATA / "nemotron_tiny"
@@ -164,6 +165,30 @@ def test_the_engine_calibrates_its_forward_cost_once(engine, monkeypatch) -> Non
         engine.decode_ids(PROMPTS[:1], _spec(engine, 8))
     engine.decode_ids(PROMPTS[:1], _spec(engine, 8, drafting="never"))
     assert len(calls) == 1 and engine.forward_cost().fixed > 0
+
+
+def test_what_drafting_yielded_is_kept_across_decodes_so_only_the_first_explores(engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    k = torch.ones(1, dtype=torch.long)
+    cost = ForwardCost(fixed=0.004, per_position=1e-4)
+    shared = pace.Learned()
+    first = Pace("auto", 4, cost, None, shared)
+    assert first.drafts(1, k)  # the prior: the first rounds try
+    for _ in range(20):  # drafts that never agree
+        first.saw(1, 1, True)
+    assert not Pace("auto", 4, cost, None, shared).drafts(1, k)  # the next decode starts from what was seen
+    assert Pace("auto", 4, cost, None).drafts(1, k)  # one of its own would explore again
+
+    monkeypatch.setattr(engine, "_forward_cost", cost)
+    monkeypatch.setattr(engine, "_learned", {})
+    params = _spec(engine, 24, temperature=0.8, denoise_steps=6)
+    seen = engine.learned(plan_for(params))
+    engine.decode_ids(PROMPTS[:1], params)  # one row: its first rounds draft on the prior
+    assert seen.rows > pace.PRIOR_WEIGHT and engine.learned(plan_for(params)) is seen
+    rows = seen.rows
+    engine.generate([engine.tokenizer.decode(PROMPTS[0])], params, batch_size=1)  # the running set's lane too
+    assert engine.learned(plan_for(params)) is seen and seen.rows >= rows
+    other = _spec(engine, 24, temperature=0.8, denoise_steps=3)  # another draft width: its own record
+    assert engine.learned(plan_for(other)) is not seen
 
 
 REGEX = json.dumps({"regex": "[0-9]{3}-[a-z]{2,5}"})

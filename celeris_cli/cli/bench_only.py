@@ -110,6 +110,9 @@ def scaling_cmd(
     plot: Path = typer.Option(
         None, "--plot", metavar="FILE", help="Also draw tokens/s against the batch size per mode: FILE.svg or FILE.png."
     ),
+    repeats: int = typer.Option(
+        1, "--repeats", min=1, max=20, help="Decodes per mode and cell, the modes alternating; the median is kept."
+    ),
     out: Path = OUT,
     as_json: bool = AS_JSON,
 ) -> None:
@@ -126,7 +129,7 @@ def scaling_cmd(
     def measure() -> dict[str, Any]:
         gens, batches = _int_list("--gen-lengths", gen_lengths), _int_list("--batch-sizes", batch_sizes)
         engine = load_engine(model, device.value, dtype.value, threads)
-        report = scaling(engine, gens, batches, block_length, steps, _json_setting(set_name))
+        report = scaling(engine, gens, batches, block_length, steps, _json_setting(set_name), repeats)
         if plot is not None:
             draw(report, plot)
         return report

@@ -10,17 +10,19 @@ position; on a GPU the fixed part dominates to much wider batches. The engine ca
 self-speculative decode and keeps the result (`Engine.forward_cost`).
 
 A round of b rows with drafts of k_r tokens in hand computes b x (1 + max k + width) positions when it drafts
-(the rows padded to the widest) and b when it steps left to right; it yields about `yield_` tokens per row
-when drafting (the mean over this decode's drafting rounds that verified drafts, starting from 1.3 so that the
-first rounds try) and exactly 1 otherwise. It drafts where yield_ / cost(drafting) > 1.05 / cost(AR step), each cost
-the calibrated forward's times the measured overhead of its kind of round in this decode (`Pace.took`). The
-choice never changes an answer (`decode.selfspec`), only how many forwards it takes and the time.
+(the rows padded to the widest) and b when it steps left to right; it yields about `yield` tokens per row
+when drafting (the mean over the drafting rounds that verified drafts, starting from 1.3 so that the first
+rounds try) and exactly 1 otherwise. It drafts where yield / cost(drafting) > 1.05 / cost(AR step), each cost
+the calibrated forward's times the measured overhead of its kind of round (`Pace.took`). The engine keeps the
+yield and the overheads across its decodes, per draft width and sampler (`Learned`, `Engine.learned`), so
+only its first decode explores. The choice never changes an answer (`decode.selfspec`), only how many
+forwards it takes and the time.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +45,18 @@ class ForwardCost:
         return self.fixed + self.per_position * positions
 
 
+@dataclass
+class Learned:
+    """What drafting has shown so far, kept by the engine across its decodes for one draft width and sampler
+    (`Engine.learned`), so that only its first decode explores: the tokens per row of the drafting rounds that
+    verified drafts (the prior counted as PRIOR_WEIGHT rounds of PRIOR_YIELD), and each kind of round's
+    measured wall time over the calibrated forward's (True: drafting rounds, False: AR steps)."""
+
+    tokens: float = PRIOR_YIELD * PRIOR_WEIGHT
+    rows: float = PRIOR_WEIGHT
+    overhead: dict[bool, float] = field(default_factory=lambda: {True: 1.0, False: 1.0})
+
+
 class Pace:
     """The per-round choice of one decode: `drafts(width, k)` before a round; `saw(...)` and `took(...)` after
     it. The calibrated cost is the network's forward alone; a round also costs the decoder's own work around
@@ -50,11 +64,12 @@ class Pace:
     ratio of its measured wall time to the calibrated forward's (a moving average, from 1), and the choice
     weighs the two kinds by them: a decode learns within a few rounds what drafting costs here."""
 
-    def __init__(self, policy: str, width: int, cost: ForwardCost | None, net: Any) -> None:
+    def __init__(
+        self, policy: str, width: int, cost: ForwardCost | None, net: Any, learned: Learned | None = None
+    ) -> None:
         self.policy, self.width = policy, width
         self.cost = cost if cost is not None or policy != "auto" else calibrate(net.model)
-        self.tokens, self.rows = PRIOR_YIELD * PRIOR_WEIGHT, PRIOR_WEIGHT
-        self.overhead = {True: 1.0, False: 1.0}  # measured / calibrated seconds, drafting rounds and AR steps
+        self.learned = learned if learned is not None else Learned()  # this decode's own, unless kept
 
     def drafts(self, b: int, k: torch.Tensor) -> bool:
         if self.width < 2 or self.policy == "never":
@@ -62,22 +77,23 @@ class Pace:
         if self.policy == "always":
             return True
         assert self.cost is not None
-        yield_ = self.tokens / self.rows
-        drafting = self.cost.seconds(b * (1 + int(k.max()) + self.width)) * self.overhead[True]
-        return yield_ / drafting > MARGIN / (self.cost.seconds(b) * self.overhead[False])
+        seen = self.learned
+        drafting = self.cost.seconds(b * (1 + int(k.max()) + self.width)) * seen.overhead[True]
+        return seen.tokens / seen.rows / drafting > MARGIN / (self.cost.seconds(b) * seen.overhead[False])
 
     def saw(self, b: int, tokens: int, verified: bool) -> None:
         """A round of b rows took `tokens`; `verified`: it drafted and had drafts to verify (the first drafting
         round after AR steps has none: its rows take one token each whatever drafting is worth)."""
         if verified:
-            self.tokens += tokens
-            self.rows += b
+            self.learned.tokens += tokens
+            self.learned.rows += b
 
     def took(self, drafted: bool, positions: int, seconds: float) -> None:
         """A round of `positions` (rows x columns) took `seconds` of wall time."""
         if self.cost is not None:
             ratio = seconds / self.cost.seconds(positions)
-            self.overhead[drafted] = (1 - OVERHEAD_WEIGHT) * self.overhead[drafted] + OVERHEAD_WEIGHT * ratio
+            seen = self.learned.overhead
+            seen[drafted] = (1 - OVERHEAD_WEIGHT) * seen[drafted] + OVERHEAD_WEIGHT * ratio
 
 
 _CALIBRATION = ((1, 1), (1, 8), (4, 1), (4, 8), (16, 1), (16, 8), (64, 1), (64, 8))

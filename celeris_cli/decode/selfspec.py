@@ -51,7 +51,7 @@ from ..arch.packed import Segment, packed_layers
 from ..params import NO_SHAPING, NO_STRUCTURE, Drafting, Sampling, Shaping, Structure
 from ..structured.commit import Rule, Rules, note, short_error, under_mask
 from .nemotron import CausalCanvas, ar_shaping, stop_after
-from .pace import ForwardCost, Pace
+from .pace import ForwardCost, Learned, Pace
 from .predict import Places, StepLogits, choose, sample_with_probability
 from .sampling import RowNoise
 
@@ -421,18 +421,20 @@ def generate_self_spec(
     cost: ForwardCost | None = None,
     rules: Rules | None = None,
     word_pieces: frozenset[int] = frozenset(),
+    learned: Learned | None = None,
 ) -> torch.Tensor:
     """Self-speculative decoding of a static batch (see the module's text): prompt (B, P) left-padded -> the
     canvas (B, P + gen_length), the rest of a finished row its stop token. `cost`: the forward's cost model for
     the "auto" choice (calibrated here from `net` if not given). `rules`: each row's constraint and
-    log-probability record, or None. The logit shaping (`nemotron.ar_shaping`) reads, at each verify column,
+    log-probability record, or None. `learned`: what drafting has yielded in earlier decodes (`pace.Learned`).
+    The logit shaping (`nemotron.ar_shaping`) reads, at each verify column,
     the answer before it: the accepted text, then the draft up to that column, as the AR mode's history.
     Finished rows wait in the batch until a quarter of it has finished, then leave together."""
     B, P = prompt.shape
     G = plan.drafting.gen_length
     stop = torch.tensor(sorted(stop_ids), device=prompt.device, dtype=prompt.dtype)
     policy = plan.drafting.drafting
-    pace = Pace(policy, plan.drafting.width, cost if cost is not None or policy != "auto" else None, net)
+    pace = Pace(policy, plan.drafting.width, cost if cost is not None or policy != "auto" else None, net, learned)
     rows = SpecRows(net, plan, mask_id, stop, noise, pace, word_pieces)
     rows.lay_batch(prompt, prompt_mask, rules)
     out = rows.x[:, : P + G].clone()

@@ -30,7 +30,7 @@ import torch
 
 from ..structured.commit import Rule
 from .block import OnBlock
-from .pace import ForwardCost, Pace
+from .pace import ForwardCost, Learned, Pace
 from .runset import RunningSet
 from .sampling import RowNoise
 from .selfspec import Joining, SelfSpecPlan, SpecRows
@@ -74,9 +74,11 @@ class SpecScheduler(RunningSet[SpecRequest]):
         before_round: Callable[[], None] | None = None,
         cost: ForwardCost | None = None,
         on_block: OnBlock | None = None,
+        learned: Callable[[SelfSpecPlan], Learned] | None = None,
     ) -> None:
         super().__init__(width, device, word_pieces, refill, before_round)
         self.net, self.mask_id, self.cost, self.on_block = net, mask_id, cost, on_block
+        self.learned = learned  # what drafting has yielded at a lane's width and sampler (`Engine.learned`)
         self.stop = torch.tensor(sorted(stop_ids), device=device, dtype=torch.long)
         self.noise = RowNoise([], device)  # stream i: the i-th row admitted
         self.lanes: dict[tuple[Any, ...], SpecRows] = {}
@@ -136,7 +138,8 @@ class SpecScheduler(RunningSet[SpecRequest]):
         if key not in self.lanes:
             plan = reqs[0].plan
             policy = plan.drafting.drafting
-            pace = Pace(policy, plan.drafting.width, self.cost if policy == "auto" else None, self.net)
+            learned = self.learned(plan) if self.learned is not None else None
+            pace = Pace(policy, plan.drafting.width, self.cost if policy == "auto" else None, self.net, learned)
             self.lanes[key] = SpecRows(self.net, plan, self.mask_id, self.stop, self.noise, pace)
         lane = self.lanes[key]
         lane.pieces = frozenset(self.pieces.tolist())

@@ -30,7 +30,7 @@ from .diffusion_gemma import DiffusionGemmaPlan, generate_diffusion_gemma
 from .dream import DreamPlan, generate_dream
 from .fast import FastPlan, generate_fast
 from .nemotron import ARPlan, SeededPlan, generate_seeded
-from .pace import ForwardCost
+from .pace import ForwardCost, Learned
 from .reference import ReferencePlan, generate_reference
 from .rnd1 import RND1Plan, generate_rnd1
 from .sampling import RowNoise
@@ -60,6 +60,7 @@ class Net:
         self.drafted = 0  # draft tokens put to a verify pass (self-speculative decoding)
         self.accepted = 0  # of them, those the AR mode confirmed
         self.cost: ForwardCost | None = None  # a forward's cost model, for self-speculation's choice
+        self.learned: Learned | None = None  # what drafting has yielded so far, kept by the engine
         self.shift = model.logit_shift
 
     @staticmethod
@@ -275,7 +276,17 @@ def _self_spec(
     assert on_block is None, "spec streams through its running set (`decode.specrun`)"
     plan = _plan(SelfSpecPlan, params)
     return generate_self_spec(
-        net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, net.cost, rules, tokens.word_pieces
+        net,
+        prompt,
+        prompt_mask,
+        plan,
+        tokens.mask_id,
+        tokens.stop_ids,
+        noise,
+        net.cost,
+        rules,
+        tokens.word_pieces,
+        net.learned,
     )
 
 
