@@ -268,9 +268,10 @@ class Engine:
         return self._forward_cost
 
     def learned(self, plan: SelfSpecPlan) -> Learned:
-        """What this engine's self-speculative decodes have seen of drafting at this draft width and sampler
-        (`decode.pace.Learned`): kept across decodes, so that only the first explores."""
-        return self._learned.setdefault((plan.drafting.width, plan.sampling), Learned())
+        """What this engine's self-speculative decodes have seen of drafting with this sampler and shaping
+        (`decode.pace.Learned`, one per running set lane's settings): kept across decodes, so that only the
+        first explores."""
+        return self._learned.setdefault((plan.drafting.drafting, plan.sampling, plan.shaping), Learned())
 
     def _scheduler(
         self,

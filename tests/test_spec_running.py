@@ -60,6 +60,26 @@ def test_rows_that_join_as_others_leave_answer_as_alone(engine, drafting) -> Non
     assert refilled.mean_in_flight > engine.last_occupancy.mean_in_flight
 
 
+def test_rows_of_different_draft_widths_share_one_forward_a_round(engine) -> None:  # type: ignore[no-untyped-def]
+    """Draft widths 2 to 12 (gen_length over denoise_steps) in one lane: one forward a round, each row drafting
+    its own width's masks, every answer its own alone."""
+    prompts = ["The old man", "It was late", "The river", "At night", "She opened the door", "Rain fell on"]
+    params = [
+        engine.params_for(p, engine.params({"gen_length": 24, "denoise_steps": s, "drafting": "always"}))
+        for p, s in zip(prompts, (12, 6, 4, 3, 2, 8))
+    ]
+    assert sorted({p.part("drafting").width for p in params}) == [2, 3, 4, 6, 8, 12]
+    seeds = list(range(len(prompts)))
+    before = engine.drafted
+    got = engine.decode_running(prompts, [engine.encode_prompt(p) for p in prompts], params, seeds, 4)
+    occupancy, drafted = engine.last_occupancy, engine.drafted - before
+    assert occupancy is not None and occupancy.forwards == occupancy.rounds  # one lane
+    before = engine.drafted
+    assert [r.text for r in got] == _alone(engine, prompts, params, seeds)
+    # a row's drafts are its own width's masks' guesses: it drafts in the lane as it does alone
+    assert drafted == engine.drafted - before > 0
+
+
 def test_the_ar_strategy_and_spec_in_the_running_set_give_the_same_tokens(engine) -> None:  # type: ignore[no-untyped-def]
     prompts = PROMPTS * 2
     seeds = list(range(len(prompts)))

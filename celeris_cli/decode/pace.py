@@ -14,7 +14,7 @@ A round of b rows with drafts of k_r tokens in hand computes b x (1 + max k + wi
 when drafting (the mean over the drafting rounds that verified drafts, starting from 1.3 so that the first
 rounds try) and exactly 1 otherwise. It drafts where yield / cost(drafting) > 1.05 / cost(AR step), each cost
 the calibrated forward's times the measured overhead of its kind of round (`Pace.took`). The engine keeps the
-yield and the overheads across its decodes, per draft width and sampler (`Learned`, `Engine.learned`), so
+yield and the overheads across its decodes, per sampler and shaping (`Learned`, `Engine.learned`), so
 only its first decode explores. The choice never changes an answer (`decode.selfspec`), only how many
 forwards it takes and the time.
 """
@@ -47,7 +47,7 @@ class ForwardCost:
 
 @dataclass
 class Learned:
-    """What drafting has shown so far, kept by the engine across its decodes for one draft width and sampler
+    """What drafting has shown so far, kept by the engine across its decodes for one sampler and shaping
     (`Engine.learned`), so that only its first decode explores: the tokens per row of the drafting rounds that
     verified drafts (the prior counted as PRIOR_WEIGHT rounds of PRIOR_YIELD), and each kind of round's
     measured wall time over the calibrated forward's (True: drafting rounds, False: AR steps)."""

@@ -64,6 +64,7 @@ class Joining:
     stream: int
     rule: Rule | None
     gen_length: int
+    width: int  # its draft width (`Drafting.width`)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class SpecRows:
     ) -> None:
         self.net, self.plan, self.mask_id, self.stop, self.noise, self.pace = net, plan, mask_id, stop, noise, pace
         self.pieces = word_pieces
-        self.W = plan.drafting.width
+        self.W = plan.drafting.width  # a static batch's draft width; running rows bring their own (`widths`)
         self.rules: dict[int, Rule] = {}
         self.cache: KVCache | None = None
         dev = noise.device
@@ -109,7 +110,7 @@ class SpecRows:
 
         self.x, self.keys, self.pos = empty(torch.long, 0), empty(torch.bool, 0), empty(torch.long, 0)
         self.ans, self.end, self.idx, self.seed_at = (empty(torch.long) for _ in range(4))
-        self.k, self.forwards = empty(torch.long), empty(torch.long)
+        self.k, self.forwards, self.widths = empty(torch.long), empty(torch.long), empty(torch.long)
         self.draft = empty(torch.long, max(self.W - 1, 1))
         self.live = empty(torch.bool)
 
@@ -124,7 +125,7 @@ class SpecRows:
         self.cache, self.x, self.keys, self.pos = cv.cache, cv.x, cv.keys, cv.pos
         self.rules = {b: r for b, r in enumerate(rules or []) if r is not None}
         full = torch.full((B,), P, dtype=torch.long, device=prompt.device)
-        self._lay(torch.arange(B, device=prompt.device), full, full + G, h, 0, 1)
+        self._lay(torch.arange(B, device=prompt.device), full, full + G, full * 0 + self.W, h, 0, 1)
 
     def join(self, joining: list[Joining], slots: int, first: tuple[int, int]) -> None:
         """Rows that join this round: their prompts prefilled causally into the next slots, at positions from
@@ -133,7 +134,7 @@ class SpecRows:
         need), at least what these need; with too few slots they double, up to `slots` (the running set's
         width), and a canvas longer than the cache holds doubles its length."""
         dev, b, n = self.device, len(self.idx), len(joining)
-        C = max(len(j.prompt) + j.gen_length + 2 * self.W for j in joining)
+        C = max(len(j.prompt) + j.gen_length + 2 * j.width for j in joining)
         if self.cache is None:
             self.cache = allocate_cache(self.net, max(first[0], b + n), max(first[1], C), dev)
         if C > self.cache.length or b + n > self.cache.rows:
@@ -145,6 +146,9 @@ class SpecRows:
             self.x = torch.cat([self.x, self.x.new_full((b, extra), self.mask_id)], 1)
             self.keys = torch.cat([self.keys, self.keys.new_ones(b, extra)], 1)
             self.pos = torch.arange(C, device=dev).expand(b, C).clone()  # a joining row's place is its column
+        guesses = max(j.width for j in joining) - 1
+        if guesses > self.draft.shape[1]:  # the drafts widen to the widest row's
+            self.draft = torch.cat([self.draft, self.draft.new_zeros(b, guesses - self.draft.shape[1])], 1)
         width = self.x.shape[1]
         x = torch.full((n, width), self.mask_id, dtype=torch.long, device=dev)
         segments: list[Segment] = []
@@ -166,13 +170,22 @@ class SpecRows:
         ans = torch.tensor([len(j.prompt) for j in joining], device=dev)
         end = ans + torch.tensor([j.gen_length for j in joining], device=dev)
         streams = torch.tensor([j.stream for j in joining], device=dev)
-        self._lay(streams, ans, end, h[0, last], b, 1)
+        widths = torch.tensor([j.width for j in joining], device=dev)
+        self._lay(streams, ans, end, widths, h[0, last], b, 1)
 
     def _lay(
-        self, idx: torch.Tensor, ans: torch.Tensor, end: torch.Tensor, h: torch.Tensor, joined: int, prefills: int
+        self,
+        idx: torch.Tensor,
+        ans: torch.Tensor,
+        end: torch.Tensor,
+        widths: torch.Tensor,
+        h: torch.Tensor,
+        joined: int,
+        prefills: int,
     ) -> None:
-        """Rows from `joined` on: their streams, answer spans and first tokens (the AR mode's, from `h`, the
-        hidden state of each one's last prompt position); `prefills`: the forwards each has taken part in."""
+        """Rows from `joined` on: their streams, answer spans, draft widths and first tokens (the AR mode's,
+        from `h`, the hidden state of each one's last prompt position); `prefills`: the forwards each has taken
+        part in."""
         n, s = len(idx), self.plan.sampling
         zero = torch.zeros(n, dtype=torch.long, device=self.device)
         shaped = None
@@ -194,6 +207,7 @@ class SpecRows:
             torch.cat([self.end, end]),
         )
         self.seed_at = torch.cat([self.seed_at, ans])
+        self.widths = torch.cat([self.widths, widths])
         self.draft = torch.cat([self.draft, self.draft.new_zeros(n, self.draft.shape[1])])
         self.k = torch.cat([self.k, zero])
         self.forwards = torch.cat([self.forwards, zero + prefills])
@@ -206,7 +220,7 @@ class SpecRows:
         for slot, src in enumerate(kept):
             if src != slot:
                 self.cache.move(src, slot, min(int(self.seed_at[src]) + 1, self.cache.length))
-        for name in ("x", "keys", "pos", "ans", "end", "idx", "seed_at", "k", "forwards", "draft", "live"):
+        for name in ("x", "keys", "pos", "ans", "end", "idx", "seed_at", "k", "forwards", "draft", "live", "widths"):
             setattr(self, name, getattr(self, name)[stays])
         gone = set(self.rules) - set(self.idx.tolist())
         for stream in gone:
@@ -263,10 +277,11 @@ class SpecRows:
     def round(self) -> int:
         """One round: each row's AR step, or its verify-and-draft forward (`Pace`'s choice); returns the
         positions it computed."""
-        b, dev, W = len(self.idx), self.device, self.W
+        b, dev = len(self.idx), self.device
         sampling, shaping, t = self.plan.sampling, self.plan.shaping, self.plan.sampling.temperature
         mask_id, stop, live, noise, net = self.mask_id, self.stop, self.live, self.noise, self.net
         began = time.perf_counter()
+        self.pace.width = int(self.widths.max())  # the widest row's masks: what a drafting round pads to
         drafts = self.pace.drafts(b, self.k)
         ruled = [i for i, r in enumerate(self.idx.tolist()) if r in self.rules and bool(live[i])]
         self.forwards += 1
@@ -290,7 +305,7 @@ class SpecRows:
         room = (self.end - 1 - self.seed_at).clamp_min(1)  # answer positions after each seed
         none = torch.zeros_like(self.k)
         k = torch.where(live, torch.minimum(self.k, room - 1), 0) if drafts else none
-        m = torch.where(live, torch.clamp(room - k, max=W), 0) if drafts else none  # the bonus's place first
+        m = torch.where(live, torch.minimum(room - k, self.widths), 0) if drafts else none  # the bonus's place first
         m = torch.where(m >= 2, m, 0)  # a single mask drafts nothing: its place is the bonus's
         v, e = 1 + k, 1 + k + m
         T = int(e.max())
@@ -345,7 +360,7 @@ class SpecRows:
         whole = (a == k) & (m >= 2) & live
         if bool(whole.any()):
             r = whole.nonzero().flatten()
-            span = torch.arange(1, W, device=dev)[None, :]  # mask columns after the bonus's place
+            span = torch.arange(1, self.draft.shape[1] + 1, device=dev)[None, :]  # mask columns after the bonus's
             mcol = (v[r, None] + span).clamp_max(T - 1)
             first = self.seed_at[r] + accepted[r] + 1 - self.ans[r]  # answer position of each next draft's first
             self.draft[r] = _guess(net, h[r[:, None], mcol], self.idx[r], first, self._guesser)

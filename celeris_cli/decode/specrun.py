@@ -8,9 +8,10 @@ verify-and-draft columns (`selfspec.SpecRows.round`, the very round a static bat
 back the round it finishes; it leaves its slot at once if a request is waiting for one (which joins at the
 next round), else once a quarter of its lane has finished (leaving copies slots).
 
-Rows of one lane share their sampler, shaping, draft width and drafting policy (`SelfSpecPlan` but for the
-answer's length, which is each row's own); rows that differ run in lanes of their own, a forward each per
-round. Each lane keeps its `Pace`: whether a round drafts is decided from the rows in flight in it then, with
+Rows of one lane share their sampler, shaping and drafting policy (`SelfSpecPlan` but for the answer's
+length and the draft width, which are each row's own: a drafting round pads its rows to the widest's
+masks); rows that differ run in lanes of their own, a forward each per round. Each lane keeps its `Pace`:
+whether a round drafts is decided from the rows in flight in it then, with
 the engine's calibrated cost of a forward (`decode.pace`) and the tokens drafting has yielded in that lane so
 far. The choice changes how many forwards a row takes, never its tokens: a row's answer is its AR answer,
 drawn from its own stream (`request_seed`) at its own answer positions, whoever runs beside it and whenever
@@ -52,8 +53,8 @@ class SpecRequest:
 
 
 def _lane_key(plan: SelfSpecPlan) -> tuple[Any, ...]:
-    """What rows of one lane share: everything in their settings but the answer's length."""
-    return plan.drafting.width, plan.drafting.drafting, plan.sampling, plan.shaping
+    """What rows of one lane share: everything in their settings but the answer's length and draft width."""
+    return plan.drafting.drafting, plan.sampling, plan.shaping
 
 
 class SpecScheduler(RunningSet[SpecRequest]):
@@ -148,7 +149,7 @@ class SpecScheduler(RunningSet[SpecRequest]):
             stream = len(self.noise.seeds)
             self.noise.seeds.append(req.seed)
             self.key_of[stream] = req.key
-            joining.append(Joining(req.prompt, stream, req.rule, req.gen_length))
+            joining.append(Joining(req.prompt, stream, req.rule, req.gen_length, req.plan.drafting.width))
         slots, length = self.sizes.get(key, (1, 0))
         lane.join(joining, self.width, (min(slots, self.width), length))
         self.occupancy.prefills += 1
