@@ -138,3 +138,19 @@ def test_the_hook_sees_each_rows_decided_ids_grow_to_its_answer(engine) -> None:
         grown = seen[b]
         assert len(grown) > 2 and all(a == c[: len(a)] and len(a) < len(c) for a, c in zip(grown, grown[1:]))
         assert grown[-1] == plain[b] and engine.special.mask_id not in grown[-2]
+
+
+def test_a_live_run_streams_spec_rows_as_serve_reads_them(engine) -> None:  # type: ignore[no-untyped-def]
+    """`serve` sets the live run's `on_block`: a spec row's decided ids reach it as they grow, the last its
+    answer, while rows join and leave beside it."""
+    prompts, params, seeds = _rows(engine, "always")
+    live = LiveRun(engine, 3)
+    seen: dict[int, list[list[int]]] = {}
+    live.on_block = lambda key, ids: seen.setdefault(key, []).append(ids)
+    for i, (p, q, s) in enumerate(zip(prompts, params, seeds)):
+        live.add(i, p, engine.encode_prompt(p), q, s)
+    got = dict(live.answers())
+    assert sorted(seen) == sorted(got) == list(range(len(prompts)))
+    for key, grown in seen.items():
+        assert all(a == c[: len(a)] and len(a) < len(c) for a, c in zip(grown, grown[1:]))
+        assert engine.finish(grown[-1], (), engine.encode_prompt(prompts[key]))[0] == got[key].text
