@@ -114,14 +114,13 @@ def folder_report(
     """The planner's estimate for a model folder (built on the meta device: no weight is read), with the
     settings the folder's model runs by default under `overrides`, and the largest batch within
     `max_memory`."""
-    from .checkpoint import read_folder
+    from .checkpoint import build_on_meta, read_folder
     from .folder import ModelFolder
 
     arch, cfg = read_folder(folder)
     params = GenerationParams.from_mapping(overrides or {}, ModelFolder.open(folder).defaults())
     arch.check_strategy(params.strategy)
-    with torch.device("meta"):
-        shape = shape_of_model(arch.build(cfg))
+    shape = shape_of_model(build_on_meta(arch, cfg))
     req = request_of(params, batch, prompt, dtype, quantize)  # type: ignore[arg-type]
     est = plan(shape, req)
     report: dict[str, Any] = {

@@ -8,8 +8,10 @@ size. Only safetensors are read; a pickle is never loaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,6 +26,33 @@ from .registry import Architecture
 from .safetensors_io import read_header, read_tensors, shape_of
 
 log = logging.getLogger(__name__)
+
+
+# the initialisers torch's layers call from reset_parameters
+_INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+          "xavier_normal_", "zeros_", "ones_", "constant_")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """torch.nn.init's initialisers as no-ops (as transformers' `no_init_weights`): a tensor on the meta device
+    holds no numbers to draw, and on it an initialiser's dispatch imports torch._dynamo, about 4 s of every
+    first answer on a laptop CPU."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    try:
+        for name in _INITS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def build_on_meta(arch: Architecture, cfg: ArchConfig) -> nn.Module:
+    """The family's network with no storage: every tensor's name and shape, nothing drawn."""
+    with torch.device("meta"), _no_init():
+        model: nn.Module = arch.build(cfg)
+    return model
 
 
 def read_folder(folder: Path) -> tuple[Architecture, ArchConfig]:
@@ -45,8 +74,8 @@ def load_model(
         raise UsageError("--quantize int4 on CUDA needs --dtype bfloat16: torch's CUDA int4 kernel takes bfloat16")
     mf = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder)
     folder, files = mf.path, mf.weight_files
+    model = build_on_meta(mf.arch, mf.cfg)
     with torch.device("meta"):
-        model = mf.arch.build(mf.cfg)
         expected = dict(model.state_dict())  # the checkpoint's names and shapes, before any quantization
         convert = converter(model, quantize, dtype)  # the identity unless quantizing
     optional = model.optional_tensors()
