@@ -185,3 +185,18 @@ def test_sdar_as_released_takes_its_mask_from_the_tokenizer(tmp_path: Path) -> N
     folder = ModelFolder.open(released)
     assert folder.tokenizer().mask_id == mask
     assert folder.defaults().block_length == 4
+
+
+def test_loading_and_decoding_never_imports_torch_dynamo() -> None:
+    """Building the network on the meta device must not run torch.nn.init: there its dispatch imports
+    torch._dynamo, seconds of every first answer (a fresh interpreter, as `celeris generate` is)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from celeris_cli.engine import load_engine; "
+        "e = load_engine(None, device='cpu', dtype='float32'); "
+        "e.generate(['a'], e.params({'gen_length': 4})); print('torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
