@@ -115,6 +115,16 @@ def test_every_recorded_run_through_celeris_batch(engine: Any, tmp_path: Path) -
         assert got["response"]["body"]["text"] == want, (case["prompt"], case["seed"], case["settings"])
 
 
+def test_celeris_generate_with_equal_temperatures_is_its_generate_without_a_schedule(engine: Any) -> None:
+    case = next(c for c in REF["sampled"] if c["settings"].get("t_max", 0.8) is None and c["stop_id"] == 106)
+    args = ["generate", "--model", str(FOLDER), "--prompt", REF["prompts"][case["prompt"]], "--json", "--quiet"]
+    args += ["--dtype", "float32", "--gen-length", str(case["settings"]["max_new_tokens"])]
+    args += ["--temperature", "1", "--temperature-final", "1", "--noise", "torch", "--seed", str(case["seed"])]
+    p = CliRunner().invoke(app, args)
+    assert p.exit_code == 0, p.output
+    assert json.loads(p.stdout)["text"] == engine.tokenizer.continuation(case["input_ids"], case["answer_ids"])
+
+
 def test_inspect_on_the_folder_exits_0() -> None:
     p = CliRunner().invoke(app, ["inspect", str(FOLDER), "--json"])
     assert p.exit_code == 0, p.output
