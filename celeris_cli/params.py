@@ -943,13 +943,14 @@ class GenerationParams:
             )
 
     def _check_canvases(self, name: Callable[[str], str]) -> None:
-        """DiffusionGemma's settings together: a temperature that falls (its generate refuses t_max <= t_min;
-        at 0 nothing can be sampled), pinned canvases of the canvas's length, no more than the answer has."""
-        if self.temperature <= self.temperature_final:
+        """DiffusionGemma's settings together: a temperature that falls or stays (equal first and last: no
+        schedule, as its generate with t_max and t_min unset; at 0 nothing can be sampled), pinned canvases of
+        the canvas's length, no more than the answer has."""
+        if self.temperature < self.temperature_final or self.temperature <= 0:
             raise UsageError(
-                f"{name('temperature')} {self.temperature} must exceed {name('temperature_final')} "
-                f"{self.temperature_final}: the temperature falls from the first to the last step (for greedy "
-                "answers use a tiny one, e.g. temperature 1e-5 and temperature_final 0)"
+                f"{name('temperature')} {self.temperature} must be above 0 and at least {name('temperature_final')} "
+                f"{self.temperature_final}: the temperature falls from the first to the last step, or stays (for "
+                "greedy answers use a tiny one, e.g. temperature 1e-5 and temperature_final 0)"
             )
         if self.deterministic and "deterministic" in self.explicit:
             raise UsageError(

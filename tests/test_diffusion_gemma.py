@@ -168,7 +168,8 @@ def test_the_adaptive_stop_and_the_step_cap_change_the_forwards(engine: Any) -> 
     ("settings", "words"),
     [
         ({"threshold": 0.5}, "threshold: not used by the diffusion-gemma strategy"),
-        ({"temperature": 0.3}, "temperature 0.3 must exceed temperature_final 0.4"),
+        ({"temperature": 0.3}, "temperature 0.3 must be above 0 and at least temperature_final 0.4"),
+        ({"temperature": 0, "temperature_final": 0}, "temperature 0.0 must be above 0"),
         ({"initial_canvases": [[1, 2, 3]]}, "canvas 0 has 3 tokens; each must have block_length 8"),
         ({"initial_canvases": [[1] * 8] * 3}, "3 canvases given, but an answer of 16 tokens"),
         ({"confidence_threshold": 0}, "confidence_threshold must be a finite number > 0, or null"),

@@ -60,6 +60,7 @@ def describe(path: Path) -> dict[str, Any]:
         "bf16_weights": _gib(params * 2),
         "special_ids": {k: (f"{v} {tok.backend.piece(v)!r}" if v is not None else "none") for k, v in special.items()},
         "stop_ids": sorted(tok.stop_ids | folder.extra_stops),
+        "eos_from": folder.eos_named(),
         "vocabulary": f"{tok.backend.size():,} tokens, {cfg.rows:,} embedding rows",
         "context": cfg.max_sequence_length,
         "chat_template": "yes" if tok.chat_template else "no",
@@ -70,6 +71,7 @@ def describe(path: Path) -> dict[str, Any]:
     if getattr(cfg, "mask_free", False):  # DiffusionGemma: no mask; canvases of uniform noise
         info["canvas"] = f"{getattr(cfg, 'canvas_length', 0)} tokens (config.json canvas_length; block_length)"
         info["noise"] = "uniform random tokens, entropy-bounded acceptance (no mask token)"
+    info["ignored"] = ", ".join(folder.ignored_keys) or "none"  # config.json keys no part of the family reads
 
     return info
 

@@ -29,8 +29,13 @@ _TEXT_KEYS = {
 }  # fmt: skip
 _BOOKKEEPING = {"model_type", "dtype", "torch_dtype", "transformers_version", "architectures", "_name_or_path",
                 "output_hidden_states", "output_attentions", "return_dict", "use_cache"}  # fmt: skip
-_TOP_KEYS = {"text_config", "vision_config", "canvas_length", "boi_token_id", "eoi_token_id", "image_token_id",
-             "initializer_range", "tie_word_embeddings"} | _BOOKKEEPING  # fmt: skip
+# the top level: the text model, the canvas, the end-of-text ids (transformers writes `[1, 106]` here; the
+# folder's reader hands the first on and keeps the rest as stops), and the multimodal wrapper's keys, which
+# text-only decoding accepts and ignores
+_TOP_KEYS = {"text_config", "canvas_length", "eos_token_id", "initializer_range", "tie_word_embeddings",
+             "vision_config", "audio_config", "boi_token_id", "eoi_token_id", "image_token_id", "video_token_id",
+             "audio_token_id", "boa_token_id", "eoa_token_id", "vision_soft_tokens_per_image",
+             "audio_soft_tokens_per_image"} | _BOOKKEEPING  # fmt: skip
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "num_experts", "top_k_experts", "moe_intermediate_size")  # fmt: skip
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -130,7 +135,7 @@ class DiffusionGemmaConfig:
         full = _per_layer(text, types)
         canvas = raw.get("canvas_length", 256)
         check_type("canvas_length", canvas, "int")
-        eos = text.get("eos_token_id", 1)
+        eos = raw["eos_token_id"] if raw.get("eos_token_id") is not None else text.get("eos_token_id", 1)
         return cls(
             **{k: text[k] for k in REQUIRED},
             global_head_dim=full.get("head_dim") or text["head_dim"],

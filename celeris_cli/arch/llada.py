@@ -30,6 +30,9 @@ _UNSUPPORTED = {
     "input_emb_norm": False,
     "scale_logits": False,
     "rope": True,
+    "block_type": "llama",  # OLMo's SwiGLU block with separate q/k/v (its "sequential" fuses them)
+    "layer_norm_type": "rms",
+    "multi_query_attention": False,  # n_kv_heads says how keys and values are shared
 }
 
 

@@ -38,7 +38,7 @@ class LLaDA2Config:
     num_hidden_layers: int
     num_attention_heads: int
     vocab_size: int
-    eos_token_id: int
+    eos_token_id: int | None = None  # released configs name none: the tokenizer's eos_token
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     max_position_embeddings: int = 32768
@@ -119,8 +119,19 @@ class LLaDA2Config:
         for key in ("rope_scaling", "use_sliding_window", "norm_head"):
             if raw.get(key):
                 raise ModelError(f"config.json: {key}={raw[key]!r} is not supported")
+        # what the released code does and this one implements: renormalised top-k weights, RMSNorm, a sigmoid
+        # router (norm_softmax off); another value would change the network
+        for key, plain in (("norm_topk_prob", True), ("use_rmsnorm", True), ("norm_softmax", False)):
+            if raw.get(key, plain) not in (plain, None):
+                raise ModelError(f"config.json: {key}={raw[key]!r} is not supported (only {plain!r})")
         required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        return cls(**read_fields(cls, raw, required + ("eos_token_id",)))
+        cfg = cls(**read_fields(cls, raw, required))
+        if raw.get("rotary_dim") not in (None, cfg.rot_dim):
+            raise ModelError(
+                f"config.json: rotary_dim {raw['rotary_dim']} disagrees with head_dim x partial_rotary_factor "
+                f"({cfg.rot_dim})"
+            )
+        return cfg
 
 
 class Gate(nn.Module):

@@ -24,7 +24,7 @@ from ..errors import ModelError
 from .layers import MLP, DiffusionLM, check_special_ids, read_fields, rms_norm
 from .qwen3 import AttentionShape, Backbone, Layer, Routing, SoftmaxMoE
 
-REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "eos_token_id")
+REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class LLaDAMoEConfig:
     num_hidden_layers: int
     num_attention_heads: int
     vocab_size: int
-    eos_token_id: int
+    eos_token_id: int | None = None  # none named: generation_config.json's, else the tokenizer's eos_token
     num_key_value_heads: int | None = None
     dense_intermediate_size: int = 0
     expert_intermediate_size: int = 0

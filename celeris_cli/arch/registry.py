@@ -248,4 +248,8 @@ def architecture_of(raw: Mapping[str, Any], path: Path | str = "config.json") ->
             f"{path}: architectures {classes!r} with model_type {model_type!r} is not supported "
             f"(supported: {supported()})"
         )
+    if arch.module == "llada" and raw.get("num_experts"):
+        # LLaDA-MoE's released config says model_type "llada", as the dense LLaDA's does (users of other tools
+        # are told to edit it): its experts tell the layout apart, whatever class it names
+        return ARCHITECTURES["llada_moe"]
     return arch

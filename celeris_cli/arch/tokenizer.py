@@ -276,21 +276,40 @@ class Tokenizer:
             raise UsageError(f"chat template failed to render: {e}") from None
 
 
+def _json_object(path: Path) -> dict[str, Any]:
+    """A tokenizer file's JSON object; {} where the folder has no such file."""
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ModelError(f"{path}: expected a JSON object")
+    return raw
+
+
+def chat_template_of(folder: Path, settings: dict[str, Any] | None = None) -> str | None:
+    """The folder's chat template: `chat_template.jinja` (where transformers >= 4.50 saves it), else
+    tokenizer_config.json's `chat_template` (a string; a list of named templates gives its "default")."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    if settings is None:
+        settings = _json_object(folder / "tokenizer_config.json")
+    template = settings.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
 def load_tokenizer(folder: Path, cfg: ArchConfig) -> Tokenizer:
     folder = Path(folder)
-    settings: dict[str, Any] = {}
     tc = folder / "tokenizer_config.json"
-    if tc.is_file():
-        try:
-            settings = json.loads(tc.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ModelError(f"{tc}: not valid JSON ({e})") from None
-        if not isinstance(settings, dict):
-            raise ModelError(f"{tc}: expected a JSON object")
-    template = settings.get("chat_template")
-    jinja = folder / "chat_template.jinja"  # where transformers >= 4.50 saves it, in place of the key
-    if jinja.is_file():
-        template = jinja.read_text(encoding="utf-8")
+    settings = _json_object(tc)
+    special_map = _json_object(folder / "special_tokens_map.json")  # where tokenizer_config.json names none
+    template = chat_template_of(folder, settings)
     backend: _Backend
     if (folder / "tokenizer.model").is_file():
         backend = _SentencePiece(folder / "tokenizer.model")
@@ -305,10 +324,11 @@ def load_tokenizer(folder: Path, cfg: ArchConfig) -> Tokenizer:
         raise ModelError(f"{folder} is incomplete: no tokenizer.model, tokenizer.json or vocab.json + merges.txt")
 
     def piece(key: str) -> str | None:
-        value = settings.get(key)
-        value = value.get("content") if isinstance(value, dict) else value
-        return value if isinstance(value, str) else None
+        for source in (settings, special_map):
+            value = source.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                return value
+        return None
 
-    return Tokenizer(
-        backend, cfg, template if isinstance(template, str) else None, folder, piece("eos_token"), piece("mask_token")
-    )
+    return Tokenizer(backend, cfg, template, folder, piece("eos_token"), piece("mask_token"))

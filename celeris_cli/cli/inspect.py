@@ -69,7 +69,10 @@ def _memory(
     if dtype == "auto":
         dtype = str(resolve_dtype("auto", resolve_device("auto"))).replace("torch.", "")
     overrides: dict[str, Any] = {"gen_length": gen_length} if gen_length else {}
+    from ..arch.folder import ModelFolder
+
     r = folder_report(folder, batch, prompt, dtype, quantize, max_memory, overrides)
+    r["ignored"] = ModelFolder.open(folder).ignored_keys
     if as_json:
         typer.echo(json.dumps(r, indent=2))
         return
@@ -83,3 +86,4 @@ def _memory(
         fits = r["largest_batch"]
         said = f"{fits}" if fits else "none (not even one row fits)"
         typer.echo(f"  largest batch within {human(r['max_memory'])}: {said}")
+    typer.echo(f"config.json keys ignored: {', '.join(r['ignored']) or 'none'}")
