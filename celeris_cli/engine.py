@@ -178,8 +178,10 @@ class Engine:
 
     def check_structure(self, params: GenerationParams) -> None:
         """A constraint the grammar engine cannot build (a bad regex, a schema keyword it lacks) is the
-        user's error before anything decodes (`structured.template.check_structure`)."""
-        check_structure(params, self.vocabulary())
+        user's error before anything decodes (`structured.template.check_structure`). Without one, nothing is
+        built: the grammar engine (llguidance) is imported where a constraint is first used."""
+        if params.structured_outputs is not None:
+            check_structure(params, self.vocabulary())
 
     def vocabulary(self) -> Any:
         """The tokenizer as the grammar engine sees it (`structured.grammar.Vocabulary`), built once."""
