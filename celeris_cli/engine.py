@@ -141,6 +141,9 @@ class Engine:
         if outside:
             raise ModelError(f"{GENERATION_CONFIG}: eos_token_id {outside[0]} is outside the embedding table")
         self.special = SpecialTokens(tokenizer.mask_id, tokenizer.stop_ids | extra_stops, tokenizer.pad_id)
+        limit_head = getattr(model, "limit_head", None)  # a fake at the model boundary may have none
+        if limit_head is not None:  # no id without text is ever drawn (a head padded past its tokenizer)
+            limit_head(tokenizer.decodable_ids | extra_stops)
         self.positions_computed = 0  # positions through the network over every decode (for `bench`)
         self.drafted = self.accepted = 0  # self-speculation's draft tokens verified and confirmed (for `bench`)
         self._forward_cost: ForwardCost | None = None
@@ -175,8 +178,10 @@ class Engine:
 
     def check_structure(self, params: GenerationParams) -> None:
         """A constraint the grammar engine cannot build (a bad regex, a schema keyword it lacks) is the
-        user's error before anything decodes (`structured.template.check_structure`)."""
-        check_structure(params, self.vocabulary())
+        user's error before anything decodes (`structured.template.check_structure`). Without one, nothing is
+        built: the grammar engine (llguidance) is imported where a constraint is first used."""
+        if params.structured_outputs is not None:
+            check_structure(params, self.vocabulary())
 
     def vocabulary(self) -> Any:
         """The tokenizer as the grammar engine sees it (`structured.grammar.Vocabulary`), built once."""

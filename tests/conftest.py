@@ -146,6 +146,15 @@ class LogitsFake:
         return self.head
 
 
+def family_head(engine):  # type: ignore[no-untyped-def]
+    """The engine with every row of its LM head (`DiffusionLM.limit_head(None)`), for a comparison with a family's
+    own code, which normalises over the rows past the tokenizer too: a tiny random checkpoint gives them real
+    mass (a trained one next to none), which moves confidences and entropies and so the order positions commit
+    in. Celeris itself cuts them (tests/test_padded_head.py)."""
+    engine.model.limit_head(None)
+    return engine
+
+
 def write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data), encoding="utf-8")
 

@@ -17,6 +17,8 @@ from celeris_cli.arch.checkpoint import load_model
 from celeris_cli.arch.coda import CoDAModel
 from celeris_cli.arch.folder import ModelFolder
 
+from .conftest import family_head
+
 DATA = Path(__file__).parent / "data" / "coda"
 FOLDER = DATA / "coda_tiny"
 REF = json.loads((DATA / "coda_reference.json").read_text(encoding="utf-8"))
@@ -25,7 +27,7 @@ CASES = REF["generate"]["cases"]
 
 @pytest.fixture(scope="module")
 def engine():  # type: ignore[no-untyped-def]
-    return load_engine(FOLDER, device="cpu", dtype="float32")
+    return family_head(load_engine(FOLDER, device="cpu", dtype="float32"))  # recorded with the family's own code
 
 
 def test_config_json_chooses_coda_with_its_tokenizers_eos_and_dreams_strategy(engine) -> None:  # type: ignore[no-untyped-def]

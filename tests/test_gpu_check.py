@@ -1,12 +1,15 @@
-"""`scripts/gpu-check` runs end to end on CPU at a tiny shape: parity rows for each family, one speed cell per
-batch size, one JSON (issue #12; the GPU figures need a GPU)."""
+"""`scripts/gpu-check` runs end to end on CPU at a tiny width with LLaDA-8B's vocabulary: parity rows for each
+family, one speed cell per batch size, the yardstick beside them, one JSON written as each section ends (issues
+#12 and #59; the GPU figures need a GPU)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).parents[1]
@@ -23,20 +26,28 @@ def test_gpu_check_runs_end_to_end_on_cpu_at_a_tiny_shape(tmp_path: Path) -> Non
     assert p.returncode == 0, p.stderr
     report = json.loads(out.read_text())
     assert json.loads(p.stdout) == report
+    assert report["complete"] and report["errors"] == {}
     assert [r["architecture"] for r in report["parity"]] == ["llada", "dream", "llada2_moe"]
     assert all(r["logits_ok"] and r["greedy_identical"] == "3/3" for r in report["parity"])  # CPU against CPU
     speed = report["speed"]
     assert speed["dtype"] == "bfloat16" and speed["workload"]["batches"] == [1, 2]
+    assert speed["shape"]["vocab_size"] == 126_464 and speed["shape"]["d_model"] == 64  # 8B's vocabulary, tiny width
     for cell, batch in zip(speed["cells"], [1, 2]):
         assert cell["batch"] == batch and cell["output_tokens_per_s"] > 0
         assert cell["tokens_per_forward"] == batch  # early exit off, random weights: one token per row per step
         for key in ("positions_per_output_token", "peak_mem_mb", "of_ar_limit", "autoregressive_limit_tokens_per_s"):
             assert key in cell
+    yard = report["yardstick"]  # the plain static-cache loop of the same network, eager on a CPU
+    assert yard["compared"] == "eager" and yard["same_network"]["argmax_same"] == 1.0
+    assert [(r["batch"], r["q"]) for r in yard["rows"]] == [(1, 1), (1, 8), (2, 1), (2, 8)]
+    assert all(r["eager_positions_per_s"] > 0 and r["graph_ms"] is None for r in yard["rows"])
+    assert [v["batch"] for v in yard["versus"]] == [1, 2] and all(v["celeris_ar_of_yardstick"] for v in yard["versus"])
     kernel = [r for r in report["quantization"] if "check" in r]
     assert [r["dtype"] for r in kernel] == ["float32", "bfloat16"] and all(r["row_alone_equal"] for r in kernel)
     assert kernel[0]["max_rel_diff"] < 1e-4
     models = [r for r in report["quantization"] if "model" in r]
     assert [r["quantize"] for r in models] == ["int8", "int4"] * 3 and all(r["row_alone_equal"] for r in models)
+    assert {r["dtype"] for r in models if r["quantize"] == "int4"} == {"bfloat16"}  # CUDA's int4 kernel's dtype
     sched = report["scheduling"]
     assert [r["model"] for r in sched] == ["celeris-block", "llada-8b-shape"]
     for r in sched:  # static against continuous: the same answers (bfloat16 allows a near tie to flip)
@@ -48,3 +59,40 @@ def test_gpu_check_runs_end_to_end_on_cpu_at_a_tiny_shape(tmp_path: Path) -> Non
         assert r["default_mode"] == "spec" and r["yardstick"] == "ar" and r["forward_cost"]["fixed"] > 0
         assert [c["batch"] for c in r["cells"]] == [1, 2] and all(r["the_ar_modes_answers"].values())
         assert {"ar", "spec", "spec-always", "nemotron"} <= set(r["cells"][0]["modes"])
+
+
+def test_a_run_cut_off_after_its_first_section_still_reports_it(tmp_path: Path) -> None:
+    """The JSON is written as each section ends: killed once parity is in, the file holds parity, whole."""
+    out = tmp_path / "gpu-check.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "gpu-check"), "--device", "cpu", "--tiny", "--no-install",
+         "--out", str(out)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300  # a ceiling on a hang, not a timing
+        while time.monotonic() < deadline and p.poll() is None:
+            if out.is_file() and "parity" in json.loads(out.read_text()):
+                break
+            time.sleep(0.2)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    report = json.loads(out.read_text())
+    assert report["complete"] is False
+    assert [r["architecture"] for r in report["parity"]] == ["llada", "dream", "llada2_moe"]
+    assert "self_speculation" not in report
+
+
+def test_a_cuda_device_torch_cannot_see_is_a_usage_error() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu-check"), "--device", "cuda", "--no-install", "--out", "/dev/null"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 2 and "--device cuda" in p.stderr and "Traceback" not in p.stderr

@@ -13,7 +13,7 @@ from celeris_cli import load_engine
 from celeris_cli.decode.strategies import SpecialTokens
 from celeris_cli.errors import UsageError
 
-from .conftest import predicting_the_mask
+from .conftest import family_head, predicting_the_mask
 
 DATA = Path(__file__).parent / "data"
 REF = json.loads((DATA / "llada21" / "llada21_reference.json").read_text(encoding="utf-8"))
@@ -22,7 +22,7 @@ CASES = REF["generate"]["cases"]
 
 @pytest.fixture(scope="module")
 def engine():  # type: ignore[no-untyped-def]
-    return load_engine(DATA / "llada2" / "llada2_tiny", device="cpu", dtype="float32")
+    return family_head(load_engine(DATA / "llada2" / "llada2_tiny", device="cpu", dtype="float32"))  # as its code
 
 
 def _settings(kw: dict, strategy: str = "block") -> dict:  # type: ignore[type-arg]

@@ -16,6 +16,8 @@ from celeris_cli import load_engine
 from celeris_cli.arch.checkpoint import load_model
 from celeris_cli.arch.llada_moe import LLaDAMoEModel
 
+from .conftest import family_head
+
 DATA = Path(__file__).parent / "data" / "llada_moe"
 FOLDER = DATA / "lladamoe_tiny"
 REF = json.loads((DATA / "lladamoe_reference.json").read_text(encoding="utf-8"))
@@ -24,7 +26,7 @@ CASES = REF["generate"]["cases"]
 
 @pytest.fixture(scope="module")
 def engine():  # type: ignore[no-untyped-def]
-    return load_engine(FOLDER, device="cpu", dtype="float32")
+    return family_head(load_engine(FOLDER, device="cpu", dtype="float32"))  # recorded with the family's own code
 
 
 def test_its_class_chooses_llada_moe_its_special_ids_and_llada_strategies(engine) -> None:  # type: ignore[no-untyped-def]

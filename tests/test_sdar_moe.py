@@ -16,6 +16,7 @@ from celeris_cli.arch.checkpoint import load_model
 from celeris_cli.arch.qwen3 import SoftmaxMoE
 from celeris_cli.decode.strategies import SpecialTokens
 
+from .conftest import family_head
 from .test_sdar import settings, through_stop
 
 DATA = Path(__file__).parent / "data" / "sdar_moe"
@@ -27,7 +28,7 @@ MASK = REF["ids"]["mask"]
 
 @pytest.fixture(scope="module")
 def engine():  # type: ignore[no-untyped-def]
-    return load_engine(FOLDER, device="cpu", dtype="float32")
+    return family_head(load_engine(FOLDER, device="cpu", dtype="float32"))  # recorded with the family's own code
 
 
 def test_logits_and_routing_equal_qwen3_moe_under_the_block_causal_mask() -> None:

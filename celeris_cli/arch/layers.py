@@ -252,6 +252,13 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _fill(logits: torch.Tensor, holes: torch.Tensor | None) -> torch.Tensor:
+    """The logits with the ids in `holes` (ids the tokenizer has no token for) at -inf: never drawn."""
+    if holes is None:
+        return logits
+    return logits.index_fill(-1, holes.to(logits.device), float("-inf"))
+
+
 HEAD_CACHE_BYTES = 64 * 2**20  # the largest float32 copy of an LM head's weight kept between forwards
 
 
@@ -266,6 +273,8 @@ class DiffusionLM(nn.Module):
 
     upcast = True
     _routed = False  # whether the linear layers compute through `invariant.linear` yet (`hidden`)
+    _rows: int | None = None  # the head's rows a decoder sees (`limit_head`); None: all of vocab_size
+    _holes: torch.Tensor | None = None  # ids below _rows the tokenizer has no token for (`limit_head`)
     logit_shift = 0  # 1 where position j-1's logits predict position j (Dream)
     block_causal = False  # True where attention is causal between blocks (LLaDA2)
     cfg: Any
@@ -293,6 +302,25 @@ class DiffusionLM(nn.Module):
 
     def set_upcast(self, on: bool) -> None:
         self.upcast = on
+
+    def limit_head(self, decodable: frozenset[int] | None) -> None:
+        """Logits over the ids a tokenizer can decode only (`Tokenizer.decodable_ids`; the engine sets it): the
+        head's rows past the last of them are cut, and any id below it without a token is at -inf, so that no
+        strategy, sampler, constraint or log-probability ever sees an id with no text (a released head is padded
+        past its tokenizer: LLaDA-8B has 126,464 rows). None: every row of vocab_size again (a family's own
+        code, which normalises over the padded rows too, as a parity test compares with it)."""
+        if decodable is None:
+            self._rows = self._holes = None
+            return
+        rows = min(self.cfg.vocab_size, max(decodable) + 1)
+        holes = sorted(set(range(rows)) - decodable)
+        self._rows = rows
+        self._holes = torch.tensor(holes, dtype=torch.long) if holes else None
+
+    @property
+    def logit_rows(self) -> int:
+        """The width of the logits `head` gives: vocab_size, or fewer under `limit_head`."""
+        return self.cfg.vocab_size if self._rows is None else self._rows
 
     def optional_tensors(self) -> frozenset[str]:
         """Tensors a saved folder may carry or not: the LM head where it is tied to the embedding."""
@@ -344,9 +372,9 @@ class DiffusionLM(nn.Module):
         """The LM head with its matrix made ready once for the calls it serves (a step's chunks of positions,
         `decode.predict.in_chunks`): an int8 head's dequantized copy, and under `upcast` a large head's
         float32 cast, are made at most once, not once per chunk."""
-        layer, V = self.head_layer(), self.cfg.vocab_size
+        layer, V, holes = self.head_layer(), self.logit_rows, self._holes
         if isinstance(layer, Int4Linear):  # its own kernel: int4 is never dequantized as a whole
-            return lambda h: layer(h.float() if h.dtype != torch.float32 and self.upcast else h)[..., :V]
+            return lambda h: _fill(layer(h.float() if h.dtype != torch.float32 and self.upcast else h)[..., :V], holes)
         w = self.head_weight()
         cast: list[torch.Tensor] = []
 
@@ -354,8 +382,8 @@ class DiffusionLM(nn.Module):
             if h.dtype != torch.float32 and self.upcast:
                 if not cast:
                     cast.append(self._float_head(w))
-                return invariant.linear(h.float(), cast[0])[..., :V]
-            return invariant.linear(h, w)[..., :V]
+                return _fill(invariant.linear(h.float(), cast[0])[..., :V], holes)
+            return _fill(invariant.linear(h, w)[..., :V], holes)
 
         return apply
 

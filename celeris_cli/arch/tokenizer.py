@@ -25,6 +25,7 @@ class _Backend(Protocol):
     def size(self) -> int: ...
     def piece(self, i: int) -> str | None: ...
     def find(self, piece: str) -> int | None: ...
+    def ids(self) -> frozenset[int]: ...
 
 
 # End-of-turn tokens of the chat formats in use, for folders whose config.json does not name one
@@ -64,6 +65,10 @@ class _SentencePiece:
         i = int(self.sp.piece_to_id(piece))
         return i if self.piece(i) == piece else None
 
+    def ids(self) -> frozenset[int]:
+        """Every id with a piece: sentencepiece numbers its pieces 0..size-1 and raises on any other id."""
+        return frozenset(range(self.size()))
+
 
 class _HFTokenizer:
     tok: Any
@@ -90,6 +95,11 @@ class _HFTokenizer:
 
     def find(self, piece: str) -> int | None:
         return self.tok.token_to_id(piece)
+
+    def ids(self) -> frozenset[int]:
+        """Every id with a token, added tokens included: an id without one decodes to no text at all, and the
+        ids need not be contiguous (added tokens may sit at ids of their own)."""
+        return frozenset(self.tok.get_vocab(with_added_tokens=True).values())
 
 
 # Qwen2's pre-tokenizer: contractions, letters with one leading non-letter, single digits, punctuation runs,
@@ -221,6 +231,15 @@ class Tokenizer:
         head = self.decode(plain)
         whole = self.decode([*plain, *answer])
         return whole[len(head) :] if whole.startswith(head) else self.decode(answer)
+
+    @functools.cached_property
+    def decodable_ids(self) -> frozenset[int]:
+        """The ids a model may produce: those the tokenizer has a token for, and the special ids the decoders
+        need whether or not the tokenizer spells them (RND1's mask sits one past its last token). A released
+        head is often padded past its tokenizer (LLaDA-8B: 126,464 rows); the rows past it have no text and are
+        cut from the logits (`DiffusionLM.limit_head`)."""
+        special = {self.mask_id, self.eos_id, self.pad_id, *self.stop_ids}
+        return self.backend.ids() | frozenset(i for i in special if i >= 0)
 
     @functools.cached_property
     def special_ids(self) -> frozenset[int]:

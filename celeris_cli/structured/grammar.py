@@ -122,9 +122,8 @@ class Vocabulary:
 
     def __init__(self, tok: Tokenizer, rows: int, stops: frozenset[int] = frozenset()) -> None:
         """stops: the ids that end an answer beyond the tokenizer's own (a model's generation_config.json
-        eos ids, the pad token): no text, and allowed only where the grammar may end, as every stop."""
-        import llguidance
-
+        eos ids, the pad token): no text, and allowed only where the grammar may end, as every stop. The
+        grammar engine's own tokenizer (`llg`) is built on first use: log probabilities need none."""
         tokens, special = token_bytes(tok)
         ending = (frozenset(tok.stop_ids) | stops) & frozenset(range(len(tokens)))
         for i in sorted(ending - frozenset(special)):  # an ordinary piece a model's config makes a stop
@@ -143,10 +142,28 @@ class Vocabulary:
         self.rows = rows  # the model's logits: at least the tokenizer's size
         self.stop_ids = sorted(frozenset(tok.stop_ids) | stops)
         self.eos_id = tok.eos_id
-        self.llg = llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapper), n_vocab=self.size)
+
+    @functools.cached_property
+    def llg(self) -> Any:
+        """The vocabulary as llguidance holds it (`LLTokenizer`)."""
+        llguidance = grammar_engine()
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(self.tokens_of), n_vocab=self.size)
 
     def text(self, i: int) -> str:
         return self.tokens[i].decode("utf-8", errors="replace") if 0 <= i < self.size else ""
+
+
+def grammar_engine() -> Any:
+    """The llguidance module, imported where a constraint is first used: a machine without it runs everything
+    else (issue 59: a GPU machine with no package registry)."""
+    try:
+        import llguidance
+    except ImportError:
+        raise UsageError(
+            "structured_outputs: the grammar engine, the llguidance package, is not installed "
+            "(pip install 'llguidance>=1.3,<2')"
+        ) from None
+    return llguidance
 
 
 @functools.lru_cache(maxsize=8)
@@ -156,7 +173,7 @@ def vocabulary(tok: Tokenizer, rows: int, stops: frozenset[int] = frozenset()) -
 
 def grammar_of(spec_text: str) -> str:
     """The engine's grammar for a canonical constraint (`spec.canonical`)."""
-    from llguidance import LLMatcher
+    LLMatcher = grammar_engine().LLMatcher
 
     kind, body = parse(spec_text)
     if kind == "json":
@@ -234,7 +251,7 @@ def closed(schema: Any, close: bool = True) -> Any:
 def compiled(spec_text: str, vocab: Vocabulary) -> str:
     """The grammar of a constraint, checked against the vocabulary: a constraint the engine cannot build
     (a bad regex, a schema keyword it does not support, a Lark error) is the user's error, naming it."""
-    from llguidance import LLMatcher
+    LLMatcher = grammar_engine().LLMatcher
 
     try:
         grammar = grammar_of(spec_text)
@@ -252,7 +269,7 @@ class Grammar:
     def __init__(self, spec_text: str, vocab: Vocabulary, slot: str | None = None) -> None:
         """The grammar of a constraint (`spec.canonical`), or with `slot` that of one value slot of a template
         (`structured.template`: a Lark grammar, which never ends the answer: no stop token is allowed)."""
-        from llguidance import LLMatcher
+        LLMatcher = grammar_engine().LLMatcher
 
         self.vocab = vocab
         self.ends = slot is None
