@@ -319,9 +319,9 @@ def _closed(schema: Any, close: bool, combined: set[str]) -> Any:
         elif k == "allOf" and isinstance(v, list):
             out[k] = [_closed(sub, False, combined) for sub in v]
     others = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
-    combined = any(k in schema for k in _MERGED)
+    merged = any(k in schema for k in _MERGED)
     props = out.get("properties")
-    if close and not combined and isinstance(props, dict) and not others & set(schema):
+    if close and not merged and isinstance(props, dict) and not others & set(schema):
         required = schema.get("required")
         extra = [r for r in required if isinstance(r, str) and r not in props] if isinstance(required, list) else []
         out["properties"] = {**props, **dict.fromkeys(extra, {})}
