@@ -41,6 +41,7 @@ from .strategy import STRATEGIES
 from .structured.commit import Record, Rule, Rules
 from .structured.grammar import Grammar, vocabulary
 from .structured.template import check_structure, template_for
+from .structured.valid import violation
 
 log = logging.getLogger(__name__)
 
@@ -361,7 +362,8 @@ class Engine:
         """A row's answer from its generated ids (`finish`) and its rule: the log probabilities of its output
         tokens, and under a constraint the error of an answer that ended before its grammar did (finish
         reason "length", never "stop": a dead end commits a stop token to end the row). An answer that fills
-        its length exactly where its grammar must end is complete: "stop", no error."""
+        its length exactly where its grammar must end is complete: "stop", no error; an answer that does not
+        validate against the user's own constraint (`structured.valid`) is "length" with the reason."""
         text, n_out, reason = self.finish(ids, params.stop, prompt, params.stop_token_ids)
         error = None
         if rule is not None and rule.constrained:
@@ -378,6 +380,12 @@ class Engine:
                     f"structured_outputs: the answer reached its {params.gen_length} tokens before its grammar was "
                     "complete; raise max_tokens"
                 )
+            if reason == "stop" and params.structured_outputs is not None:
+                # the last word is the user's own constraint, checked by code that shares nothing with the
+                # grammar (`structured.valid`): an answer that does not hold to it is never "stop"
+                wrong = violation(params.structured_outputs, text)
+                if wrong is not None:
+                    reason, error = "length", f"structured_outputs: {wrong}"
         logprobs = None
         if rule is not None and rule.record is not None:
             logprobs = rule.record.entries(self.vocabulary(), n_out)

@@ -125,6 +125,38 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(server: Server, extra: dict[
     assert status == 400 and named in answer["error"]["message"], answer
 
 
+@pytest.mark.parametrize("regex", ["(a{1000}){1000}", "a{1000000}"])
+def test_a_constraint_past_its_budget_is_a_400_naming_it(server: Server, regex: str) -> None:
+    """Issue 56: about a hundred bytes that would keep the grammar engine busy for seconds are a 400 before
+    the request is admitted, given with a text prompt or with token ids."""
+    for prompt in ("x", [5, 6, 7]):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "structured_outputs": {"regex": regex}}
+        status, answer = server.post("/v1/completions", json.dumps(body).encode())
+        assert status == 400 and "structured_outputs.regex" in answer["error"]["message"], answer
+
+
+def test_a_constraint_given_with_token_ids_is_built_before_it_is_admitted(server: Server) -> None:
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 8, "structured_outputs": {"regex": "(a"}}
+    status, answer = server.post("/v1/completions", json.dumps(body).encode())
+    assert status == 400 and "structured_outputs" in answer["error"]["message"], answer
+
+
+def test_max_constraint_chars_bounds_a_constraint(tmp_path: Path) -> None:
+    s = Server(*BASE, "--max-tokens", "16", "--max-constraint-chars", "100", log=tmp_path / "serve.log").start()
+    try:
+        small = {"json": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}
+        large = {"json": {**small["json"], "description": "x" * 100}}
+        answers = []
+        for constraint in (small, large):
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 16, "structured_outputs": constraint}
+            answers.append(s.post("/v1/completions", json.dumps(body).encode()))
+    finally:
+        s.stop()
+    assert answers[0][0] == 200, answers[0]
+    status, answer = answers[1]
+    assert status == 400 and "--max-constraint-chars" in answer["error"]["message"], answer
+
+
 def _check_entries(entries: list[Any], text: str, completion_tokens: int, top: int) -> None:
     assert len(entries) == completion_tokens > 0
     assert "".join(e["token"] for e in entries) == text

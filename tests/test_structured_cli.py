@@ -76,3 +76,17 @@ def test_a_schema_file_that_cannot_be_read_is_a_clear_error(tmp_path: Path) -> N
     for path, said in [(tmp_path / "missing.json", "cannot read"), (bad, "not JSON")]:
         r = runner.invoke(app, ["generate", "-p", "x", "--json-schema", str(path)])
         assert r.exit_code == 2 and said in r.output and "Traceback" not in r.output, r.output
+
+
+def test_a_constraint_past_its_budget_is_an_error_naming_it(tmp_path: Path) -> None:
+    """Issue 56: a hundred bytes of regex that would cost the grammar engine seconds are refused at once."""
+    for regex in ("(a{1000}){1000}", "a{1000000}"):
+        r = runner.invoke(app, ["generate", "--prompt", "x", "--regex", regex])
+        assert r.exit_code == 2 and r.output.startswith("Error: structured_outputs.regex"), r.output
+    schema = tmp_path / "oneof.json"
+    schema.write_text(
+        '{"oneOf":[{"type":"object","properties":{"a":{"type":"boolean"}},"required":["a"]},'
+        '{"type":"object","properties":{"b":{"type":"boolean"}}}]}'
+    )
+    r = runner.invoke(app, ["generate", "--prompt", "x", "--json-schema", str(schema)])
+    assert r.exit_code == 2 and "Error: " in r.output and "oneOf" in r.output, r.output

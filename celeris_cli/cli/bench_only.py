@@ -272,12 +272,25 @@ def structured_cmd(
     threads: int = THREADS,
     out: Path = OUT,
     as_json: bool = AS_JSON,
+    suite: Path | None = typer.Option(
+        None,
+        "--suite",
+        metavar="FOLDER",
+        help="Instead: the JSON schemas in FOLDER (JSONSchemaBench's files), compiled as requests are admitted, "
+        "beside llguidance alone, per subset, with their test instances fed to the grammar (tokenizer only).",
+    ),
 ) -> None:
     """An extraction workload decoded unconstrained, held left to right to its JSON schema, and
     template-pinned (the schemas of a fixed shape; the others left to right), side by side: the share of
     answers that parse and that validate, finish reasons, tokens/s, forwards per answer, wall time."""
     from ..engine import load_engine
     from ..measure.structured import bench_structured, render_structured
+
+    if suite is not None:
+        from ..measure.coverage import coverage, render_coverage, vocabulary_of
+
+        _measure(lambda: coverage(suite, vocabulary_of(model)), out, as_json, render_coverage)
+        return
 
     def measure() -> dict[str, Any]:
         engine = load_engine(model, device.value, dtype.value, threads)

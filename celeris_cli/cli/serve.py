@@ -8,6 +8,7 @@ from typing import Any
 import typer
 
 from ..errors import EXIT_OK, CelerisError, UsageError
+from ..structured.spec import MAX_SPEC_CHARS
 from .app import DeviceOpt, DtypeOpt, app, fail
 
 
@@ -49,6 +50,15 @@ def serve(
     max_batch_lines: int = typer.Option(
         50_000, "--max-batch-lines", min=1, metavar="N", help="Most request lines in an uploaded batch file."
     ),
+    max_constraint_chars: int = typer.Option(
+        MAX_SPEC_CHARS,
+        "--max-constraint-chars",
+        min=1,
+        max=MAX_SPEC_CHARS,
+        metavar="N",
+        help="Largest constraint (structured_outputs / response_format, as compact JSON) a completion may ask; "
+        "the default, 1 MiB, compiles in under 2 s (docs/structured.md).",
+    ),
     threads: int = typer.Option(
         None,
         "--threads",
@@ -72,7 +82,8 @@ def serve(
         if api_key_file is not None and (warning := key_file_warning(api_key_file)):
             typer.echo(warning, err=True)
         check_exposure(host, keys, insecure_no_auth)
-        limits = Limits(max_body_bytes, max_file_bytes, max_tokens, max_batch_lines, max_concurrent, batch_size)
+        sizes = (max_body_bytes, max_file_bytes, max_tokens, max_batch_lines, max_concurrent, batch_size)
+        limits = Limits(*sizes, max_constraint_chars)
         _check_port(host, port)
         state = _build(model, queue, device, dtype, keys, limits, threads)
         state.hosts = allowed_hosts(host)
@@ -118,7 +129,7 @@ def _build(
         device_name, dtype_name = (device or DeviceOpt.auto).value, (dtype or DtypeOpt.auto).value
         engine = load_engine(model, device_name, dtype_name, threads or default_threads())
     model_id = engine.model_dir.name if engine.model_dir is not None else "celeris"
-    runner = Runner(engine, generation, limits.batch_size)
+    runner = Runner(engine, generation, limits.batch_size, limits.max_constraint_chars)
     state = ServeState(runner, model_id, limits, keys, files=None, queue=cfg)
     import torch
 

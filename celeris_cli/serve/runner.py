@@ -30,6 +30,7 @@ from ..params import check_fits, script_of
 from ..spool.backend import Prepared, Preparer
 from ..spool.formats import Request
 from ..strategy import STRATEGIES
+from ..structured.spec import MAX_SPEC_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,15 @@ class Row:
 
 
 class Runner:
-    def __init__(self, engine: Any, generation: dict[str, Any] | None = None, max_batch: int = 16) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        generation: dict[str, Any] | None = None,
+        max_batch: int = 16,
+        max_constraint_chars: int = MAX_SPEC_CHARS,
+    ) -> None:
         self.engine = engine
+        self.max_constraint_chars = max_constraint_chars  # --max-constraint-chars
         self.base = engine.params(generation or {})
         self.preparer = Preparer.of(engine, self.base)
         self.max_batch = max_batch
@@ -77,15 +85,22 @@ class Runner:
     # -- the interface the routes use ----------------------------------------------------------------
     def prepare(self, request: Request, ids: list[int] | None = None) -> Prepared:
         """Validate a request and encode its prompt (or take its token `ids` as given); raises CelerisError
-        (a 400) for one that can never run. Called off the event loop: a long prompt takes a while."""
+        (a 400) for one that can never run. Called off the event loop: a long prompt takes a while, and a
+        constraint is compiled here, under its budget, never on the decoding thread (`structured.grammar.check`)."""
+        tok, p = self.engine.tokenizer, self.preparer
+        params = p.base.with_(**request.params)
+        constraint = params.structured_outputs
+        if constraint is not None and len(constraint) > self.max_constraint_chars:
+            raise UsageError(
+                f"structured_outputs: at most {self.max_constraint_chars} characters of constraint on this server "
+                f"(--max-constraint-chars), got {len(constraint)}"
+            )
         if ids is None:
             return self.preparer.prepare(request)
-        tok, p = self.engine.tokenizer, self.preparer
         size = tok.backend.size()
         bad = next((t for t in ids if t >= size or t == tok.mask_id), None)
         if bad is not None:
             raise UsageError(f"prompt: token id {bad} is not a token of this model's vocabulary (0..{size - 1})")
-        params = p.base.with_(**request.params)
         if p.arch is not None:
             p.arch.check_strategy(params.strategy)
         if params.subword_min_p > 0:
@@ -94,6 +109,7 @@ class Runner:
         preset = p.by_script.get(script_of(text) or "")
         params = params.under(preset) if preset else params  # as the queue's Preparer applies it
         check_fits(len(ids), params.gen_length, p.max_length)
+        self.engine.check_structure(params)
         return Prepared(request, params.batch_key(), len(ids) + params.gen_length, (text, list(ids), params.seed))
 
     def submit(self, rows: list[Prepared]) -> list[Future[Answer]]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
+from ..structured.spec import MAX_SPEC_CHARS
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class Limits:
     max_batch_lines: int = 50_000  # requests in one batch file
     max_concurrent: int = 256  # requests waiting or decoding at once; more get 429
     batch_size: int = 16  # rows decoded together
+    max_constraint_chars: int = MAX_SPEC_CHARS  # a request's structured_outputs / response_format, canonical text
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch
 
 from ..arch.tokenizer import Tokenizer
 from ..errors import UsageError
+from .budget import check_budget
 from .spec import parse
 
 JSON_OPTIONS: Any = {"whitespace_flexible": False}
@@ -189,9 +191,13 @@ def grammar_of(spec_text: str) -> str:
 
 
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")  # name -> schema
-_SCHEMA_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
-_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")  # alternatives or positions: each a schema of its own
+_SCHEMA_ONE = ("items", "additionalItems", "contains", "then", "else", "propertyNames")
+_SCHEMA_LISTS = ("prefixItems", "anyOf")  # alternatives or positions: each a schema of its own
 _MERGED = ("allOf", "$ref", "anyOf", "oneOf", "if", "dependentSchemas", "unevaluatedProperties")
+# where a narrower sub-schema does not mean a narrower schema: `oneOf` (an answer matching one alternative as
+# closed may match two as written), `not` and `if` (narrowing the condition widens the other side), a
+# `contains` counted by `maxContains`. Nothing under them is rewritten.
+_FROZEN = ("oneOf", "not", "if")
 
 
 _PLAIN = {"type", "properties", "required", "title", "description"}
@@ -214,37 +220,144 @@ def _flattened(schema: dict[str, Any]) -> dict[str, Any]:
             props[name] = sub
     required = list(dict.fromkeys(r for m in parts for r in (m.get("required") or [])))
     out = {k: v for k, v in schema.items() if k != "allOf"}
+    if any("type" in m for m in parts):  # a member's `type: object` still holds of the merged object
+        out["type"] = "object"
     return {**out, "properties": props} | ({"required": required} if required else {})
 
 
-def closed(schema: Any, close: bool = True) -> Any:
+def _refers(schema: Any) -> bool:
+    """Whether a `$ref` (or `$dynamicRef`) stands anywhere inside `schema` (values are walked too: cheap, and
+    a false yes only keeps a schema as written)."""
+    todo = [schema]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            if "$ref" in v or "$dynamicRef" in v:
+                return True
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return False
+
+
+def _frozen_parts(schema: Any) -> list[Any]:
+    """The sub-schemas of `schema` under a keyword where narrowing does not narrow (`_FROZEN`)."""
+    out, todo = [], [schema]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            for k, sub in v.items():
+                counted = k == "contains" and "maxContains" in v
+                if k in _FROZEN or counted:
+                    out.append(sub)
+                elif k not in ("const", "enum", "default", "examples"):
+                    todo.append(sub)
+        elif isinstance(v, list):
+            todo.extend(v)
+    return out
+
+
+def closed(schema: Any) -> Any:
     """The schema with every object that declares its properties and says nothing of others closed to others
-    (`additionalProperties: false`, as OpenAI's strict mode demands of every schema). An answer under it is
-    valid under the schema as given (it allows a subset of the same documents), and a model is not free to
-    invent keys until it runs out of tokens. Only sub-schemas are walked, never data (`const`, `enum`,
-    `default`, `examples` are values). `allOf` members that only declare properties are merged into their
-    object first (`_flattened`); an object whose properties still combine with others' (other `allOf`
-    members, a schema beside `anyOf` or `$ref`, ...) is left open: closing each part alone would refuse the
-    keys the other parts declare."""
+    (`additionalProperties: false`, as OpenAI's strict mode demands of every schema): a model is not free to
+    invent keys until it runs out of tokens. The rewrite only ever narrows, so an answer under it is valid
+    under the schema as given:
+
+    - a key that `required` names and `properties` does not declare is declared with any value (JSON Schema
+      allows it; closed without it, the object could not be written);
+    - nothing under `oneOf`, `not`, `if` or a counted `contains` is rewritten (`_FROZEN`: there a narrower part
+      is not a narrower whole), and where a `$ref` stands under one of them, nothing is rewritten at all (the
+      part it names may be closed elsewhere);
+    - an object whose properties combine with others' (other `allOf` members, a schema beside `anyOf` or
+      `$ref`, ...) is left open: closing each part alone would refuse the keys the other parts declare; so is
+      a definition that a `$ref` combines with other parts (`_combined_definitions`);
+      `allOf` members that only declare properties are merged into their object first (`_flattened`).
+
+    Only sub-schemas are walked, never data (`const`, `enum`, `default`, `examples` are values)."""
+    if any(_refers(part) for part in _frozen_parts(schema)):
+        return schema
+    combined = _combined_definitions(schema)
+    if combined is None:
+        return schema
+    return _closed(schema, True, combined)
+
+
+_ANNOTATIONS = {"$ref", "title", "description", "$comment", "default", "examples", "deprecated", "readOnly"}
+_DEFINITIONS = ("#/definitions/", "#/$defs/")
+
+
+def _combined_definitions(schema: Any) -> set[str] | None:
+    """The definitions a `$ref` combines with other parts (an `allOf` member, a `$ref` beside other keywords,
+    an alternative beside `properties`): each is left open, as an object combined inline is. None where such a
+    `$ref` names something other than a definition (then nothing is rewritten)."""
+    out: set[str] = set()
+    todo: list[tuple[Any, bool]] = [(schema, False)]
+    while todo:
+        v, joined = todo.pop()
+        if isinstance(v, list):
+            todo.extend((x, False) for x in v)
+            continue
+        if not isinstance(v, dict):
+            continue
+        ref = v.get("$ref")
+        if isinstance(ref, str) and (joined or set(v) - _ANNOTATIONS):
+            name = next((ref[len(p) :] for p in _DEFINITIONS if ref.startswith(p)), None)
+            if name is None or "/" in name:
+                return None
+            out.add(name.replace("~1", "/").replace("~0", "~"))
+        for k, x in v.items():
+            if k in ("const", "enum", "default", "examples"):
+                continue
+            if isinstance(x, list) and (k == "allOf" or (k in ("anyOf", "oneOf") and ("properties" in v or joined))):
+                todo.extend((m, True) for m in x)
+            else:
+                todo.append((x, False))
+    return out
+
+
+def _closed(schema: Any, close: bool, combined: set[str]) -> Any:
     if not isinstance(schema, dict):
         return schema
     schema = _flattened(schema)
     out = dict(schema)
     for k, v in schema.items():
-        if k in _SCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: closed(sub) for name, sub in v.items()}
+        if k in _FROZEN or (k == "contains" and "maxContains" in schema):
+            continue  # as written
+        if k in ("$defs", "definitions") and isinstance(v, dict):
+            out[k] = {name: _closed(sub, name not in combined, combined) for name, sub in v.items()}
+        elif k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: _closed(sub, True, combined) for name, sub in v.items()}
         elif k in _SCHEMA_ONE or (k == "additionalProperties" and isinstance(v, dict)):
-            out[k] = closed(v)
+            out[k] = _closed(v, True, combined)
         elif k in _SCHEMA_LISTS and isinstance(v, list):
-            alone = k == "prefixItems" or "properties" not in schema  # alternatives that stand alone
-            out[k] = [closed(sub, close=alone) for sub in v]
+            # alternatives that stand alone: not beside properties, nor inside a part combined with others
+            alone = k == "prefixItems" or ("properties" not in schema and close)
+            out[k] = [_closed(sub, alone, combined) for sub in v]
         elif k == "allOf" and isinstance(v, list):
-            out[k] = [closed(sub, close=False) for sub in v]
+            out[k] = [_closed(sub, False, combined) for sub in v]
     others = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
-    combined = any(k in schema for k in _MERGED)
-    if close and not combined and isinstance(schema.get("properties"), dict) and not others & set(schema):
+    merged = any(k in schema for k in _MERGED)
+    props = out.get("properties")
+    if close and not merged and isinstance(props, dict) and not others & set(schema):
+        required = schema.get("required")
+        extra = [r for r in required if isinstance(r, str) and r not in props] if isinstance(required, list) else []
+        out["properties"] = {**props, **dict.fromkeys(extra, {})}
         out["additionalProperties"] = False
     return out
+
+
+# The compile budget, in llguidance's own units of work (deterministic, unlike a clock): the fuel its lexer may
+# burn building a grammar's first regular expressions and per mask. Its defaults: lowering the first (to 300,000)
+# refuses JSONSchemaBench schemas llguidance compiles; what makes a small constraint costly, a counted
+# repetition, is refused by arithmetic before this (`budget`).
+INITIAL_LEXER_FUEL = 1_000_000
+STEP_LEXER_FUEL = 200_000
+
+
+def limits() -> Any:
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL, step_lexer_fuel=STEP_LEXER_FUEL, verbose_errors=False)
 
 
 @functools.lru_cache(maxsize=256)
@@ -253,14 +366,51 @@ def compiled(spec_text: str, vocab: Vocabulary) -> str:
     (a bad regex, a schema keyword it does not support, a Lark error) is the user's error, naming it."""
     LLMatcher = grammar_engine().LLMatcher
 
+    check_budget(*parse(spec_text))
     try:
         grammar = grammar_of(spec_text)
     except ValueError as e:
         raise UsageError(f"structured_outputs: {e}") from None
-    error = LLMatcher.validate_grammar(grammar, vocab.llg)
+    error = LLMatcher.validate_grammar(grammar, vocab.llg, limits=limits())
     if error and not error.startswith("WARNING"):
         raise UsageError(f"structured_outputs: the grammar engine cannot honour it: {error.strip()[:500]}")
     return grammar
+
+
+_BUILDING = threading.Lock()
+
+
+@functools.lru_cache(maxsize=16)
+def _start(spec_text: str, vocab: Vocabulary) -> Any:
+    """A constraint's matcher at the answer's start, built and tried once (`built`); each row takes a copy."""
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(vocab.llg, compiled(spec_text, vocab), log_level=0, limits=limits())
+    probe = matcher.deep_copy()
+    _first_steps(probe, vocab)
+    error = probe.get_error().strip() if probe.is_error() else ""
+    if error and not error.startswith("NoExtension"):  # no token to go on with is `check`'s to name, not a cost
+        raise UsageError(f"structured_outputs: the grammar engine cannot build it within its budget ({error[:300]})")
+    return matcher
+
+
+def _first_steps(matcher: Any, vocab: Vocabulary) -> None:
+    """The work a row's first tokens make the engine do: its first mask, and the mask after the first token it
+    allows (where a counted repetition such as `a{1000000}` builds its lexer, and fails past the budget)."""
+    for _ in range(2):
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")[: vocab.size]
+        allowed = [i for i in np.flatnonzero(bits)[:64].tolist() if i not in vocab.stop_ids]
+        if matcher.is_error() or not allowed:
+            return
+        matcher.consume_token(allowed[0])
+
+
+def built(spec_text: str, vocab: Vocabulary) -> Any:
+    """A fresh matcher of a constraint at the answer's start. The first call compiles and tries it (`_start`),
+    where a request is admitted, off the decoding thread; later calls copy what it built."""
+    start = _start(spec_text, vocab)
+    with _BUILDING:
+        return start.deep_copy()
 
 
 class Grammar:
@@ -273,8 +423,10 @@ class Grammar:
 
         self.vocab = vocab
         self.ends = slot is None
-        grammar = compiled(spec_text, vocab) if slot is None else str(LLMatcher.grammar_from_lark(slot))
-        self.matcher = LLMatcher(vocab.llg, grammar, log_level=0)
+        if slot is None:
+            self.matcher = built(spec_text, vocab)
+        else:
+            self.matcher = LLMatcher(vocab.llg, str(LLMatcher.grammar_from_lark(slot)), log_level=0, limits=limits())
         if self.matcher.is_error():
             raise UsageError(f"structured_outputs: {self.matcher.get_error()}")
 
