@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,6 +194,9 @@ def _parse_jsonl(number: int, text: str) -> Request | LineError:
         return LineError(number, "invalid_json", f"not valid JSON: {e.msg} at column {e.colno}", text[:500])
     except RecursionError:
         return LineError(number, "invalid_json", "the line's JSON is nested too deeply", text[:500])
+    except ValueError:  # Python's limit on the digits of an integer (4300)
+        message = f"the line holds a number of more than {sys.get_int_max_str_digits()} digits"
+        return LineError(number, "invalid_json", message, text[:500])
     if not isinstance(obj, dict):
         return LineError(number, "invalid_json", "each line must be a JSON object", text[:500])
     try:
