@@ -83,8 +83,10 @@ class Runner:
         tok, p = self.engine.tokenizer, self.preparer
         size = tok.backend.size()
         bad = next((t for t in ids if t >= size or t == tok.mask_id), None)
+        if bad == tok.mask_id:
+            raise UsageError(f"prompt: token id {bad} is this model's mask token, which a prompt may not hold")
         if bad is not None:
-            raise UsageError(f"prompt: token id {bad} is not a token of this model's vocabulary (0..{size - 1})")
+            raise UsageError(f"prompt: token id {bad} is past this model's vocabulary (ids 0 to {size - 1})")
         params = p.base.with_(**request.params)
         if p.arch is not None:
             p.arch.check_strategy(params.strategy)
