@@ -132,5 +132,5 @@ def read_record(path: Path) -> tuple[dict[str, Any], str | None]:
     if "parts" not in meta and "name" in meta and "status" in meta:  # a record from before parts
         state = "fed" if meta["status"] == "validating" else "seen"
         meta["parts"] = [{"name": meta["name"], "start": 0, "end": None, "offset": 0, "state": state}]
-    why = _problem(meta, path.stem)
-    return (unreadable(path, why, meta), why) if why else (meta, None)
+    problem = _problem(meta, path.stem)
+    return (unreadable(path, problem, meta), problem) if problem else (meta, None)

@@ -198,10 +198,10 @@ def _prepare(state: ServeState, prompts: list[Prompt], chat: bool) -> list[Prepa
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except CelerisError as e:  # a message that starts with the field it is about names it as `param`
             head = str(e).partition(":")[0]
-            param = head if re.fullmatch(r"[a-z_][a-z0-9_.]*", head) else None
-            if param == "prompt" and len(prompts) > 1:
-                param = f"prompt.{request.line}"
-            raise APIError(400, str(e), param=param, code=e.code) from None
+            named = head if re.fullmatch(r"[a-z_][a-z0-9_.]*", head) else None
+            if named == "prompt" and len(prompts) > 1:
+                named = f"prompt.{request.line}"
+            raise APIError(400, str(e), param=named, code=e.code) from None
     return out
 
 
