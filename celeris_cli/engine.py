@@ -71,6 +71,9 @@ def model_dir(model: str | Path | None) -> Path:
     path = Path(model)
     if not path.exists() and str(model) in embedded_models():
         return embedded_models()[str(model)]
+    if not path.exists() and len(path.parts) == 1:  # a bare name: most likely meant as an embedded model
+        names = ", ".join(sorted(embedded_models()))
+        raise ModelError(f"model {str(model)!r}: no folder of that name here, nor an embedded model ({names})")
     return path
 
 

@@ -14,6 +14,7 @@ EXIT_USAGE = 2  # a usage, config, model or device error: nothing was run
 EXIT_IO = 74  # sysexits EX_IOERR: the filesystem refused a queue's claim, publish or retry (full disk)
 EXIT_LOCKED = 75  # sysexits EX_TEMPFAIL: another instance holds the queue; try again later
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM (`kill`, `timeout`, systemd): finished answers kept, as for Ctrl-C
 
 
 class CelerisError(Exception):

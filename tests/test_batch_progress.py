@@ -104,3 +104,27 @@ def test_the_eta_does_not_count_the_pipelines_filling_as_slowness() -> None:
         done, eta = int(m[1]), int(m[5])
         left = (160 - done) / 16 * 20.0
         assert done < 160 / 5 or left / 2 <= eta <= left * 2, (done, eta, left)
+
+
+def test_a_terminals_bar_shows_an_eta_from_the_second_batch_on() -> None:
+    """The bar's eta is this run's own estimate (Rich's needs many updates within its last 30 s, and a
+    run whose batches take longer showed `-:--:--` throughout): none before the pace is known, then the
+    time left at that pace."""
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    clock, out = Clock(), Terminal()
+    with Progress(0, quiet=False, stream=out, label="batch", clock=clock) as progress:
+        assert progress._bar is not None
+        progress.report(0, 160)
+        clock.now += 100.0
+        progress.report(16, 160)  # the first batch: the pipeline filling, not the pace
+        progress._bar.refresh()
+        assert "eta -:--:--" in out.getvalue()
+        clock.now += 40.0
+        progress.report(32, 160)  # 16 answers in 40 s: 128 left take 320 s
+        out.truncate(0)
+        progress._bar.refresh()
+        assert "eta 0:05:20" in out.getvalue()

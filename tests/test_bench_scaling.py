@@ -79,3 +79,20 @@ def test_repeats_keep_each_modes_median_run_the_order_alternating(monkeypatch: p
     assert len(order) == 3 * n and order[:n] == order[n : 2 * n][::-1] == order[2 * n :]
     with pytest.raises(Exception, match="--repeats"):
         module.scaling(engine, gen_lengths=(8,), batches=(2,), repeats=0)
+
+
+def test_a_png_plot_without_matplotlib_is_refused_before_anything_is_measured(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import celeris_cli.engine
+
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if it were not installed
+
+    def measured(*args: object, **kw: object) -> None:
+        raise AssertionError("the model was loaded: the measurement began")
+
+    monkeypatch.setattr(celeris_cli.engine, "load_engine", measured)
+    args = ["bench", "scaling", "--model", str(FOLDER), "--gen-lengths", "8", "--batch-sizes", "2", "--device", "cpu"]
+    r = CliRunner().invoke(app, [*args, "--plot", str(tmp_path / "p.png")])
+    assert r.exit_code == 2 and "needs matplotlib" in r.output and "[plot]" in r.output, r.output
+    assert not (tmp_path / "p.png").exists()

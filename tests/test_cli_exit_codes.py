@@ -82,3 +82,15 @@ def test_retry_that_queues_nothing_exits_0(tmp_path: Path) -> None:
 
 def test_version_exits_0() -> None:
     assert runner.invoke(app, ["--version"]).exit_code == EXIT_OK
+
+
+@pytest.mark.parametrize("pattern, code", [("[a-z]{40}", EXIT_FAILED), ("[a-z]{4}", EXIT_OK)])
+def test_a_constrained_answer_that_ends_with_an_error_exits_1(pattern: str, code: int) -> None:
+    """An answer that reached its length before its constraint was complete is written, with its `error`,
+    and the command exits 1 (some requests failed), as a skipped line does; one that completes exits 0."""
+    argv = ["generate", "--prompt", "x", "--regex", pattern, "--gen-length", "8", "--jsonl"]
+    r = runner.invoke(app, [*argv, "--device", "cpu", "--dtype", "float32"])
+    (answer,) = [json.loads(x) for x in r.stdout.splitlines()]
+    assert r.exit_code == code, r.output
+    assert (answer["error"] is not None) == (code == EXIT_FAILED) and "Traceback" not in r.output
+    assert ("ended with an error" in r.stderr) == (code == EXIT_FAILED)

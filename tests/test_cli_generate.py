@@ -68,6 +68,11 @@ def test_missing_model_folder(tmp_path: Path) -> None:
     assert "Error: model folder not found" in out
 
 
+def test_a_bare_name_that_is_no_folder_names_the_embedded_models() -> None:
+    out = _error(run("--model", "celeris-huge", "--prompt", "x", *FAST))
+    assert "'celeris-huge'" in out and all(n in out for n in ("celeris-block", "celeris-spec", "celeris-tiny"))
+
+
 def test_incomplete_model_folder(tmp_path: Path, tiny_model: Path) -> None:
     import shutil
 

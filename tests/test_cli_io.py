@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,38 @@ def test_a_reader_that_goes_away_ends_the_run_quietly(tiny_model: Path) -> None:
     _, err = p.communicate(timeout=300)
     assert b"Traceback" not in err and b"BrokenPipeError" not in err
     assert p.returncode == 1
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_sigterm_keeps_what_is_finished_in_the_output_file_as_ctrl_c_does(
+    tiny_model: Path, tmp_path: Path, signum: int, code: int
+) -> None:
+    """`kill`, `timeout` and systemd send SIGTERM: `-o out.jsonl` holds every finished answer, whole, and
+    no temp file is left, as after Ctrl-C."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"第{i}首\n" for i in range(64)), encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = ["--model", str(tiny_model), "--jsonl", "-o", str(out), "--batch-size", "1", "--gen-length", "16",
+            "--block-length", "16", "--denoise-steps", "16", "--no-early-exit", "--device", "cpu",
+            "--dtype", "float32"]  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, "-m", "celeris_cli", "generate", "--file", str(prompts), *args],
+        stderr=subprocess.PIPE,
+        env=env,
+        preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGTERM)],
+    )
+    try:
+        deadline = time.monotonic() + 120  # a ceiling on a hang
+        while not any(len(t.read_bytes().splitlines()) >= 3 for t in tmp_path.glob(".out.jsonl.*.tmp")):
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        p.send_signal(signum)
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill() if p.poll() is None else None
+    assert p.returncode == code, err.decode()
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert 3 <= len(lines) < 64 and [json.loads(x)["prompt"] for x in lines] == [f"第{i}首" for i in range(len(lines))]
+    assert f"{len(lines)} of 64 answers written" in err.decode() and b"Traceback" not in err
+    assert not list(tmp_path.glob(".out.jsonl.*"))

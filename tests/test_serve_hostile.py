@@ -256,3 +256,50 @@ def test_an_unexpected_error_is_a_500_that_closes_the_connection_and_the_next_re
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def test_an_assistant_turn_with_null_content_is_accepted_as_an_empty_one(server: Server) -> None:
+    """OpenAI's clients send `content: null` for an assistant turn that called tools."""
+    client = server.client()
+
+    def ask(content: str | None) -> str | None:
+        messages: Any = [
+            {"role": "user", "content": "Shall I compare"},
+            {"role": "assistant", "content": content},
+            {"role": "user", "content": "To be, or not"},
+        ]
+        return (
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, seed=3)
+            .choices[0]
+            .message.content
+        )
+
+    assert ask(None) == ask("")
+    status, body = post(server, {"messages": [{"role": "user", "content": None}]}, "/v1/chat/completions")
+    assert status == 400 and "needs content" in body["error"]["message"]  # only an assistant's may be null
+
+
+def test_an_image_part_is_refused_by_name(server: Server) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    content = [{"type": "text", "text": "What is this?"}, image]
+    status, body = post(server, {"messages": [{"role": "user", "content": content}]}, "/v1/chat/completions")
+    assert status == 400 and "'image_url'" in body["error"]["message"] and "reads text" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"prompt": "x", "logprobs": 10}, "logprobs", "less than or equal to 5"),
+        ({"prompt": "x", "stop": "a" * 1001}, "stop", "at most 1000 characters, got 1001"),
+        ({"prompt": "x", "stop": ["a", "b" * 1001]}, "stop.1", "at most 1000 characters, got 1001"),
+        ({"prompt": [5, 4, 6]}, "prompt", "mask token"),  # celeris-block's mask id is 4
+        ({"prompt": [5, 9280]}, "prompt", "past this model's vocabulary (ids 0 to 9279)"),
+    ],
+)
+def test_errors_name_the_field_and_the_limit_in_the_users_terms(
+    server: Server, body: dict[str, Any], param: str, words: str
+) -> None:
+    status, out = post(server, {**body, "max_tokens": 4})
+    error = out["error"]
+    assert status == 400 and error["param"] == param and words in error["message"], error
+    assert not any(w in error["message"] + str(error["param"]) for w in ("constrained-", "items", "function-after"))

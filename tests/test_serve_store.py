@@ -115,3 +115,19 @@ def test_a_lost_publish_whose_input_was_deleted_is_published_from_the_batchs_own
     store.recover()
     assert part.read_text().splitlines() == LINES
     assert store.get(batch["id"])["status"] == "validating"  # type: ignore[index]
+
+
+def test_the_state_folder_serve_makes_in_a_checkout_is_ignored_by_git_and_its_code_is_not() -> None:
+    """`celeris serve --queue configs/batch.yaml` keeps its state in `serve/` beside the queue's folders."""
+    import shutil
+    import subprocess
+
+    repo = Path(__file__).parents[1]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=repo).returncode == 0
+
+    assert ignored("serve/batches/batch_0.json") and ignored("serve/files/file-0")
+    assert not ignored("celeris_cli/serve/app.py") and not ignored("docs/serve.md")

@@ -70,3 +70,29 @@ def test_a_resumed_file_that_was_waiting_for_its_turn_at_a_death_is_not_blamed(t
     waiting = [{"prepared": True}]  # read and prepared; none of its lines in flight when the process died
     st = claims(tmp_path, [{"try": [1, 2]}], waiting, waiting, waiting, waiting, waiting, waiting)
     assert st.idle_deaths == 0 and st.evidence == {} and st.suspects == {1, 2}
+
+
+def test_the_rows_a_death_had_in_flight_are_one_group_tested_together(tmp_path: Path) -> None:
+    """An ordinary kill costs the batch in flight decoded again, together, not row by row."""
+    done = [{"line": n, "body": {}} for n in range(1, 9)]
+    st = claims(
+        tmp_path, [{"try": list(range(1, 9))}], [{"try": list(range(1, 9)), "suspect": True}, {"outcomes": done}]
+    )
+    assert st.groups == [] and st.suspects == set()  # the group's test passed: decided, nothing to test
+    (tmp_path / "b").mkdir()
+    st = claims(tmp_path / "b", [{"try": [1, 2, 3]}, {"try": [4, 5]}])
+    assert st.groups == [{1, 2, 3, 4, 5}] and st.evidence == {}
+
+
+def test_a_death_during_a_groups_test_halves_it_down_to_one_row_and_only_that_is_evidence(tmp_path: Path) -> None:
+    st = claims(tmp_path, [{"try": [1, 2, 3, 4, 5]}], [{"try": [1, 2, 3, 4, 5], "suspect": True}])
+    assert st.groups == [{1, 2}, {3, 4, 5}] and st.evidence == {}
+    (tmp_path / "b").mkdir()
+    ok = {"outcomes": [{"line": 1, "body": {}}, {"line": 2, "body": {}}]}
+    st = claims(
+        tmp_path / "b",
+        [{"try": [1, 2, 3, 4]}],
+        [{"try": [1, 2], "suspect": True}, ok, {"try": [3, 4], "suspect": True}],  # [1, 2] passed; [3, 4] died
+        [{"try": [3], "suspect": True}],  # row 3 alone died
+    )
+    assert st.groups == [{3}, {4}] and st.evidence == {3: 1} and st.suspects == {3, 4}

@@ -78,9 +78,13 @@ def test_three_stops_whose_grace_ran_out_poison_nothing_and_say_what_they_kept(t
 def test_a_row_that_kills_the_process_whenever_it_decodes_is_poison_and_the_rest_answered(tmp_path: Path) -> None:
     config = make_queue(tmp_path, batch_size=4)  # max_claims: the default, 3
     drop(tmp_path, "d.txt", "ok 1\nok 2\ndie 3\nok 4\nok 5\nok 6\n")
-    codes = [run(config, "--once", "--die-on", "die").returncode for _ in range(5)]
-    # the first death is an ordinary batch's (no evidence), then three deaths of the row tested alone
-    assert codes == [-signal.SIGKILL] * 4 + [1], codes
+    codes = []
+    while not codes or codes[-1] == -signal.SIGKILL and len(codes) < 10:
+        codes.append(run(config, "--once", "--die-on", "die").returncode)
+    # the first death is an ordinary batch's (no evidence); its rows are tested together, and a test that
+    # dies is halved (no evidence either) until the row is tested alone; then three deaths alone
+    assert codes[-1] == 1 and set(codes[:-1]) == {-signal.SIGKILL}, codes
+    assert 1 + 3 < len(codes) - 1 <= 1 + 2 + 3, codes  # log2 of the 4 rows in flight: at most 2 halvings
     out = outputs(tmp_path)["d.txt.results.jsonl"]
     assert [r["custom_id"] for r in out] == ["line-1", "line-2", "line-4", "line-5", "line-6"]
     [rec] = failures(tmp_path)

@@ -80,6 +80,7 @@ def run_file(
     on_progress: Callable[[int, int], None] | None = None,  # (answers done, lines in all), from the start
     settings: dict[str, Any] | None = None,
     restart: bool = False,
+    on_resume: Callable[[int], None] | None = None,  # the requests an interrupted run finished, before any work
 ) -> BatchReport:
     """Run every request of `source` and publish `output` (results, input order) and `failed` (failure
     records), each written to a temp name and renamed, so a crash leaves no half-written file.
@@ -103,6 +104,8 @@ def run_file(
         resumed = len(finished.lines)
         if resumed:
             remove_stale_temps([output, failed])
+            if on_resume is not None:
+                on_resume(resumed)
         if errors and not finished.lines & {e.line for e in errors}:  # one run, one arrival: claim 0
             unread = {err.line: failure_of_line(source.name, 0, err) for err in errors}
             journal.append([], list(unread.values()), sorted(unread))

@@ -12,11 +12,11 @@ from typing import Any
 
 import typer
 
-from ..errors import EXIT_INTERRUPTED, CelerisError, UsageError
+from ..errors import CelerisError, UsageError
 from ..params import MAX_SEED
 from .app import fail
 from .output import Sink
-from .progress import Progress, deferred_interrupt
+from .progress import Progress, deferred_interrupt, interrupt_code, interrupted
 from .prompts import BadLine, Prompt
 
 
@@ -59,8 +59,9 @@ def prepare(
     return jobs, len(problems)
 
 
-def run(engine: Any, params: Any, jobs: list[Job], batch_size: int, sink: Sink, quiet: bool) -> None:
-    """Decode and write every job in input order. An answer depends only on its prompt, settings and seed,
+def run(engine: Any, params: Any, jobs: list[Job], batch_size: int, sink: Sink, quiet: bool) -> int:
+    """Decode and write every job in input order; returns how many answers ended with an `error` (a
+    constraint the answer could not complete). An answer depends only on its prompt, settings and seed,
     so the running set and input-order batches give the same answers as any other packing."""
     written = _Written(sink, len(jobs), quiet)
     t0 = time.perf_counter()
@@ -77,11 +78,11 @@ def run(engine: Any, params: Any, jobs: list[Job], batch_size: int, sink: Sink, 
                         [j.text for j in batch], [j.ids for j in batch], params, [j.seed for j in batch]
                     )
                     written.many(results)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`sigterm_interrupts`)
         with deferred_interrupt():
             sink.close()
-        typer.echo(f"Interrupted: {sink.written} of {len(jobs)} answers written", err=True)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+        typer.echo(f"{interrupted(e)}: {sink.written} of {len(jobs)} answers written", err=True)
+        raise typer.Exit(interrupt_code(e)) from None
     except CelerisError as e:  # finished answers are kept, as on an interrupt
         sink.close()
         fail(e)
@@ -97,6 +98,7 @@ def run(engine: Any, params: Any, jobs: list[Job], batch_size: int, sink: Sink, 
             + (f" -> {sink.path}" if sink.path else ""),
             err=True,
         )
+    return written.errors
 
 
 class _Written:
@@ -105,7 +107,7 @@ class _Written:
     def __init__(self, sink: Sink, total: int, quiet: bool) -> None:
         self.sink, self.progress = sink, Progress(total, quiet)
         self.held: dict[int, Any] = {}  # finished out of order, waiting for those before them
-        self.count = self.tokens = 0
+        self.count = self.tokens = self.errors = 0
         self.last: Any = None
 
     def one(self, index: int, result: Any) -> None:
@@ -121,5 +123,6 @@ class _Written:
             self.sink.write([r.to_dict() for r in results])  # a record is written whole or not at all
         self.count += len(results)
         self.tokens += sum(r.output_tokens for r in results)
+        self.errors += sum(1 for r in results if getattr(r, "error", None))
         self.last = results[-1]
         self.progress.advance(len(results), self.tokens)

@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CelerisError
+from ..errors import EXIT_FAILED, EXIT_OK, CelerisError
 from .app import DeviceOpt, DtypeOpt, _json_setting, app, choice, fail
 
 
@@ -46,7 +46,7 @@ def batch_cmd(
     Each finished batch is journaled beside OUTPUT, so the same command after a crash resumes.
     Exit codes: 0 all done, 1 some requests failed (see --failed), 2 usage error."""
     from ..batch import run_file
-    from .progress import Progress
+    from .progress import Progress, interrupt_code, interrupted, sigterm_interrupts
 
     failed = failed or output.with_name(output.name + ".failed.jsonl")
     try:
@@ -76,24 +76,28 @@ def batch_cmd(
                     engine=engine,
                 )
             )
+
         # answers (results and failures) of every line of the input, counted from the first report
-        with Progress(0, quiet=False, label="batch") as progress:
+        def resumed(n: int) -> None:  # said first, before the bar: what this run will not do again
+            typer.echo(f"resumed: {n} requests were finished by an interrupted run", err=True)
+
+        with sigterm_interrupts(), Progress(0, quiet=False, label="batch") as progress:
             # what decides the answers (local and Ray give the same ones, so the executor is not in it)
             key = {**engine, "model": str(model.resolve()) if model else None, "batch_size": batch_size}
-            report = run_file(input_file, output, failed, executor, progress.report, key, restart)
+            report = run_file(input_file, output, failed, executor, progress.report, key, restart, resumed)
     except CelerisError as e:
         fail(e)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`sigterm_interrupts`)
         from ..batch.journal import journal_path
 
         typer.echo(
-            f"Interrupted: finished batches are kept in {journal_path(output)}; run the same command again to resume",
+            f"{interrupted(e)}: finished batches are kept in {journal_path(output)}; "
+            "run the same command again to resume",
             err=True,
         )
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+        raise typer.Exit(interrupt_code(e)) from None
     typer.echo(
-        (f"resumed: {report.resumed} requests were finished by an interrupted run; " if report.resumed else "")
-        + f"{report.results} results, {report.failures} failures of {report.requests} requests in "
+        f"{report.results} results, {report.failures} failures of {report.requests} requests in "
         f"{report.wall_s:.1f}s ({report.prompts_per_s} prompts/s) -> {report.output}"
         + (f", failures in {report.failed}" if report.failures else ""),
         err=True,

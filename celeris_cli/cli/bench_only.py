@@ -125,6 +125,11 @@ def scaling_cmd(
 
     if plot is not None and plot.suffix.lower() not in (".svg", ".png"):
         fail(UsageError(f"--plot {plot}: give a .svg or .png file"))
+    if plot is not None and plot.suffix.lower() == ".png":  # before the measurement, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            fail(UsageError(f"--plot {plot}: a PNG needs matplotlib (pip install '.[plot]'); an .svg needs nothing"))
 
     def measure() -> dict[str, Any]:
         gens, batches = _int_list("--gen-lengths", gen_lengths), _int_list("--batch-sizes", batch_sizes)

@@ -7,12 +7,13 @@ from typing import Any
 
 import typer
 
-from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CelerisError, UsageError
+from ..errors import EXIT_FAILED, EXIT_OK, CelerisError, UsageError
 from .answering import prepare, run
 from .app import MAX_MEMORY_HELP, QUANTIZE_HELP, DeviceOpt, DtypeOpt, QuantizeOpt, app, choice, fail
 from .constraint import choice_option, json_schema_option, regex_option, with_constraint
 from .knobs import given, with_knob_options
 from .output import Format, Sink
+from .progress import interrupt_code, interrupted, sigterm_interrupts
 from .prompts import gather
 
 
@@ -64,30 +65,33 @@ def generate(
     """Answer prompts given as arguments, with --prompt, in a --file, or piped on stdin.
 
     Answers are written in input order, each batch as soon as it finishes (--json: at the end).
-    Ctrl-C writes what is finished and exits 130. The defaults shown are the embedded model's; another
-    --model brings its own generation_config.json."""
-    try:
-        if as_json and as_jsonl:
-            raise UsageError("choose one of --json and --jsonl")
-        if max_memory is not None:  # a usage error before the model loads
-            from ..arch.memory import parse_size
+    Ctrl-C writes what is finished and exits 130 (SIGTERM: the same, 143). The defaults shown are the
+    embedded model's; another --model brings its own generation_config.json."""
+    with sigterm_interrupts():  # `kill`, `timeout` and systemd keep what is finished, as Ctrl-C does
+        try:
+            if as_json and as_jsonl:
+                raise UsageError("choose one of --json and --jsonl")
+            if max_memory is not None:  # a usage error before the model loads
+                from ..arch.memory import parse_size
 
-            parse_size(max_memory)
-        prompts, bad = gather(list(args or []), list(prompt or []), file)
-        overrides = given(with_constraint(knobs or {}, json_schema, regex, choices))
-        from ..engine import load_engine
+                parse_size(max_memory)
+            prompts, bad = gather(list(args or []), list(prompt or []), file)
+            overrides = given(with_constraint(knobs or {}, json_schema, regex, choices))
+            from ..engine import load_engine
 
-        engine = load_engine(model, device.value, dtype.value, quantize=quantize.value, max_memory=max_memory)
-        params = engine.params(overrides)
-        jobs, skipped = prepare(engine, params, prompts, bad, chat, strict, samples)
-        fmt: Format = "json" if as_json else "jsonl" if as_jsonl else "text"
-        sink = Sink(fmt, output, single=len(jobs) == 1 and not skipped)
-    except CelerisError as e:
-        fail(e)
-    except KeyboardInterrupt:
-        typer.echo("Interrupted before any answer", err=True)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
-    run(engine, params, jobs, batch_size, sink, quiet)
+            engine = load_engine(model, device.value, dtype.value, quantize=quantize.value, max_memory=max_memory)
+            params = engine.params(overrides)
+            jobs, skipped = prepare(engine, params, prompts, bad, chat, strict, samples)
+            fmt: Format = "json" if as_json else "jsonl" if as_jsonl else "text"
+            sink = Sink(fmt, output, single=len(jobs) == 1 and not skipped)
+        except CelerisError as e:
+            fail(e)
+        except KeyboardInterrupt as e:
+            typer.echo(f"{interrupted(e)} before any answer", err=True)
+            raise typer.Exit(interrupt_code(e)) from None
+        errored = run(engine, params, jobs, batch_size, sink, quiet)
     if skipped:
         typer.echo(f"Error: {skipped} line(s) skipped (see above)", err=True)
-    raise typer.Exit(EXIT_FAILED if skipped else EXIT_OK)
+    if errored:  # a constrained answer that could not complete its constraint: written, with its `error`
+        typer.echo(f"Error: {errored} answer(s) ended with an error (see `error` in --json/--jsonl)", err=True)
+    raise typer.Exit(EXIT_FAILED if skipped or errored else EXIT_OK)

@@ -1,6 +1,6 @@
 """Progress on stderr while answers are decoded: a Rich bar on a terminal (answers done, tokens/s, ETA),
 plain lines every few seconds otherwise (logs, CI), nothing with --quiet. Also the guard that lets Ctrl-C
-land only between two records, never inside one."""
+land only between two records, never inside one, and SIGTERM made to land as Ctrl-C does."""
 
 from __future__ import annotations
 
@@ -50,7 +50,6 @@ class Progress:
                 Progress,
                 TextColumn,
                 TimeElapsedColumn,
-                TimeRemainingColumn,
             )
 
             self._bar = Progress(
@@ -59,13 +58,12 @@ class Progress:
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[rate]}"),
                 TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
+                TextColumn("eta {task.fields[eta]}"),  # ours: Rich's own needs many updates in its last 30 s
                 console=Console(file=self.stream),
                 transient=True,
             )
             self._bar.__enter__()
-            self._task = self._bar.add_task("generate", total=self.total, rate="")
+            self._task = self._bar.add_task("generate", total=self.total, rate="", eta=_clock_time(None))
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -112,10 +110,11 @@ class Progress:
         elapsed = max(now - self.t0, 1e-9)
         ours = self.done - self.start  # answered since the clock started
         rate = f"{_figure(tokens / elapsed)} tok/s" if tokens is not None else f"{_figure(ours / elapsed)} answers/s"
+        # the time left at this run's own pace since its clock started (None before it has answered any)
+        eta = elapsed / ours * max(self.total - self.done, 0) if ours > 0 else None
         if self._bar is not None:
-            self._bar.update(self._task, total=self.total, advance=n, rate=rate)
-        elif not self.quiet and ours > 0 and self.done < self.total and now - self._last_line >= self.every_s:
-            eta = elapsed / ours * (self.total - self.done)
+            self._bar.update(self._task, total=self.total, advance=n, rate=rate, eta=_clock_time(eta))
+        elif not self.quiet and eta is not None and self.done < self.total and now - self._last_line >= self.every_s:
             self.stream.write(
                 f"{self.label}: {self.done}/{self.total} answers, {rate}, {now - self.began:.0f}s, eta {eta:.0f}s\n"
             )
@@ -123,22 +122,67 @@ class Progress:
             self._last_line = now
 
 
+def _clock_time(seconds: float | None) -> str:
+    """H:MM:SS, as Rich writes times; `-:--:--` when there is no estimate yet."""
+    if seconds is None:
+        return "-:--:--"
+    whole = int(seconds + 0.5)
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
+
+
 def _figure(rate: float) -> str:
     """A rate with two significant digits below 10 (a slow run's 0.13 answers/s is not 0.0)."""
     return f"{rate:.1f}" if rate >= 10 else f"{rate:.2g}"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, systemd), raised where Ctrl-C raises KeyboardInterrupt, so that what is
+    finished is kept the same way; the command then exits 143 (`interrupt_code`)."""
+
+
+def interrupt_code(e: KeyboardInterrupt) -> int:
+    from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED
+
+    return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
+
+
+def interrupted(e: KeyboardInterrupt) -> str:
+    """How an interrupt is named on stderr."""
+    return "Terminated (SIGTERM)" if isinstance(e, Terminated) else "Interrupted"
+
+
+def _raise(signum: int, frame: Any) -> None:
+    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Inside the block, SIGTERM interrupts as Ctrl-C does (`Terminated`); the previous handler after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextmanager
 def deferred_interrupt() -> Iterator[None]:
-    """Hold a SIGINT that arrives inside the block until the block is done, then raise it."""
+    """Hold a SIGINT or SIGTERM that arrives inside the block until the block is done, then raise it
+    (`KeyboardInterrupt`, `Terminated`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    # SIGTERM only where it interrupts (`sigterm_interrupts`); elsewhere it keeps its own meaning
+    held = (signal.SIGINT, signal.SIGTERM) if signal.getsignal(signal.SIGTERM) is _raise else (signal.SIGINT,)
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         if caught:
-            raise KeyboardInterrupt
+            _raise(caught[0], None)

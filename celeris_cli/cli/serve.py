@@ -122,7 +122,7 @@ def _build(
         for flag, value in (("--model", model), ("--device", device), ("--dtype", dtype)):
             if value is not None:
                 raise UsageError(f"{flag}: with --queue the model and its device come from {queue}")
-        create_missing(cfg.folders)
+        create_missing(cfg.folders, cfg.private)
         engine = load_engine(cfg.model, cfg.device, cfg.dtype, threads or cfg.threads or default_threads())
         generation = cfg.generation
     else:

@@ -283,7 +283,7 @@ def _png(series: dict[int, dict[str, list[tuple[int, float]]]], report: dict[str
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError("a PNG plot needs matplotlib (pip install '.[train]'); an .svg needs nothing") from None
+        raise UsageError("a PNG plot needs matplotlib (pip install '.[plot]'); an .svg needs nothing") from None
     fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 4), squeeze=False)
     for ax, (gen, modes) in zip(axes[0], sorted(series.items())):
         for name, pts in modes.items():

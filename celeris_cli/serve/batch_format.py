@@ -9,11 +9,11 @@ Output: `{"id", "custom_id", "response": {"status_code": 200, "request_id", "bod
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 from ..spool.ledger import read_jsonl
+from .parts import read_line
 from .schema import APIError, Choice, chat_completion, completion
 
 
@@ -90,20 +90,22 @@ def journal_counts(path: Path) -> tuple[int, int]:
     return done, len(decided) - done
 
 
-def request_lines(data: bytes, endpoint: str) -> int:
-    """The number of request lines; a line that names another endpoint, or repeats a custom_id, is a 400
-    (a line that is not a request at all is the queue's to record, in the error file). The queue finds a
-    repeated id only within one file, and a batch reaches it in parts (`parts.py`), so it is found here."""
+def request_lines(data: bytes, endpoint: str) -> tuple[int, dict[str, str]]:
+    """(the number of request lines, the ids of lines without one that the queue's `line-N` would confuse
+    with an id the file gives). A line that names another endpoint, or repeats a custom_id, is a 400 (a line
+    that is not a request at all is the queue's to record, in the error file). The queue finds a repeated id
+    only within one file, and a batch reaches it in parts (`parts.py`), so it is found here.
+
+    A line without an id is `line-N` (N its line), unless another line names that id: then it is
+    `line-N-auto` (or `-auto2`, ...), so that an id the user never wrote is never a duplicate."""
     total = 0
     ids: set[str] = set()
+    unnamed: list[int] = []
     for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue
         total += 1
-        try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            continue
+        obj = read_line(raw)
         if not isinstance(obj, dict):
             continue
         url = obj.get("url")
@@ -111,12 +113,23 @@ def request_lines(data: bytes, endpoint: str) -> int:
             raise APIError(
                 400, f"line {number}: url {url!r} is not the batch's endpoint {endpoint}", param="input_file_id"
             )
-        custom_id = obj.get("custom_id", obj.get("id", f"line-{number}"))
-        if str(custom_id) in ids:
+        if "custom_id" not in obj and "id" not in obj:
+            unnamed.append(number)
+            continue
+        custom_id = str(obj.get("custom_id", obj.get("id")))
+        if custom_id in ids:
             raise APIError(
                 400,
-                f"line {number}: custom_id {str(custom_id)[:80]!r} appears earlier in the file",
+                f"line {number}: custom_id {custom_id[:80]!r} appears earlier in the file",
                 param="input_file_id",
             )
-        ids.add(str(custom_id))
-    return total
+        ids.add(custom_id)
+    renamed: dict[str, str] = {}
+    for number in unnamed:
+        name, k = f"line-{number}", 1
+        while name in ids:
+            name, k = f"line-{number}-auto{k if k > 1 else ''}", k + 1
+        if name != f"line-{number}":
+            renamed[str(number)] = name
+            ids.add(name)
+    return total, renamed

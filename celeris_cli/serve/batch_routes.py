@@ -30,7 +30,7 @@ class BatchCreate(BaseModel):
     input_file_id: str
     endpoint: str
     completion_window: str
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, Any] | None = None  # checked by `batch_record.metadata_problem`, in the user's terms
 
 
 def _no_file(file_id: str) -> APIError:

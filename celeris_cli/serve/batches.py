@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import secrets
 import threading
 import time
@@ -36,16 +35,26 @@ from ..spool.config import BatchConfig
 from ..spool.ledger import read_jsonl
 from .batch_format import failures_of, journal_counts, request_lines
 from .batch_output import assemble
+from .batch_record import BATCH_ID, ENDPOINTS, metadata_problem, read_record, unreadable
 from .batch_view import batch_object
 from .files import FileStore, derived_file_id
-from .parts import OPEN, OUTSTANDING, QUEUED, input_lines, journal_of, locate, part_bytes, plan, results_of
+from .parts import (
+    OPEN,
+    OUTSTANDING,
+    QUEUED,
+    input_lines,
+    journal_of,
+    locate,
+    part_bytes,
+    part_line_numbers,
+    plan,
+    results_of,
+)
 from .private import copy_private, no_room, private_folder, write_private
 from .schema import APIError
 
 log = logging.getLogger(__name__)
 
-BATCH_ID = re.compile(r"^batch_[0-9a-f]{24}$")
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 
 
@@ -59,18 +68,15 @@ class BatchStore:
         self.lock = threading.RLock()
         self.index: dict[str, dict[str, Any]] = {}
         self.saved: dict[str, str] = {}  # what is on disk, to write only what changed
-        for path in folder.glob("batch_*.json"):
-            try:
-                text = path.read_text(encoding="utf-8")
-                meta = json.loads(text)
-            except (OSError, json.JSONDecodeError):
+        for path in sorted(folder.glob("batch_*.json")):
+            if not BATCH_ID.match(path.stem):
                 continue
-            if BATCH_ID.match(str(meta.get("id", ""))):
-                if "parts" not in meta:  # a record from before parts: its one file is the whole input
-                    state = "fed" if meta["status"] == "validating" else "seen"
-                    meta["parts"] = [{"name": meta["name"], "start": 0, "end": None, "offset": 0, "state": state}]
-                self.index[meta["id"]] = meta
-                self.saved[meta["id"]] = text
+            meta, why = read_record(path)
+            if why is not None:  # reported as a failed batch whose error says why; the file is left alone
+                log.warning("batch record %s cannot be read (%s); listed as failed", path, why)
+            else:
+                self.saved[meta["id"]] = json.dumps(meta)
+            self.index[meta["id"]] = meta
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -129,6 +135,8 @@ class BatchStore:
     def create(
         self, owner: str | None, input_file_id: str, endpoint: str, window: str, metadata: dict[str, str] | None
     ) -> dict[str, Any]:
+        if (wrong := metadata_problem(metadata)) is not None:  # before anything is stored
+            raise APIError(400, f"metadata: {wrong}", param="metadata")
         meta_in = self.files.get(input_file_id)
         if meta_in is None or meta_in.get("owner") != owner:
             raise APIError(404, f"no file {input_file_id!r}", "not_found_error", "input_file_id", "file_not_found")
@@ -141,7 +149,7 @@ class BatchStore:
         if window != "24h":
             raise APIError(400, "completion_window must be '24h'", param="completion_window")
         data = self.files.path(input_file_id).read_bytes()
-        total = request_lines(data, endpoint)
+        total, renamed = request_lines(data, endpoint)
         if total == 0:
             raise APIError(400, f"file {input_file_id} holds no request line", param="input_file_id")
         batch_id = f"batch_{secrets.token_hex(12)}"
@@ -157,6 +165,8 @@ class BatchStore:
             "owner": owner,
             "parts": plan(batch_id, data, self.cfg.batch_size, self.cfg.max_file_requests),
         }
+        if renamed:
+            meta["renamed"] = renamed
         with self.lock:
             try:
                 self._keep_input(batch_id, input_file_id)
@@ -180,10 +190,19 @@ class BatchStore:
         """The batch as the queue holds it now; writes nothing."""
         with self.lock:
             meta = self.owned(batch_id, owner)
-            if meta is None:
-                return None
+            return None if meta is None else self._look(meta)
+
+    def _look(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """The batch object of a record as the queue holds it now; a record that breaks on the way (one no
+        check foresaw) is reported as unreadable, and the others are still answered."""
+        try:
             self._observe(meta)
-            return self.view(meta)
+            view = self.view(meta)
+            json.dumps(view, ensure_ascii=False).encode("utf-8")
+            return view
+        except Exception as e:  # noqa: BLE001 - one record must not take a listing down
+            log.warning("batch %s: its record cannot be shown: %r", meta.get("id"), e)
+            return self.view(unreadable(self.folder / f"{meta.get('id')}.json", type(e).__name__, meta))
 
     def page(self, owner: str | None, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
         with self.lock:  # batches are created meanwhile
@@ -193,9 +212,7 @@ class BatchStore:
             ids = [m["id"] for m in ordered]
             ordered = ordered[ids.index(after) + 1 :] if after in ids else []
         with self.lock:
-            for meta in ordered[:limit]:
-                self._observe(meta)
-            return [self.view(m) for m in ordered[:limit]], len(ordered) > limit
+            return [self._look(m) for m in ordered[:limit]], len(ordered) > limit
 
     def cancel(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
         """Parts not claimed yet are taken out of the inbox and none is published any more; the claimed
@@ -228,21 +245,27 @@ class BatchStore:
             return self.view(meta)
 
     def retry(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
-        """A new batch of the failed lines of a finished one (its input lines, each with its custom_id)."""
+        """A new batch of the lines of a finished one that have no answer: those that failed, and those
+        that never ran (a cancelled batch's dropped parts, a part the queue refused or lost), as its input
+        lines, each with its custom_id."""
         meta = self.owned(batch_id, owner)
         if meta is None:
             return None
+        if "unreadable" in meta:
+            raise APIError(400, f"the record of batch {batch_id} cannot be read ({meta['unreadable']})", param=None)
         if meta["status"] not in TERMINAL:
             raise APIError(400, f"batch {batch_id} is {meta['status']}; retry it once it has ended", param=None)
-        lines = meta.get("failed_lines") or []
-        if not lines:
-            raise APIError(400, f"batch {batch_id} has no failed line to retry", param=None)
+        unrun = [p for p in meta["parts"] if p["state"] != "done"]
+        if not meta.get("failed_lines") and not unrun:
+            raise APIError(400, f"batch {batch_id} has no failed line and none that never ran to retry", param=None)
         kept = self._input(batch_id)
         if not kept.exists():  # a record from before inputs were kept: its input file, if it is still there
             if self.files.get(meta["input_file_id"]) is None:
                 raise APIError(400, f"the input of batch {batch_id} was deleted; nothing to retry", param=None)
             kept = self.files.path(meta["input_file_id"])
-        data = input_lines(kept.read_bytes(), lines)
+        whole = kept.read_bytes()
+        lines = sorted({*(meta.get("failed_lines") or []), *(n for p in unrun for n in part_line_numbers(whole, p))})
+        data = input_lines(whole, lines, meta.get("renamed"))
         try:
             new = self.files.add_bytes(data, f"{batch_id}_retry.jsonl", "batch", owner=owner)
         except OSError as e:
@@ -356,9 +379,11 @@ class BatchStore:
         data = (kept if kept.exists() else self.files.path(meta["input_file_id"])).read_bytes()
         # whole when it appears (a rename), so dated past the queue's settle time: claimed at once
         settled = time.time() - self.cfg.settle_s - 1
-        write_private(self.f.inputs / part["name"], part_bytes(data, part), mtime=settled)
+        write_private(self.f.inputs / part["name"], part_bytes(data, part, meta.get("renamed")), mtime=settled)
 
     def _save(self, meta: dict[str, Any]) -> None:
+        if "unreadable" in meta:  # never written over: the file on disk is the evidence
+            return
         text = json.dumps(meta)
         self.index[meta["id"]] = meta
         if self.saved.get(meta["id"]) != text:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
@@ -73,17 +74,32 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
+        err = _telling(e.errors())
         param = ".".join(str(p) for p in err["loc"] if not _member(p)) or None  # None: a key itself is bad
-        raise APIError(400, f"{param or 'a key of the body'}: {err['msg']}", param=param) from None
+        message = err["msg"].removeprefix("Value error, ")  # our validators' words, without pydantic's prefix
+        raise APIError(400, f"{param or 'a key of the body'}: {message}", param=param) from None
     except RecursionError:  # nesting under json's limit can still pass pydantic's
         raise APIError(400, "the body is nested too deeply") from None
 
 
+# a value of the wrong type for one member of a union: the other members' errors say more
+_MISMATCH = {"string_type", "int_type", "float_type", "bool_type", "list_type", "dict_type", "model_type"}
+_MISMATCH |= {"literal_error", "none_required", "is_instance_of", "model_attributes_type"}
+
+
+def _telling(errors: list[Any]) -> Any:
+    """The error to report: where a value failed every member of a union, the one that says what is wrong
+    with it (`at most 5`) rather than that it is not of another member's type."""
+    return next((e for e in errors if e["type"] not in _MISMATCH), errors[0])
+
+
 def _member(part: int | str) -> bool:
     """Whether a part of pydantic's error location names a member of a union (`str`, `list[int]`,
-    `function-after[_utf8(), str]`), not a key."""
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+    `constrained-int`, `function-after[_utf8(), str]`, `TextPart`), not a key: keys are snake_case."""
+    return isinstance(part, str) and ("[" in part or "-" in part or part[:1].isupper() or part in _TYPES)
+
+
+_TYPES = ("str", "int", "float", "bool", "none", "list", "dict")
 
 
 async def read_body(request: Request, model: type[BaseModel]) -> Any:
@@ -180,8 +196,12 @@ def _prepare(state: ServeState, prompts: list[Prompt], chat: bool) -> list[Prepa
         except PromptTooLong as e:
             param = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{request.line}"
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
-        except CelerisError as e:
-            raise APIError(400, str(e), code=e.code) from None
+        except CelerisError as e:  # a message that starts with the field it is about names it as `param`
+            head = str(e).partition(":")[0]
+            named = head if re.fullmatch(r"[a-z_][a-z0-9_.]*", head) else None
+            if named == "prompt" and len(prompts) > 1:
+                named = f"prompt.{request.line}"
+            raise APIError(400, str(e), param=named, code=e.code) from None
     return out
 
 

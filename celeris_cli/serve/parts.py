@@ -8,7 +8,7 @@ parts the queue has claimed finish, and their answers are the batch's partial ou
 
 A part is `<batch id>.<k>.jsonl` in the inbox, its lines the input's bytes unchanged, except that a JSON
 line without `custom_id` (or `id`) is given `"custom_id": "line-N"`, N its line in the whole input: the
-queue's own default would number it within the part.
+queue's own default would number it within the part (`line-N-auto` where another line names `line-N`).
 
 A part's state, kept in the batch record: `new` (not published), `fed` (recorded, then published),
 `seen` (the server saw the queue holding it past its inbox: never published again), `done` (answered),
@@ -52,31 +52,50 @@ def plan(batch_id: str, data: bytes, batch_size: int, max_file_requests: int) ->
     return parts
 
 
-def with_custom_id(raw: bytes, line: int) -> bytes:
-    """`raw` with `"custom_id": "line-<line>"` added when it is a JSON object without an id."""
+def read_line(raw: bytes) -> Any:
+    """A line's JSON, or None when it is not JSON a reader can take (torn, not UTF-8, nested too deeply, or
+    a number past Python's 4300-digit limit): such a line is the queue's to record, in the error file."""
     try:
-        obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        return raw
+        return json.loads(raw)
+    except (ValueError, RecursionError):  # ValueError: JSONDecodeError, UnicodeDecodeError, the digit limit
+        return None
+
+
+def with_custom_id(raw: bytes, line: int, renamed: dict[str, str] | None = None) -> bytes:
+    """`raw` with a custom_id added when it is a JSON object without an id: `line-<line>`, or the name
+    `renamed` gives the line (`batch_format.request_lines`)."""
+    obj = read_line(raw)
     if not isinstance(obj, dict) or "custom_id" in obj or "id" in obj:
         return raw
-    return json.dumps({"custom_id": f"line-{line}", **obj}).encode()
+    name = (renamed or {}).get(str(line), f"line-{line}")
+    return json.dumps({"custom_id": name, **obj}).encode()
 
 
-def part_bytes(data: bytes, part: dict[str, Any]) -> bytes:
-    """What is published to the inbox for `part` of the input `data`."""
+def _lines(data: bytes, part: dict[str, Any]) -> list[bytes]:
     chunk = data[part["start"] : part["end"]]
     lines = chunk.split(b"\n")
     if chunk.endswith(b"\n"):
         lines.pop()
-    out = [with_custom_id(raw, part["offset"] + i) if raw.strip() else raw for i, raw in enumerate(lines, 1)]
+    return lines
+
+
+def part_bytes(data: bytes, part: dict[str, Any], renamed: dict[str, str] | None = None) -> bytes:
+    """What is published to the inbox for `part` of the input `data`."""
+    lines = _lines(data, part)
+    off = part["offset"]
+    out = [with_custom_id(raw, off + i, renamed) if raw.strip() else raw for i, raw in enumerate(lines, 1)]
     return b"\n".join(out) + b"\n"
 
 
-def input_lines(data: bytes, numbers: list[int]) -> bytes:
+def part_line_numbers(data: bytes, part: dict[str, Any]) -> list[int]:
+    """The request lines of `part` (1-based, in the whole input)."""
+    return [part["offset"] + i for i, raw in enumerate(_lines(data, part), 1) if raw.strip()]
+
+
+def input_lines(data: bytes, numbers: list[int], renamed: dict[str, str] | None = None) -> bytes:
     """The lines `numbers` (1-based, in the whole input) of `data`, each with its custom_id, as a new input."""
     raw = data.split(b"\n")
-    return b"".join(with_custom_id(raw[n - 1], n) + b"\n" for n in numbers if 0 < n <= len(raw))
+    return b"".join(with_custom_id(raw[n - 1], n, renamed) + b"\n" for n in numbers if 0 < n <= len(raw))
 
 
 def locate(f: Folders, name: str) -> tuple[str, str | None]:

@@ -99,8 +99,10 @@ class Runner:
             return self.preparer.prepare(request)
         size = tok.backend.size()
         bad = next((t for t in ids if t >= size or t == tok.mask_id), None)
+        if bad == tok.mask_id:
+            raise UsageError(f"prompt: token id {bad} is this model's mask token, which a prompt may not hold")
         if bad is not None:
-            raise UsageError(f"prompt: token id {bad} is not a token of this model's vocabulary (0..{size - 1})")
+            raise UsageError(f"prompt: token id {bad} is past this model's vocabulary (ids 0 to {size - 1})")
         if p.arch is not None:
             p.arch.check_strategy(params.strategy)
         if params.subword_min_p > 0:

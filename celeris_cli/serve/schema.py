@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import UsageError
 from ..params import MAX_SIZE, MAX_STOP_CHARS, MAX_TOP_LOGPROBS, check_values
@@ -33,6 +33,12 @@ def _utf8(text: str) -> str:
     return text
 
 
+def _stop_chars(stop: str) -> str:
+    if len(stop) > MAX_STOP_CHARS:
+        raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got {len(stop)}")
+    return stop
+
+
 def _stops(stop: str | list[str] | None) -> str | list[str] | None:
     many = [stop] if isinstance(stop, str) else stop or []
     if len(many) > MAX_STOPS:
@@ -45,7 +51,7 @@ def _stops(stop: str | list[str] | None) -> str | list[str] | None:
 Text = Annotated[str, AfterValidator(_utf8)]
 Size = Annotated[int, Field(ge=1, le=MAX_SIZE)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_SIZE)]
-Stop = Annotated[str, AfterValidator(_utf8), Field(max_length=MAX_STOP_CHARS)]
+Stop = Annotated[str, AfterValidator(_utf8), AfterValidator(_stop_chars)]
 
 ErrorType = Literal[
     "invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error", "server_error"
@@ -93,14 +99,39 @@ class TextPart(BaseModel):
 
 
 class Message(BaseModel):
+    """A chat message: its content a string, text parts, or null on an assistant's message (as OpenAI's
+    clients send an assistant turn that called tools). A part that is not text (`image_url`, `input_audio`,
+    `file`) is refused by name: this model reads text."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Text
-    content: Text | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_PROMPTS)]
+    content: Text | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_PROMPTS)] | None
     name: Text | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        parts = data.get("content") if isinstance(data, dict) else None
+        for i, part in enumerate(parts if isinstance(parts, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                shown = kind.encode("utf-8", "backslashreplace").decode()[:40]
+                raise ValueError(f"content part {i} is of type {shown!r}: this model reads text; give text parts")
+        return data
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> Message:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs content (only an assistant's may be null)")
+        return self
+
     def text(self) -> dict[str, Any]:
-        """The message as the queue takes it: text parts joined by newlines (as vLLM joins them)."""
-        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        """The message as the queue takes it: text parts joined by newlines (as vLLM joins them); null
+        content (an assistant's) is empty."""
+        if self.content is None:
+            content = ""
+        else:
+            content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
         out: dict[str, Any] = {"role": self.role, "content": content}
         return out | ({"name": self.name} if self.name is not None else {})
 

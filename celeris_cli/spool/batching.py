@@ -40,11 +40,23 @@ class Decided(Generic[T]):
 
 
 def pack(items: list[Item], batch_size: int, token_budget: int) -> list[list[Item]]:
-    """The queue's batches: suspect requests (in flight when an earlier claim died) go alone; the rest are
-    packed by settings and length."""
-    alone = [[item] for item in items if item[0].suspects is None or item[1].request.line in item[0].suspects]
-    rest = [item for item in items if not (item[0].suspects is None or item[1].request.line in item[0].suspects)]
-    return alone + pack_by_group(rest, lambda item: item[1], batch_size, token_budget)
+    """The queue's batches: suspect requests (in flight when an earlier claim died) a group at a time,
+    each test holding one group's lines only (`journal`), in the groups' order; the rest packed by
+    settings and length."""
+    tests: dict[tuple[int, int], list[Item]] = {}
+    rest: list[Item] = []
+    for item in items:
+        job, p = item
+        line = p.request.line
+        if job.suspects is not None and line not in job.suspects:
+            rest.append(item)
+            continue
+        group = next((k for k, g in enumerate(job.groups) if line in g), len(job.groups))
+        tests.setdefault((job.seq, group), []).append(item)
+    out = [
+        b for key in sorted(tests) for b in pack_by_group(tests[key], lambda item: item[1], batch_size, token_budget)
+    ]
+    return out + pack_by_group(rest, lambda item: item[1], batch_size, token_budget)
 
 
 def pack_by_group(

@@ -75,6 +75,7 @@ class BatchConfig:
     max_line_bytes: int = 1_000_000
     max_file_requests: int = 100_000
     log_prompts: bool = False
+    private: bool = True  # files the queue writes 0600, its folders 0700; false: as the umask says (`folders`)
     request_timeout_s: float | None = None  # a batch run past this fails (bisected down to one request)
     max_claims: int = 3  # a request the process died on this many times, decoded alone, is poison (`poison`)
     publish_retry_s: float = 1.0  # first back-off after the filesystem refused a publish (doubles, max 60)
@@ -107,6 +108,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "max_line_bytes": (int,),
     "max_file_requests": (int,),
     "log_prompts": (bool,),
+    "private": (bool,),
     "request_timeout_s": (int, float, type(None)),
     "max_claims": (int,),
     "publish_retry_s": (int, float),

@@ -27,7 +27,7 @@ from .backend import Backend
 from .batching import Decided, Item, describe, pack, settle
 from .config import BatchConfig
 from .finish import ONCE_PUBLISH_TRIES, Finisher, Published
-from .folders import HEARTBEAT, check_writable, create_missing, queue_lock
+from .folders import HEARTBEAT, check_writable, create_missing, make_private, queue_lock
 from .formats import FileRejected, Request
 from .fsutil import crashpoint
 from .intake import Inbox, Job
@@ -98,6 +98,7 @@ class Spool:
     def start(self) -> None:
         """Create missing folders, take the locks, check every folder and the backend, and find claims to
         resume."""
+        make_private(self.cfg)  # before anything is written: 0600 files in 0700 folders, unless `private: false`
         self.ensure_folders(at_start=True)
         self.lock.acquire()  # raises LockHeld
         try:
@@ -134,7 +135,7 @@ class Spool:
     def ensure_folders(self, at_start: bool = False) -> bool:
         """Create the queue's folders that are missing (a fresh root, or one deleted under a running
         daemon), and lock a recreated one again. Returns whether the inbox was recreated."""
-        made = create_missing(self.f)
+        made = create_missing(self.f, self.cfg.private)
         for key, folder in made:
             if not at_start:
                 log.warning("%s (%s) was missing; created it again", folder, key)

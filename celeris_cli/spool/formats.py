@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,6 +194,9 @@ def _parse_jsonl(number: int, text: str) -> Request | LineError:
         return LineError(number, "invalid_json", f"not valid JSON: {e.msg} at column {e.colno}", text[:500])
     except RecursionError:
         return LineError(number, "invalid_json", "the line's JSON is nested too deeply", text[:500])
+    except ValueError:  # Python's limit on the digits of an integer (4300)
+        message = f"the line holds a number of more than {sys.get_int_max_str_digits()} digits"
+        return LineError(number, "invalid_json", message, text[:500])
     if not isinstance(obj, dict):
         return LineError(number, "invalid_json", "each line must be a JSON object", text[:500])
     try:
@@ -250,20 +254,40 @@ def _parse_jsonl(number: int, text: str) -> Request | LineError:
         content = obj
     prompt, messages = content.get("prompt"), content.get("messages")
     if messages is not None:
-        if not (
-            isinstance(messages, list)
-            and messages
-            and all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
-                for m in messages
-            )
-        ):
-            return LineError(
-                number, "missing_prompt", "messages must be a non-empty list of {role, content} objects", obj, custom_id
-            )
-        return Request(custom_id, number, messages=messages, params=params, attempt=attempt, origin=origin)
+        texts = _message_texts(messages)
+        if isinstance(texts, tuple):  # (code, message)
+            return LineError(number, *texts, obj, custom_id)
+        return Request(custom_id, number, messages=texts, params=params, attempt=attempt, origin=origin)
     if not isinstance(prompt, str) or not prompt.strip():
         return LineError(
             number, "missing_prompt", 'no prompt: give a non-empty string "prompt" or "messages"', obj, custom_id
         )
     return Request(custom_id, number, prompt=prompt, params=params, attempt=attempt, origin=origin)
+
+
+def _message_texts(messages: Any) -> list[dict[str, Any]] | tuple[str, str]:
+    """Chat messages with their content as text, as `serve` reads them: a string, text parts joined by
+    newlines, or an assistant's null content as empty. A part that is not text is refused by name."""
+    shape = "messages must be a non-empty list of {role, content} objects"
+    if not isinstance(messages, list) or not messages:
+        return "missing_prompt", shape
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return "missing_prompt", shape
+        content = m.get("content")
+        if isinstance(content, list):
+            kinds = [p.get("type") if isinstance(p, dict) else None for p in content]
+            other = next((k for k in kinds if k != "text"), "text")
+            if other != "text":
+                message = f"messages[{i}]: a content part of type {str(other)[:40]!r}: this model reads text"
+                return "bad_param", message
+            if not content or not all(isinstance(p.get("text"), str) for p in content):
+                return "missing_prompt", f"messages[{i}]: text parts need a string `text`"
+            content = "\n".join(p["text"] for p in content)
+        elif content is None and m["role"] == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            return "missing_prompt", shape
+        out.append({**m, "content": content})
+    return out

@@ -50,7 +50,8 @@ class Job:
     outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)  # line -> {"body"} | {"failure"}
     pending: int = 0
     resumed: bool = False
-    suspects: set[int] | None = field(default_factory=set)  # lines to decode alone (None: all remaining)
+    suspects: set[int] | None = field(default_factory=set)  # lines to test in groups (None: all remaining)
+    groups: list[set[int]] = field(default_factory=list)  # the suspects' groups, in order (`journal`)
     snapshot: Snapshot = Snapshot()  # what has been read of the file (reading.read_claimed)
 
 

@@ -59,6 +59,7 @@ class Metrics:
 
         try:
             write_to_textfile(str(self.path), self.registry)
+            self.path.chmod(0o644)  # counts only, for node_exporter (another user): not private as the queue is
         except OSError:
             pass  # metrics must never stop the queue
         self.written = time.monotonic()

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import QueueIOError, UsageError
 from .config import BatchConfig
-from .folders import HEARTBEAT, queue_lock
+from .folders import HEARTBEAT, make_private, queue_lock
 from .fsutil import append_line, atomic_write, waiting_lock
 from .intake import is_candidate
 from .ledger import now_iso, read_jsonl
@@ -101,6 +101,7 @@ def plan_retry(cfg: BatchConfig, log_path: Path, include_all: bool, force: bool 
     """Choose failure records to run again and publish them as an inbox file. `include_all` adds records
     marked not retryable, except line-level user errors, which only `force` adds. Two retries at once
     take turns (a lock in logs/), so the second sees what the first resubmitted."""
+    make_private(cfg)  # a retry writes in the queue as its daemon does
     cfg.folders.logs.mkdir(parents=True, exist_ok=True)
     cfg.folders.inputs.mkdir(parents=True, exist_ok=True)
     with waiting_lock(cfg.folders.logs / RETRY_LOCK):

@@ -3,10 +3,11 @@
 When a claim is resumed, its journal says what ended each earlier claim (`journal`). A stop (SIGTERM,
 SIGINT, a grace that ran out) or a machine restart is never evidence against a request; a death is
 evidence only against a suspect that was being tested alone when it came (after a first death, the
-requests that were in flight are suspects, decoded one at a time). A request with `max_claims` such
-deaths gets a `poison` failure record, decided for good, and the rest of the file is served. So the
-daemon killed while ordinary batches decode costs nothing but time, and a request that really kills the
-process is found after `max_claims + 1` deaths. A file whose resumed claims died `2 * max_claims` times in
+requests that were in flight are suspects, tested together; a test that dies is halved, down to one
+request). A request with `max_claims` such deaths gets a `poison` failure record, decided for good, and
+the rest of the file is served. So the daemon killed while ordinary batches decode costs one batch decoded
+again, and a request that really kills the process is found after about `log2(rows in flight) +
+max_claims + 1` deaths. A file whose resumed claims died `2 * max_claims` times in
 a row while its requests were read or prepared (a death outside decoding) has all its remaining requests
 recorded as poison; a claim that was only waiting for its turn when the process died counts for nothing.
 """
@@ -25,6 +26,7 @@ def resume(job: Job, max_claims: int, events: EventLog) -> None:
     state = job.journal.resume()
     job.outcomes = state.outcomes
     job.suspects = state.suspects
+    job.groups = state.groups
     poisoned: dict[int, dict[str, Any]] = {}
     for req in job.requests:
         deaths = state.evidence.get(req.line, 0)

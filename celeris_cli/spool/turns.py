@@ -1,9 +1,10 @@
 """Turns: which batch the daemon starts next, so one file never waits behind another's hundreds of rows,
-and a suspect is tested alone.
+and suspects are tested with nothing beside them.
 
 Three kinds of batch wait here. The halves of a failed batch go first (they hold decided work back). A
-suspect's test (one line that was in flight when the process died, `journal`) starts only when nothing
-else is in flight, and nothing starts beside it, so a death during it can be blamed on that line alone.
+suspects' test (lines of one group that were in flight when the process died, `journal`) starts only when
+nothing else is in flight, and nothing starts beside it, so a death during it can be blamed on its lines
+alone (halved at the next start, down to one line).
 Every other batch takes its turn by the files it serves: the batch of the file that has had the fewest
 rows started goes next (a file just claimed has had none), oldest first among equals. This is fair
 queuing by rows; its bound is the daemon's, which claims a round's budget of requests per drain and
@@ -18,11 +19,8 @@ from .batching import Item
 
 
 def is_test(batch: list[Item]) -> bool:
-    """Whether a batch is a suspect's test: one suspect line, alone."""
-    if len(batch) != 1:
-        return False
-    job, p = batch[0]
-    return job.suspects is None or p.request.line in job.suspects
+    """Whether a batch is a suspects' test: suspect lines only (`batching.pack` never mixes them with others)."""
+    return bool(batch) and all(job.suspects is None or p.request.line in job.suspects for job, p in batch)
 
 
 class Turns:
