@@ -56,6 +56,7 @@ class SeededPlan:
     sampling: Sampling
     ordering: Ordering
     commit: Commit
+    shaping: Shaping = NO_SHAPING
 
 
 class CausalCanvas:
@@ -163,19 +164,26 @@ def generate_seeded(
     mask_id: int,
     stop_ids: frozenset[int],
     noise: RowNoise,
+    word_pieces: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
-    """The diffusion mode (see the module's text): prompt (B, P) left-padded -> the canvas (B, P + gen_length)."""
+    """The diffusion mode (see the module's text): prompt (B, P) left-padded -> the canvas (B, P + gen_length).
+    The shaping (presence penalty, min_tokens, subword_min_p; `sampling.shape_masked`) shapes the seed's
+    logits and each step's, from the row's answer so far (its committed positions)."""
     B, P = prompt.shape
     blocks, sampling, threshold = plan.blocks, plan.sampling, plan.commit.threshold
     G, W = blocks.gen_length, blocks.block_length
     cv = CausalCanvas(net, prompt, prompt_mask, G, mask_id)
     stop = torch.tensor(sorted(stop_ids), device=prompt.device, dtype=prompt.dtype)
+    pieces = torch.tensor(sorted(word_pieces), device=prompt.device, dtype=torch.long)
+    t = sampling.temperature
     rows = list(range(B))
     h = cv.forward(0, P, causal=True)[:, -1]
     for j, steps in enumerate(blocks.seeded_steps()):
         s = P + j * W
         e = min(s + W, P + G)
-        cv.x[:, s] = cv.pick(h, sampling, noise.at(rows, j, 0))  # the seed
+        at = torch.full((B,), s - P, device=prompt.device)  # the answer position of the block's first column
+        seed_shape = ar_shaping(plan.shaping, cv.x[:, P:], at, mask_id, stop, t, word_pieces)
+        cv.x[:, s] = cv.pick(h, sampling, noise.at(rows, j, 0), seed_shape)  # the seed
         done = finished_rows(cv.x[:, P:e], mask_id, stop)[0]
         schedule = num_transfer_tokens(torch.tensor([e - s - 1]), steps)[0].tolist() if steps else []
         for i, k in enumerate(schedule):
@@ -186,7 +194,9 @@ def generate_seeded(
             hs = cv.forward(s, e, causal=False)
             draws = noise.at(rows, j, i + 1)  # the sampling's lane and the order's, from each row's stream
             places = Places.counted(masked.sum(1).tolist(), block.device)
-            x0, conf = choose(StepLogits(net.step_head(), [hs[masked]]), places, sampling, None, draws, net.chunk)
+            shape = shaper(plan.shaping, cv.x[:, P:e], at, mask_id, stop, t, pieces)
+            logits = StepLogits(net.step_head(), [hs[masked]], 0.0, shape, masked.nonzero() if shape else None)
+            x0, conf = choose(logits, places, sampling, None, draws, net.chunk)
             confidence = torch.full(block.shape, float("-inf"), device=block.device).masked_scatter(masked, conf)
             fade = masked.sum(1, keepdim=True) / max(e - s - 1, 1)  # the share of the block still masked
             rank = torch.where(masked, commit_order(confidence, plan.ordering, fade, draws), float("-inf"))
