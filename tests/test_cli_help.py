@@ -84,7 +84,7 @@ def test_generate_help_never_shows_a_default_the_default_model_refuses() -> None
             flag = "--" + name.replace("_", "-")
             engine.params({flag: parse_text(flag, {"on": True, "off": False}.get(shown, shown))})  # accepted
     steps = params["denoise_steps"].help or ""
-    assert f"[default: {engine.params().denoise_steps}]" in steps  # self-speculation's: the draft's width
+    assert f"[default: {engine.params().denoise_steps};" in steps  # the diffusion mode's steps over the answer
 
 
 def test_root_help_lists_every_command_as_its_own_help_would() -> None:
