@@ -62,3 +62,12 @@ def test_min_tokens_keeps_the_stop_tokens_out_of_the_first_positions(engine) -> 
 
 def test_subword_min_p_changes_the_sampled_english(engine) -> None:  # type: ignore[no-untyped-def]
     assert _ids(engine, ENGLISH, temperature=1.0, subword_min_p=0.9) != _ids(engine, ENGLISH, temperature=1.0)
+
+
+def test_a_threshold_with_fewer_steps_than_masks_still_fills_every_block(engine) -> None:  # type: ignore[no-untyped-def]
+    """Blocks of 16 in 4 steps with a threshold no prediction reaches: each step commits the schedule's share
+    besides the sure ones, so no mask is left in an answer (it once committed one a step, and a block ran out
+    of steps with masks in it)."""
+    mask = engine.special.mask_id
+    for a in _ids(engine, POEMS + ENGLISH, block_length=16, block_steps=1, threshold=0.999, temperature=1.0):
+        assert mask not in a, a

@@ -10,12 +10,13 @@ cache, and its last position's logits choose the first answer token (the "seed")
   is decoded a block at a time after the prompt. A block starts as the seed followed by block_length - 1
   masks; each step runs the block alone over the cache, bidirectionally inside the block, and commits the
   surest masked positions: the schedule's share (block_steps per block, the masks in equal shares, the
-  remainder to the first steps), or, with a threshold below 1, every position at least that sure and
-  always the surest. Which positions are "surest" is the remasking's order (`reference.commit_order`):
-  the confidence (low_confidence, the family's default, with optional order noise), the leftmost masked
-  positions first (sequential: the family's `leftmost` selection policy, which ignores the threshold), or
-  a uniform draw from the row's own stream (random). A row whose block holds a stop token with nothing
-  masked before it stops denoising.
+  remainder to the first steps) and, with a threshold below 1, every position at least that sure besides
+  (at the family's one commit a step: always the surest; with fewer steps the block still fills). Which
+  positions are "surest" is the remasking's order (`reference.commit_order`): the confidence
+  (low_confidence, the family's default, with optional order noise), the leftmost masked positions first
+  (sequential: the family's `leftmost` selection policy, which ignores the threshold), or a uniform draw
+  from the row's own stream (random). A row whose block holds a stop token with nothing masked before it
+  stops denoising.
   Then one causal pass over the block writes its keys and values into the cache, and its last position's
   logits choose the next block's seed. With block_length 1 a block is its seed alone: the AR mode.
 
@@ -200,12 +201,11 @@ def generate_seeded(
             confidence = torch.full(block.shape, float("-inf"), device=block.device).masked_scatter(masked, conf)
             fade = masked.sum(1, keepdim=True) / max(e - s - 1, 1)  # the share of the block still masked
             rank = torch.where(masked, commit_order(confidence, plan.ordering, fade, draws), float("-inf"))
-            if threshold < 1:  # every position at least that sure, and always the first-ranked
-                chosen = masked & (confidence >= threshold)
-                best = rank.argmax(1, keepdim=True)
-                chosen.scatter_(1, best, masked.gather(1, best))
-            else:  # the schedule's share: the k first-ranked
-                chosen = select_top_k(rank, torch.full((B,), k, device=block.device)) & masked
+            # the schedule's share: the k first-ranked; with a threshold, also every position at least that sure
+            # (at one commit a step, the family's: always the first-ranked; with fewer steps the block still fills)
+            chosen = select_top_k(rank, torch.full((B,), k, device=block.device)) & masked
+            if threshold < 1:
+                chosen |= masked & (confidence >= threshold)
             block[chosen] = x0[chosen[masked]]
             done |= finished_rows(cv.x[:, P:e], mask_id, stop)[0]
         if bool(done.all()) or e == P + G:
