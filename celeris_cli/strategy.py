@@ -24,7 +24,8 @@ StepsRule = Literal["schedule", "block_steps", "seeded", "per_token", "denoise",
 # windows; "block-cached": block diffusion's exact cache; "block": block diffusion recomputing its canvas;
 # "canvas-block": a full-canvas forward, the head on a block; "canvas-answer": the same, the head on the answer;
 # "canvas-vocab": DiffusionGemma's canvas x vocabulary of float32 logits and sampling buffers over a causal cache;
-# "causal": a causal cache over the canvas and a round of verified and drafted columns (block_length: the draft's)
+# "causal": a causal cache over the canvas and a round of verified and drafted columns (block_length: the draft's;
+# Nemotron's diffusion mode runs one block of block_length over such a cache, so the round of two bounds it)
 MemoryRule = Literal["fast", "block-cached", "block", "canvas-block", "canvas-answer", "canvas-vocab", "causal"]
 RowKind = Literal["block", "waves", "spec"]
 
@@ -70,7 +71,7 @@ STRATEGIES: dict[str, Strategy] = {
     ),
     "block": Strategy(_BLOCK_PARTS, "block", "block_steps", "block", streams_blocks=True),
     "block-fast": Strategy(_BLOCK_PARTS, "block-cached", "block_steps", "block-cached", "block", streams_blocks=True),
-    "nemotron": Strategy(("blocks", "sampling", "ordering", "commit"), "seeded", "seeded", None),
+    "nemotron": Strategy(("blocks", "sampling", "ordering", "commit", "shaping"), "seeded", "seeded", "causal"),
     "ar": Strategy(("length", "sampling", "shaping"), "ar", "per_token", None),
     "nemotron-spec": Strategy(("draft", "sampling"), "speculative", "per_token", None),
     "spec": Strategy(

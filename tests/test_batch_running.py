@@ -45,10 +45,11 @@ def _prefilled(forward: list[list[int]], prompt: list[int]) -> bool:
 def test_a_later_batch_starts_while_an_earlier_one_is_still_running_and_answers_as_alone(
     name: str | None, kind: str
 ) -> None:
-    """Self-speculation (the default model), block diffusion (celeris-block) and a bidirectional model's fast
+    """Self-speculation (the default model's `spec`), block diffusion (celeris-block) and a bidirectional model's fast
     strategy (celeris-tiny) alike."""
     # greedy: where each row ends (which lets a later batch in early) does not move with the sampler's numbers
-    backend = EngineBackend(name, "cpu", "float32", 1, {"gen_length": 32, "temperature": 0.0})
+    settings = {"gen_length": 32, "temperature": 0.0, **({"strategy": "spec"} if kind == "spec" else {})}
+    backend = EngineBackend(name, "cpu", "float32", 1, settings)
     executor = LocalExecutor(backend, batch_size=2)
     assert isinstance(executor.pool, RunningPool)
     model = backend.engine.model

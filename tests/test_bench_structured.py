@@ -2,7 +2,7 @@
 on the embedded block-diffusion model (celeris-block), one row each; the constrained rows' answers that
 finish validate against their schemas as given, the counts add up, the template row pins the schemas of a
 fixed shape that fit, and the scoring counts what it says (checked on answers written by hand). On the
-default model (`spec`, left to right) the template row pins nothing."""
+default model's left-to-right strategy (`spec`) the template row pins nothing."""
 
 from __future__ import annotations
 
@@ -70,12 +70,12 @@ def test_template_row_pins_the_fixed_shapes_that_fit(report: tuple[str, dict[str
     assert "event, tags" not in report[0] and "product, event, address, tags" in report[0]
 
 
-def test_a_left_to_right_default_decodes_the_template_row_left_to_right(tmp_path: Any) -> None:
-    """The default model decodes by self-speculation (`spec`), which holds no template open: its template row
-    pins nothing and decodes left to right, and its constrained answers that finish still validate."""
+def test_a_left_to_right_strategy_decodes_the_template_row_left_to_right(tmp_path: Any) -> None:
+    """Self-speculation (`spec`, the default model's left-to-right strategy) holds no template open: its template
+    row pins nothing and decodes left to right, and its constrained answers that finish still validate."""
     out = tmp_path / "s.json"
     args = ["bench", "structured", "--requests", "6", "--gen-length", "48", "--dtype", "float32", "--out", str(out)]
-    r = runner.invoke(app, args, terminal_width=200)
+    r = runner.invoke(app, [*args, "--set", '{"strategy": "spec"}'], terminal_width=200)
     assert r.exit_code == 0, r.output
     data = json.loads(out.read_text())
     assert data["strategy"] == "spec" and not any(s["pinned"] for s in data["schemas"].values())
@@ -83,6 +83,13 @@ def test_a_left_to_right_default_decodes_the_template_row_left_to_right(tmp_path
     assert [row["pinned"] for row in data["rows"]] == [0, 0, 0]
     for way in ("left-to-right", "template"):
         assert rows[way]["stop"] > 0 and rows[way]["stop_validates"] == rows[way]["stop"], rows[way]
+
+
+def test_a_default_strategy_without_structured_output_is_refused_with_the_way_out() -> None:
+    """The default model's diffusion mode (`nemotron`) has no running set and no structured output: the bench
+    says so and names `--set`, rather than measuring something else."""
+    r = runner.invoke(app, ["bench", "structured", "--requests", "2", "--dtype", "float32"], terminal_width=200)
+    assert r.exit_code == 2 and "nemotron" in r.output and "--set" in r.output and "Traceback" not in r.output
 
 
 def test_requests_are_bounded_before_anything_loads() -> None:

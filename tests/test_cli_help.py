@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
-from celeris_cli.cli import app
+from celeris_cli.cli import app, load_commands
+from celeris_cli.cli.app import COMMANDS as TABLE
 from celeris_cli.params import KNOBS
 
 runner = CliRunner()
@@ -35,7 +35,7 @@ def test_closed_sets_list_their_choices_from_the_knobs() -> None:
 
 def test_generate_help_shows_the_embedded_models_defaults() -> None:
     config = json.loads((ROOT / "celeris_cli/models/celeris-spec/generation_config.json").read_text())
-    params = {p.name: p for p in typer.main.get_command(app).commands["generate"].params}  # type: ignore[attr-defined]
+    params = {p.name: p for p in load_commands().commands["generate"].params}  # type: ignore[attr-defined]
     presets = config.pop("by_script", {})
     for name, value in config.items():
         shown = ("on" if value else "off") if isinstance(value, bool) else str(value)
@@ -70,7 +70,7 @@ def test_generate_help_never_shows_a_default_the_default_model_refuses() -> None
     from celeris_cli import load_engine
     from celeris_cli.params import PER_REQUEST, honoured, parse_text
 
-    params = {p.name: p for p in typer.main.get_command(app).commands["generate"].params}  # type: ignore[attr-defined]
+    params = {p.name: p for p in load_commands().commands["generate"].params}  # type: ignore[attr-defined]
     engine = load_engine(device="cpu", dtype="float32")
     strategy = engine.params().strategy
     for name in KNOBS:
@@ -84,4 +84,40 @@ def test_generate_help_never_shows_a_default_the_default_model_refuses() -> None
             flag = "--" + name.replace("_", "-")
             engine.params({flag: parse_text(flag, {"on": True, "off": False}.get(shown, shown))})  # accepted
     steps = params["denoise_steps"].help or ""
-    assert f"[default: {engine.params().denoise_steps}]" in steps  # self-speculation's: the draft's width
+    assert f"[default: {engine.params().denoise_steps};" in steps  # the diffusion mode's steps over the answer
+
+
+def test_root_help_lists_every_command_as_its_own_help_would() -> None:
+    """`celeris --help` writes the commands from a table (`app.COMMANDS`) without importing them: the rows are
+    Typer's own rendering of the loaded commands, at a narrow and a wide terminal, in the registered order."""
+    import typer.core
+
+    group = load_commands()
+    assert sorted(group.commands) == sorted(TABLE)  # every command in the table, and no other
+    for width in (80, 200):
+        ctx = group.make_context("celeris", [], resilient_parsing=True)
+        ctx.terminal_width = width
+        from_table, from_commands = ctx.make_formatter(), ctx.make_formatter()
+        group.format_commands(ctx, from_table)
+        typer.core.TyperGroup.format_commands(group, ctx, from_commands)
+        assert from_table.getvalue() == from_commands.getvalue(), width
+
+
+def test_root_help_imports_no_command_module() -> None:
+    """The root help loads no command's module (generate's options would import `params`); a command's help
+    loads its own."""
+    code = (
+        "import sys\n"
+        "sys.argv = ['celeris', *sys.argv[1:]]\n"
+        "from celeris_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith('celeris_cli.')), file=sys.stderr)\n"
+    )
+    root = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert "Commands:" in root.stdout and "generate" in root.stdout
+    loaded = eval(root.stderr.strip())
+    assert "celeris_cli.params" not in loaded and "celeris_cli.cli.generate" not in loaded, loaded
+    sub = subprocess.run(
+        [sys.executable, "-c", code, "generate", "--help"], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert "--denoise-steps" in sub.stdout and "celeris_cli.cli.generate" in sub.stderr

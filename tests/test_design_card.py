@@ -18,6 +18,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+from typer.testing import CliRunner
+
+from celeris_cli.cli import app
+
 ROOT = Path(__file__).parents[1]
 CARD_PROMPT = "床前明月光，"
 
@@ -98,17 +103,49 @@ def _wait(predicate, timeout: float = 240.0) -> None:  # type: ignore[no-untyped
         time.sleep(0.2)
 
 
-def test_the_seeds_step_sweep_runs_on_the_default_model_and_trades_positions_for_forwards() -> None:
-    """The card's prompt at 5, 10, 20 and 40 steps on the default model (self-speculation, celeris-spec): the
-    steps set the draft's width (gen_length / steps), so the answer is the same at every count (its AR mode's)
-    and what moves is the work: drafting every round, fewer steps compute more positions per answer token."""
+def test_the_cards_steps_change_the_default_models_forwards_and_are_reported_as_asked() -> None:
+    """The card's command at 4 and 32 steps, as a user runs it (`--json`), on the default model: a diffusion
+    decoder, so the steps are what it runs (the JSON reports the steps asked, in total and in the settings)
+    and what it costs: 32 steps take at least 1.5x the forwards of 4, and give another answer."""
+    runner = CliRunner()
+    runs = {}
+    for steps in (4, 32):
+        r = runner.invoke(app, ["generate", "--prompt", CARD_PROMPT, "--denoise-steps", str(steps), "--json"])
+        assert r.exit_code == 0, r.output
+        record = json.loads(r.stdout)
+        assert record["denoise_steps"] == steps and record["settings"]["denoise_steps"] == steps, record
+        runs[steps] = record
+    assert runs[32]["nfe"] >= 1.5 * runs[4]["nfe"], (runs[4]["nfe"], runs[32]["nfe"])
+    assert runs[32]["text"] != runs[4]["text"]
+
+
+@pytest.mark.parametrize("prompt", [CARD_PROMPT, "Shall I compare thee"], ids=["han", "latin"])
+def test_the_step_sweep_on_the_default_model_moves_the_forwards_on_every_script(prompt: str) -> None:
+    """5, 10, 20 and 40 steps (`bench sweep`'s counts) on a prompt of each script, whose presets differ: each
+    runs the steps asked, and more steps never take fewer forwards."""
+    from celeris_cli import load_engine
+
+    engine = load_engine(device="cpu", dtype="float32")
+    nfe = []
+    for steps in (5, 10, 20, 40):
+        [result] = engine.generate([prompt], engine.params({"denoise_steps": steps}))
+        assert result.text and result.settings["denoise_steps"] == steps
+        nfe.append(result.nfe)
+    assert nfe == sorted(nfe) and nfe[-1] >= 1.5 * nfe[0], nfe
+
+
+def test_spec_keeps_its_answer_at_every_step_count_and_trades_positions_for_forwards() -> None:
+    """`--strategy spec` on the default model: the steps set the draft's width (gen_length / steps), so the
+    answer is the same at every count (its AR mode's) and what moves is the work: drafting every round, fewer
+    steps compute more positions per answer token."""
     from celeris_cli import load_engine
 
     engine = load_engine(device="cpu", dtype="float32")
     texts, per_token = set(), []
     for steps in (5, 10, 20, 40):
         before = engine.positions_computed
-        [result] = engine.generate([CARD_PROMPT], engine.params({"denoise_steps": steps, "drafting": "always"}))
+        params = engine.params({"strategy": "spec", "denoise_steps": steps, "drafting": "always"})
+        [result] = engine.generate([CARD_PROMPT], params)
         assert result.text and result.settings["denoise_steps"] == steps
         texts.add(result.text)
         per_token.append((engine.positions_computed - before) / result.output_tokens)

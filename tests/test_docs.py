@@ -166,11 +166,9 @@ ALL_COMMANDS = [c for path in DOC_FILES for c in doc_commands(path)]
 @cache
 def celeris_command() -> Any:
     """The Click group behind `celeris` (Typer may carry its own copy of Click, so nothing here names it)."""
-    import typer.main
+    from celeris_cli.cli import load_commands  # every command module, loaded
 
-    from celeris_cli.cli import app  # importing the package registers every command module
-
-    return typer.main.get_command(app)
+    return load_commands()
 
 
 def option_names(command: Any) -> set[str]:
@@ -310,15 +308,13 @@ def test_where_the_docs_say_what_retry_all_takes_they_name_force_too() -> None:
     """`retry --all` leaves out a line's own user errors (bad_param, invalid_json...), which only `--force`
     resubmits; a paragraph that tells what `--all` retries without `--force` is how "--all retries every
     record" crept in. The option help the docs paraphrase says the same."""
-    import typer.main
-
-    from celeris_cli.cli import app
+    from celeris_cli.cli import load_commands
 
     for path in DOC_FILES:
         for para in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")):
             if "retry" in para and re.search(r"--all\b", para):
                 assert "--force" in para, f"{path.name}: says what retry --all does without --force:\n{para}"
-    retry = typer.main.get_command(app).commands["retry"]  # type: ignore[attr-defined]
+    retry = load_commands().commands["retry"]
     helps = {p.opts[0]: p.help or "" for p in retry.params}
     assert "except line-level user errors" in helps["--all"] and "every record" in helps["--force"]
 

@@ -119,7 +119,7 @@ def test_every_strategy_declares_what_it_honours() -> None:
     assert set(honoured("ar")) == {"gen_length"} | sampling | shaping | set(PER_REQUEST)
     assert set(honoured("nemotron")) == {
         "gen_length", "block_length", "denoise_steps", "threshold", "remasking", "order_temperature"
-    } | sampling | block | set(PER_REQUEST)  # fmt: skip
+    } | sampling | block | shaping | set(PER_REQUEST)  # fmt: skip
     assert set(honoured("nemotron-spec")) == {"gen_length", "block_length", "draft_threshold"} | sampling | set(
         PER_REQUEST
     )

@@ -5,6 +5,7 @@ were dropped in flight."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -17,7 +18,10 @@ PROMPTS = ["The old man", "It was late", "床前明月光，", "The river", "At 
 
 @pytest.fixture(scope="module")
 def engine():  # type: ignore[no-untyped-def]
-    return load_engine(None, device="cpu", dtype="float32")  # the default model: spec
+    engine = load_engine(None, device="cpu", dtype="float32")  # the default model, decoded by its `spec`
+    assert engine.model_dir is not None
+    config = json.loads((engine.model_dir / "generation_config.json").read_text(encoding="utf-8"))
+    return engine.with_defaults({**config, "strategy": "spec"})
 
 
 def _rows(engine: Any, drafting: str) -> tuple[list[str], list[Any], list[int]]:
@@ -109,8 +113,6 @@ def test_a_row_dropped_in_flight_leaves_the_others_answers_as_alone(engine) -> N
 
 
 def test_a_constrained_row_in_the_running_set_follows_its_grammar_as_alone(engine) -> None:  # type: ignore[no-untyped-def]
-    import json
-
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
     layer = {"gen_length": 40, "structured_outputs": json.dumps({"json": schema}), "drafting": "always"}
     constrained = engine.params({**layer, "denoise_steps": 8})

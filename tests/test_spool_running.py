@@ -49,8 +49,8 @@ class DropsAFileMidDecode:
 
 
 def test_a_file_arriving_mid_decode_is_admitted_while_another_files_batch_is_running(tmp_path: Path) -> None:
-    cfg = load_config(make_queue(tmp_path, batch_size=4, generation={"gen_length": 24}))
-    backend = EngineBackend(None, "cpu", "float32", 1, cfg.generation)  # the default model
+    cfg = load_config(make_queue(tmp_path, batch_size=4, generation={"gen_length": 24, "strategy": "spec"}))
+    backend = EngineBackend(None, "cpu", "float32", 1, cfg.generation)  # the default model, its running set's spec
     model = backend.engine.model
     backend.engine.model = DropsAFileMidDecode(model, 8, lambda: drop(tmp_path, "b.txt", "\n".join(B) + "\n"))
     drop(tmp_path, "a.txt", "\n".join(A) + "\n")
@@ -78,7 +78,7 @@ def test_a_file_arriving_mid_decode_is_admitted_while_another_files_batch_is_run
 def test_the_daemon_runs_the_engine_as_a_running_set_unless_one_batch_at_a_time_is_asked(tmp_path: Path) -> None:
     from celeris_cli.spool.pool import InlinePool, as_pool
 
-    cfg = load_config(make_queue(tmp_path, generation={"gen_length": 8}))
+    cfg = load_config(make_queue(tmp_path, generation={"gen_length": 8, "strategy": "spec"}))
     backend = EngineBackend(None, "cpu", "float32", 1, cfg.generation)
     assert isinstance(as_pool(backend, None, 4), RunningPool)
     assert isinstance(as_pool(backend, 30.0, 4), InlinePool)  # a per-batch timeout: one batch at a time
@@ -100,7 +100,7 @@ class FailsOnAToken:
 
 
 def test_a_request_failing_in_the_running_set_fails_alone_and_other_files_are_answered(tmp_path: Path) -> None:
-    cfg = load_config(make_queue(tmp_path, batch_size=2, generation={"gen_length": 16}))
+    cfg = load_config(make_queue(tmp_path, batch_size=2, generation={"gen_length": 16, "strategy": "spec"}))
     backend = EngineBackend(None, "cpu", "float32", 1, cfg.generation)
     tok = backend.engine.tokenizer
     good, bad, other = "The old man", "独坐幽篁里，", "The river"
@@ -128,10 +128,11 @@ def test_a_request_failing_in_the_running_set_fails_alone_and_other_files_are_an
 
 
 def test_a_batch_that_cannot_join_the_running_set_decodes_on_its_own_beside_it(tmp_path: Path) -> None:
-    """A strategy of no running set (`ar`, the default model's AR mode in static batches) keeps a row out:
+    """A strategy of no running set (`ar`, the default model's AR mode in static batches) keeps a row out of
+    `spec`'s:
     its batch takes turns with the running set (`RunningPool.alone`), and every answer is still its
     request's alone."""
-    cfg = load_config(make_queue(tmp_path, batch_size=2, generation={"gen_length": 16}))
+    cfg = load_config(make_queue(tmp_path, batch_size=2, generation={"gen_length": 16, "strategy": "spec"}))
     backend = EngineBackend(None, "cpu", "float32", 1, cfg.generation)
     lines = [{"prompt": "The old man"}, {"prompt": "床前明月光，", "strategy": "ar"}, {"prompt": "The river"}]
     drop(tmp_path, "g.jsonl", "".join(json.dumps(x) + "\n" for x in lines))

@@ -1,5 +1,6 @@
 """Structured output and log probabilities through request lines (issue 45): `celeris batch` on the default
-embedded model, OpenAI batch lines and simple lines, with `response_format`, `structured_outputs` and
+embedded model's left-to-right strategy (`--set '{"strategy": "spec"}'`: its diffusion default has no
+structured output), OpenAI batch lines and simple lines, with `response_format`, `structured_outputs` and
 `logprobs`; every answer reported "stop" parses and validates, none is "stop" while invalid; a constraint
 that cannot be honoured is a failure record naming it, and its batch mates are served."""
 
@@ -64,7 +65,7 @@ def run_batch(tmp_path: Path, lines: list[dict[str, Any]]) -> tuple[dict[str, di
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
     p = subprocess.run(
         [sys.executable, "-m", "celeris_cli", "batch", "-i", str(src), "-o", str(out), "--device", "cpu",
-         "--dtype", "float32", "--batch-size", "8"],
+         "--dtype", "float32", "--batch-size", "8", "--set", json.dumps({"strategy": "spec"})],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert p.returncode in (0, 1), p.stderr
@@ -166,7 +167,7 @@ def test_the_preparer_without_weights_checks_a_constraint_as_the_engine_does() -
     from celeris_cli.spool.formats import Request
 
     engine = load_engine(None, device="cpu", dtype="float32")
-    bare = Preparer.load(None, {})
+    bare = Preparer.load(None, {"strategy": "spec"})
     assert bare.stops | engine.tokenizer.stop_ids == engine.answer_stops() == Preparer.of(engine, bare.base).stops
     with pytest.raises(ConfigError, match="structured_outputs"):
         Preparer.load(None, {"structured_outputs": {"regex": "(a"}})

@@ -97,8 +97,9 @@ _ENTRIES = (
         when={"block_causal": True, "causal_context": None},
     ),
     # LLaDA's layout trained jointly as a causal LM and block diffusion over a causal cache (`celeris train
-    # --ar-weight`): its AR mode, self-speculation over it (the default: the AR answer, drafted where it pays)
-    # and Nemotron's diffusion mode (a seed, then a block of masks over the causal cache)
+    # --ar-weight`): its AR mode, self-speculation over it (the architecture's default: the AR answer, drafted
+    # where it pays) and Nemotron's diffusion mode (a seed, then a block of masks over the causal cache; the
+    # embedded celeris-spec's default, by its generation_config.json)
     Architecture(
         name="llada_spec",
         classes=("LLaDAModelLM",),

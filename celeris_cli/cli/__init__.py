@@ -1,23 +1,17 @@
 """The `celeris` command line: parses options, calls the library, renders results.
 
-One module per command group registers its commands on the shared Typer `app`, in the order `--help`
-lists them. Torch is imported lazily inside the commands, so `celeris --help` answers at once.
+One module per command group registers its commands on the shared Typer `app`; the root group imports a
+command's module only when that command runs or shows its help (`app.COMMANDS`, in the order `--help` lists
+them), and torch is imported lazily inside the commands, so `celeris --help` answers at once.
 """
 
 from __future__ import annotations
 
 import sys
-from importlib import import_module
 
-from .app import app
+from .app import app, load_commands
 
-# Importing a command module registers its commands; --help lists them in this order, command groups
-# (`bench` and its subcommands) after the plain commands.
-_MODULES = ("generate", "batch", "queue", "serve", "recipe", "measure", "bench", "bench_only", "inspect", "version")
-for _module in _MODULES:
-    import_module(f"{__name__}.{_module}")
-
-__all__ = ["app", "main"]
+__all__ = ["app", "load_commands", "main"]
 
 
 def main() -> None:

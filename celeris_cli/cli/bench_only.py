@@ -272,6 +272,7 @@ def structured_cmd(
         help="Every answer's length (the default model's longest template takes 83 tokens).",
     ),
     batch_size: int = BATCH_SIZE,
+    set_name: str = SET,
     device: DeviceOpt = DEVICE,
     dtype: DtypeOpt = DTYPE,
     threads: int = THREADS,
@@ -299,6 +300,6 @@ def structured_cmd(
 
     def measure() -> dict[str, Any]:
         engine = load_engine(model, device.value, dtype.value, threads)
-        return bench_structured(engine, requests, gen_length, batch_size)
+        return bench_structured(engine, requests, gen_length, batch_size, _json_setting(set_name))
 
     _measure(measure, out, as_json, render_structured)

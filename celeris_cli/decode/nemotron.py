@@ -10,12 +10,13 @@ cache, and its last position's logits choose the first answer token (the "seed")
   is decoded a block at a time after the prompt. A block starts as the seed followed by block_length - 1
   masks; each step runs the block alone over the cache, bidirectionally inside the block, and commits the
   surest masked positions: the schedule's share (block_steps per block, the masks in equal shares, the
-  remainder to the first steps), or, with a threshold below 1, every position at least that sure and
-  always the surest. Which positions are "surest" is the remasking's order (`reference.commit_order`):
-  the confidence (low_confidence, the family's default, with optional order noise), the leftmost masked
-  positions first (sequential: the family's `leftmost` selection policy, which ignores the threshold), or
-  a uniform draw from the row's own stream (random). A row whose block holds a stop token with nothing
-  masked before it stops denoising.
+  remainder to the first steps) and, with a threshold below 1, every position at least that sure besides
+  (at the family's one commit a step: always the surest; with fewer steps the block still fills). Which
+  positions are "surest" is the remasking's order (`reference.commit_order`): the confidence
+  (low_confidence, the family's default, with optional order noise), the leftmost masked positions first
+  (sequential: the family's `leftmost` selection policy, which ignores the threshold), or a uniform draw
+  from the row's own stream (random). A row whose block holds a stop token with nothing masked before it
+  stops denoising.
   Then one causal pass over the block writes its keys and values into the cache, and its last position's
   logits choose the next block's seed. With block_length 1 a block is its seed alone: the AR mode.
 
@@ -56,6 +57,7 @@ class SeededPlan:
     sampling: Sampling
     ordering: Ordering
     commit: Commit
+    shaping: Shaping = NO_SHAPING
 
 
 class CausalCanvas:
@@ -163,19 +165,26 @@ def generate_seeded(
     mask_id: int,
     stop_ids: frozenset[int],
     noise: RowNoise,
+    word_pieces: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
-    """The diffusion mode (see the module's text): prompt (B, P) left-padded -> the canvas (B, P + gen_length)."""
+    """The diffusion mode (see the module's text): prompt (B, P) left-padded -> the canvas (B, P + gen_length).
+    The shaping (presence penalty, min_tokens, subword_min_p; `sampling.shape_masked`) shapes the seed's
+    logits and each step's, from the row's answer so far (its committed positions)."""
     B, P = prompt.shape
     blocks, sampling, threshold = plan.blocks, plan.sampling, plan.commit.threshold
     G, W = blocks.gen_length, blocks.block_length
     cv = CausalCanvas(net, prompt, prompt_mask, G, mask_id)
     stop = torch.tensor(sorted(stop_ids), device=prompt.device, dtype=prompt.dtype)
+    pieces = torch.tensor(sorted(word_pieces), device=prompt.device, dtype=torch.long)
+    t = sampling.temperature
     rows = list(range(B))
     h = cv.forward(0, P, causal=True)[:, -1]
     for j, steps in enumerate(blocks.seeded_steps()):
         s = P + j * W
         e = min(s + W, P + G)
-        cv.x[:, s] = cv.pick(h, sampling, noise.at(rows, j, 0))  # the seed
+        at = torch.full((B,), s - P, device=prompt.device)  # the answer position of the block's first column
+        seed_shape = ar_shaping(plan.shaping, cv.x[:, P:], at, mask_id, stop, t, word_pieces)
+        cv.x[:, s] = cv.pick(h, sampling, noise.at(rows, j, 0), seed_shape)  # the seed
         done = finished_rows(cv.x[:, P:e], mask_id, stop)[0]
         schedule = num_transfer_tokens(torch.tensor([e - s - 1]), steps)[0].tolist() if steps else []
         for i, k in enumerate(schedule):
@@ -186,16 +195,17 @@ def generate_seeded(
             hs = cv.forward(s, e, causal=False)
             draws = noise.at(rows, j, i + 1)  # the sampling's lane and the order's, from each row's stream
             places = Places.counted(masked.sum(1).tolist(), block.device)
-            x0, conf = choose(StepLogits(net.step_head(), [hs[masked]]), places, sampling, None, draws, net.chunk)
+            shape = shaper(plan.shaping, cv.x[:, P:e], at, mask_id, stop, t, pieces)
+            logits = StepLogits(net.step_head(), [hs[masked]], 0.0, shape, masked.nonzero() if shape else None)
+            x0, conf = choose(logits, places, sampling, None, draws, net.chunk)
             confidence = torch.full(block.shape, float("-inf"), device=block.device).masked_scatter(masked, conf)
             fade = masked.sum(1, keepdim=True) / max(e - s - 1, 1)  # the share of the block still masked
             rank = torch.where(masked, commit_order(confidence, plan.ordering, fade, draws), float("-inf"))
-            if threshold < 1:  # every position at least that sure, and always the first-ranked
-                chosen = masked & (confidence >= threshold)
-                best = rank.argmax(1, keepdim=True)
-                chosen.scatter_(1, best, masked.gather(1, best))
-            else:  # the schedule's share: the k first-ranked
-                chosen = select_top_k(rank, torch.full((B,), k, device=block.device)) & masked
+            # the schedule's share: the k first-ranked; with a threshold, also every position at least that sure
+            # (at one commit a step, the family's: always the first-ranked; with fewer steps the block still fills)
+            chosen = select_top_k(rank, torch.full((B,), k, device=block.device)) & masked
+            if threshold < 1:
+                chosen |= masked & (confidence >= threshold)
             block[chosen] = x0[chosen[masked]]
             done |= finished_rows(cv.x[:, P:e], mask_id, stop)[0]
         if bool(done.all()) or e == P + G:

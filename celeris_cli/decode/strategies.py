@@ -245,6 +245,18 @@ def _stopping(decode: Callable[..., torch.Tensor], plan: type) -> Decode:
     return run
 
 
+def _seeded(
+    net: Net,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: GenerationParams,
+    tokens: SpecialTokens,
+    noise: RowNoise,
+) -> torch.Tensor:
+    plan = _plan(SeededPlan, params)
+    return generate_seeded(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces)
+
+
 def _ar(
     net: Net,
     prompt: torch.Tensor,
@@ -321,7 +333,7 @@ DECODERS: dict[str, Decoder] = {
     "rnd1": Decoder(RND1Plan, _rnd1),
     "block": Decoder(BlockPlan, _blocks(generate_block)),
     "block-cached": Decoder(BlockPlan, _blocks(generate_block_cached)),
-    "seeded": Decoder(SeededPlan, _stopping(generate_seeded, SeededPlan)),
+    "seeded": Decoder(SeededPlan, _seeded),
     "ar": Decoder(ARPlan, _ar),
     "speculative": Decoder(SpecPlan, _stopping(generate_speculative, SpecPlan)),
     "self-spec": Decoder(SelfSpecPlan, _self_spec),

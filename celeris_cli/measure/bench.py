@@ -54,7 +54,8 @@ def modes_for(engine: Engine, settings: dict[str, Any] | None = None) -> tuple[d
         return BLOCK_MODES, "block-fast"
     if "ar" in engine.arch.strategies:
         runs = {k: v for k, v in SEEDED_MODES.items() if v["strategy"] in engine.arch.strategies}
-        return runs, engine.arch.default_strategy
+        default = engine.params(settings or {}).strategy  # the model folder's (celeris-spec's: nemotron)
+        return runs, default if default in runs else engine.arch.default_strategy
     return MODES, BY_CACHE[engine.params(settings or {}).cache]
 
 

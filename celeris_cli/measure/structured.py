@@ -131,11 +131,16 @@ def workload(n: int) -> list[tuple[str, str]]:
 
 
 def bench_structured(
-    engine: Engine, n_requests: int = 200, gen_length: int = 96, batch_size: int = 16
+    engine: Engine,
+    n_requests: int = 200,
+    gen_length: int = 96,
+    batch_size: int = 16,
+    setting: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Decode the workload unconstrained, left to right and template-pinned, one running set each, in that
     order after a warm-up; per way the counts of answers that parse, validate and finish each way, output
-    tokens/s, forwards per answer and wall time, and per schema the same counts."""
+    tokens/s, forwards per answer and wall time, and per schema the same counts. setting: settings under the
+    workload's own (`--set`: a strategy with structured output, where the model's default has none)."""
     import jsonschema
 
     if not 1 <= n_requests <= MAX_REQUESTS:
@@ -147,7 +152,8 @@ def bench_structured(
     requests = workload(n_requests)
     prompts = [p for _, p in requests]
     encoded = [engine.encode_prompt(p) for p in prompts]
-    plain = engine.params({"gen_length": gen_length})
+    base = dict(setting or {})
+    plain = engine.params({**base, "gen_length": gen_length})
     for ids in encoded:
         engine.check_fits(len(ids), plain)
     vocab = engine.vocabulary()
@@ -157,13 +163,16 @@ def bench_structured(
 
     def settings(way: str, i: int) -> Any:
         name, prompt = requests[i]
-        layer: dict[str, Any] = {"gen_length": gen_length, "seed": i}
+        layer: dict[str, Any] = {**base, "gen_length": gen_length, "seed": i}
         if way != "unconstrained":
             layout = "template" if way == "template" and pinned[name] else "left-to-right"
             layer |= {"structured_outputs": json.dumps({"json": SCHEMAS[name]}), "structured_layout": layout}
         params = engine.params_for(prompt, engine.params(layer))
         if not engine.continuous(params):
-            raise UsageError(f"the running set does not decode this model's {params.strategy} rows")
+            raise UsageError(
+                f"the running set does not decode this model's {params.strategy} rows; give a strategy it does with "
+                """--set '{"strategy": ...}' (`celeris inspect` lists the model's)"""
+            )
         return params
 
     seeds = list(range(n_requests))
