@@ -308,3 +308,38 @@ def test_answers_are_the_same_whatever_the_chunk_of_positions() -> None:
     for (settings, chunk), out in runs.items():
         assert torch.equal(out, runs[(settings, None)]), (settings, chunk)
     assert len({str(v.tolist()) for v in runs.values()}) == 2
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_experts_are_each_expert_within_a_step_of_its_weights_and_run_as_dequantized(scheme: str) -> None:
+    """Loaded quantized (`QuantizedExperts`): each expert's matrices dequantize to within half a quantization step
+    of the float ones (int8: max|w| / 127 a row; int4: a group's range / 15), and the layer's experts compute
+    with exactly those matrices."""
+    from celeris_cli.arch.gemma4 import Experts
+    from celeris_cli.arch.quantize import QuantizedExperts
+
+    full, quant = load_model(FOLDER).model.decoder.layers[1].experts, None
+    quant = load_model(FOLDER, quantize=scheme).model.decoder.layers[1].experts
+    assert isinstance(quant, QuantizedExperts) and not isinstance(full, QuantizedExperts)
+    for name in ("gate_up_proj", "down_proj"):
+        w = getattr(full, name).detach()
+        for e in range(w.shape[0]):
+            got = quant.matrix(name, e)
+            group = quant.groups[name]
+            if group is None:
+                step = w[e].abs().amax(1, keepdim=True) / 127
+            else:
+                g = w[e].view(w.shape[1], -1, group)
+                step = ((g.amax(-1) - g.amin(-1)) / 15).repeat_interleave(group, 1)
+            assert ((got - w[e]).abs() <= step / 2 + 1e-6).all(), (name, e)
+            assert (got != w[e]).any()  # quantized, not the float weights kept
+    assert quant.groups["gate_up_proj"] == (32 if scheme == "int4" else None)
+    dense = Experts.__new__(Experts)
+    torch.nn.Module.__init__(dense)
+    for name in ("gate_up_proj", "down_proj"):
+        stack = torch.stack([quant.matrix(name, e) for e in range(quant.num_experts)])
+        setattr(dense, name, torch.nn.Parameter(stack))
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(0))
+    experts, weights = torch.tensor([[0, 1], [2, 3], [1, 1], [3, 0], [2, 1], [0, 3]]), torch.rand(6, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(quant(x, weights, experts), dense(x, weights, experts), rtol=1e-5, atol=1e-5)

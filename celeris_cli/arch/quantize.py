@@ -298,14 +298,22 @@ class QuantizedExperts(nn.Module):
         group = self.groups[name]
 
         def convert(t: torch.Tensor) -> dict[str, torch.Tensor]:
+            """One expert at a time, so that no float32 copy of the whole stack is made."""
             E, rows, cols = t.shape
-            flat = t.reshape(E * rows, cols)
             if group is None:
-                q, scale = quantize_rows(flat)
-                return {name: q.view(E, rows, cols), name + "_scale": scale.view(E, rows)}
-            q, scale, zero = quantize_groups(flat, group)
-            out = {name: _nibbles(q).view(E, rows, cols // 2), name + "_scale": scale, name + "_zero": zero}
-            return {k: v if k == name else v.to(self.dtype).view(E, rows, -1) for k, v in out.items()}
+                q, scale = torch.empty(E, rows, cols, dtype=torch.int8, device=t.device), []
+                for e in range(E):
+                    q[e], s = quantize_rows(t[e])
+                    scale.append(s)
+                return {name: q, name + "_scale": torch.stack(scale)}
+            packed = torch.empty(E, rows, cols // 2, dtype=torch.uint8, device=t.device)
+            scales, zeros = [], []
+            for e in range(E):
+                q4, s, z = quantize_groups(t[e], group)
+                packed[e] = _nibbles(q4)
+                scales.append(s.to(self.dtype))
+                zeros.append(z.to(self.dtype))
+            return {name: packed, name + "_scale": torch.stack(scales), name + "_zero": torch.stack(zeros)}
 
         return convert
 
