@@ -80,7 +80,7 @@ class CanvasDraws:
             V = probs.shape[-1]
             out = [torch.multinomial(p.cpu().view(-1, V), 1, generator=self.gens[r]) for r, p in zip(rows, probs)]
             return torch.stack(out).view(probs.shape[:2]).to(self.device)
-        return self.pick(probs, self.uniforms(rows, canvas, step, probs.shape[1]))
+        return self.pick(probs, self.noise.at(rows, canvas, step).uniform((probs.shape[1],), torch.float64, SAMPLE))
 
     def uniforms(self, rows: list[int], canvas: int, step: int, length: int) -> torch.Tensor | None:
         """The step's uniforms (len(rows), length) that `pick` draws with; None under `noise: torch`."""
