@@ -223,3 +223,20 @@ def test_the_table_in_the_docs_is_what_the_script_prints() -> None:
     table = subprocess.run(script, capture_output=True, text=True, check=True, cwd=root).stdout.strip()
     assert table.count("\n") == 4 and "| bf16 | 47.0 GiB |" in table
     assert table in (root / "docs" / "memory.md").read_text()
+
+
+@pytest.mark.parametrize("scheme", ["none", "int8", "int4"])
+def test_the_released_shapes_weights_are_the_bytes_its_quantized_network_holds(scheme: str) -> None:
+    """Built on the meta device and quantized as the loader does (`quantize.prepare`): every tensor's bytes,
+    against the planner's weights for the released 26B-A4B shape."""
+    from celeris_cli.arch.checkpoint import build_on_meta
+    from celeris_cli.arch.quantize import prepare
+
+    arch, cfg = read_folder(REAL)
+    model = build_on_meta(arch, cfg).to(torch.bfloat16)
+    if scheme != "none":
+        with torch.device("meta"):
+            prepare(model, torch.bfloat16, scheme)
+    held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    planned = plan(shape_of(REAL), Request("diffusion-gemma", 1, 64, 256, 256, "bfloat16", scheme)).weights  # type: ignore[arg-type]
+    assert abs(planned - held) <= held / 1000, (planned, held)
