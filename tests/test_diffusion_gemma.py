@@ -249,7 +249,7 @@ def test_a_run_under_a_memory_budget_decodes() -> None:
 
 
 def test_the_entropy_is_torchs_categorical_entropy_to_the_bit() -> None:
-    from celeris_cli.decode.diffusion_gemma import entropy
+    from celeris_cli.decode.canvas_step import entropy
 
     g = torch.Generator().manual_seed(0)
     scaled = torch.randn(5, 7, 320, generator=g) * 20
@@ -258,7 +258,7 @@ def test_the_entropy_is_torchs_categorical_entropy_to_the_bit() -> None:
 
 
 def _step_at(chunk: int, signal: torch.Tensor | None, noise: str = "rows") -> Any:
-    from celeris_cli.decode.diffusion_gemma import CanvasDraws, canvas_step
+    from celeris_cli.decode.canvas_step import CanvasDraws, canvas_step
     from celeris_cli.decode.sampling import RowNoise
 
     model = load_model(FOLDER)
@@ -267,7 +267,8 @@ def _step_at(chunk: int, signal: torch.Tensor | None, noise: str = "rows") -> An
     ctx = Context(Net(model), prompt, torch.ones_like(prompt, dtype=torch.bool))
     draws = CanvasDraws(RowNoise([7, 8, 9], torch.device("cpu")), [7, 8, 9] if noise == "torch" else None, 320, "cpu")
     with torch.no_grad():
-        return canvas_step(ctx, canvas, signal, torch.tensor(0.7), draws, [0, 2], 0, 1, chunk, {2})
+        h = ctx.hidden(canvas, signal)
+        return canvas_step(model, h, canvas, signal, torch.tensor(0.7), draws, [0, 2], 0, 1, chunk, {2})
 
 
 def test_a_steps_numbers_are_the_same_bits_whatever_the_chunk_of_positions() -> None:

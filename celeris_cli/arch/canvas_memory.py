@@ -1,5 +1,6 @@
-"""DiffusionGemma's memory (`strategy` rule "canvas-vocab"), read off `decode.diffusion_gemma` and
-`arch.diffusion_gemma`. Pure arithmetic (but `shape_of_diffusion_gemma`, which counts a built model).
+"""DiffusionGemma's memory (`strategy` rule "canvas-vocab"), read off `decode.diffusion_gemma`,
+`decode.canvas_step` and `arch.diffusion_gemma`. Pure arithmetic (but `shape_of_diffusion_gemma`, which counts
+a built model).
 
 A denoising step runs the decoder over every row's canvas (B x L positions: the cache, the widest layer's
 activations), then the head, softmax, draws, entropies and the next step's self-conditioning input one row at a
