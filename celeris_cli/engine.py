@@ -210,8 +210,12 @@ class Engine:
         return Rule(Grammar(spec, vocab), record)
 
     # -- token level -------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
-        ids: list[int] = self.tokenizer.encode_prompt(self.tokenizer.render_chat(prompt) if chat else prompt)
+    def encode_prompt(self, prompt: str, chat: bool = False, chat_options: dict[str, Any] | None = None) -> list[int]:
+        """chat_options: the chat template's switches (`Tokenizer.render_chat`), with `chat` only."""
+        if chat_options and not chat:
+            raise UsageError("chat_template_kwargs: only with --chat (a chat template renders the prompt)")
+        text = self.tokenizer.render_chat(prompt, chat_options) if chat else prompt
+        ids: list[int] = self.tokenizer.encode_prompt(text)
         return ids
 
     def check_fits(self, n_prompt: int, params: GenerationParams) -> None:

@@ -5,7 +5,7 @@ and 256 generated tokens, in bfloat16 and with int8 and int4 weights. Estimates,
     python scripts/memory_table.py
     python scripts/memory_table.py --family diffusion-gemma
 
-`--family diffusion-gemma`: DiffusionGemma-26B-A4B on 24 and 80 GB cards, from the released shape's
+`--family diffusion-gemma`: DiffusionGemma-26B-A4B on 24, 48 and 80 GB cards, from the released shape's
 config.json alone (`tests/data/diffusion_gemma/shape_26b_a4b`, no weights), with its folder's defaults
 (one 256-token canvas), through the code `celeris inspect --memory` runs.
 """
@@ -43,13 +43,17 @@ CARDS = (8, 24, 80)
 GEMMA = Path(__file__).resolve().parents[1] / "tests" / "data" / "diffusion_gemma" / "shape_26b_a4b"
 
 
+GEMMA_CARDS = (24, 48, 80)
+
+
 def diffusion_gemma() -> None:
-    print("| DiffusionGemma-26B-A4B | weights | 1 row | " + " | ".join(f"{c} GB card: rows" for c in (24, 80)) + " |")
-    print("|---|---|---|---|---|")
+    cards = " | ".join(f"{c} GB card: rows" for c in GEMMA_CARDS)
+    print(f"| DiffusionGemma-26B-A4B | weights | 1 row | {cards} |")
+    print("|---|---|---|" + "---|" * len(GEMMA_CARDS))
     for quantize in ("none", "int8", "int4"):
         one = folder_report(GEMMA, 1, 64, "bfloat16", quantize)
         cells = []
-        for card in (24, 80):
+        for card in GEMMA_CARDS:
             fits = folder_report(GEMMA, 1, 64, "bfloat16", quantize, f"{int(0.9 * card * 10**9)}B")["largest_batch"]
             cells.append(str(fits) if fits else "does not fit")
         label = "bf16" if quantize == "none" else quantize

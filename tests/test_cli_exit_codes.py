@@ -88,7 +88,7 @@ def test_version_exits_0() -> None:
 def test_a_constrained_answer_that_ends_with_an_error_exits_1(pattern: str, code: int) -> None:
     """An answer that reached its length before its constraint was complete is written, with its `error`,
     and the command exits 1 (some requests failed), as a skipped line does; one that completes exits 0."""
-    argv = ["generate", "--prompt", "x", "--regex", pattern, "--gen-length", "8", "--jsonl"]
+    argv = ["generate", "--prompt", "x", "--regex", pattern, "--gen-length", "8", "--jsonl", "--strategy", "spec"]
     r = runner.invoke(app, [*argv, "--device", "cpu", "--dtype", "float32"])
     (answer,) = [json.loads(x) for x in r.stdout.splitlines()]
     assert r.exit_code == code, r.output

@@ -246,3 +246,101 @@ def test_a_run_under_a_memory_budget_decodes() -> None:
     engine = load_engine(FOLDER, device="cpu", dtype="float32", max_memory="1GB")
     params = engine.params({"gen_length": 8, "block_steps": 2})
     assert len(engine.generate(["a b", "c d e"], params, batch_size=2)) == 2
+
+
+def test_the_entropy_is_torchs_categorical_entropy_to_the_bit() -> None:
+    from celeris_cli.decode.canvas_step import entropy
+
+    g = torch.Generator().manual_seed(0)
+    scaled = torch.randn(5, 7, 320, generator=g) * 20
+    scaled[0, 0, :300] = -torch.inf  # masked entries: p log p is 0 there, not nan
+    assert torch.equal(entropy(scaled), torch.distributions.Categorical(logits=scaled).entropy())
+
+
+def _step_at(chunk: int, signal: torch.Tensor | None, noise: str = "rows") -> Any:
+    from celeris_cli.decode.canvas_step import CanvasDraws, canvas_step
+    from celeris_cli.decode.sampling import RowNoise
+
+    model = load_model(FOLDER)
+    g = torch.Generator().manual_seed(1)
+    prompt, canvas = torch.randint(5, 300, (3, 6), generator=g), torch.randint(5, 300, (3, 8), generator=g)
+    ctx = Context(Net(model), prompt, torch.ones_like(prompt, dtype=torch.bool))
+    draws = CanvasDraws(RowNoise([7, 8, 9], torch.device("cpu")), [7, 8, 9] if noise == "torch" else None, 320, "cpu")
+    with torch.no_grad():
+        h = ctx.hidden(canvas, signal)
+        return canvas_step(model, h, canvas, signal, torch.tensor(0.7), draws, [0, 2], 0, 1, chunk, {2})
+
+
+def test_a_steps_numbers_are_the_same_bits_whatever_the_chunk_of_positions() -> None:
+    """The head, softmax, draws, entropies and self-conditioning input of a row, a chunk of positions at a time
+    (1, 3 of a canvas of 8 with a ragged last chunk, the whole canvas): the same numbers, and the rows that are
+    not live keep their inputs."""
+    first = _step_at(8, None)
+    signal = first.signal + 0.01 * torch.randn(first.signal.shape, generator=torch.Generator().manual_seed(2))
+    for start in (None, signal):
+        whole = _step_at(8, start)
+        for chunk in (1, 3):
+            part = _step_at(chunk, start)
+            for name in ("drawn", "argmax", "entropy", "signal"):
+                assert torch.equal(getattr(part, name), getattr(whole, name)), (chunk, name)
+            assert all(torch.equal(a, b) for a, b in zip(part.whole[2], whole.whole[2]))
+        assert whole.entropy[1].eq(0).all() and (start is None or torch.equal(whole.signal[1], start[1]))
+    assert not torch.equal(_step_at(8, signal).signal, _step_at(8, None).signal)  # the signal is an input
+
+
+def test_answers_are_the_same_whatever_the_chunk_of_positions() -> None:
+    from celeris_cli.arch.folder import ModelFolder
+    from celeris_cli.decode.diffusion_gemma import DiffusionGemmaPlan, generate_diffusion_gemma
+    from celeris_cli.decode.sampling import RowNoise
+    from celeris_cli.decode.strategies import _plan
+    from celeris_cli.params import GenerationParams
+
+    model = load_model(FOLDER)
+    prompt = torch.randint(5, 300, (3, 5), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(prompt, dtype=torch.bool)
+    runs = {}
+    for settings in ({"gen_length": 24, "block_steps": 6, "seed": 1}, {"gen_length": 16, "confidence_threshold": None}):
+        params = GenerationParams.from_mapping(settings, ModelFolder.open(FOLDER).defaults())
+        for chunk in (1, 3, None):
+            plan = _plan(DiffusionGemmaPlan, params)
+            noise = RowNoise([11, 12, 13], torch.device("cpu"))
+            out = generate_diffusion_gemma(Net(model), prompt, mask, plan, frozenset({1}), 0, noise, chunk=chunk)
+            runs[(str(settings), chunk)] = out
+    for (settings, chunk), out in runs.items():
+        assert torch.equal(out, runs[(settings, None)]), (settings, chunk)
+    assert len({str(v.tolist()) for v in runs.values()}) == 2
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_experts_are_each_expert_within_a_step_of_its_weights_and_run_as_dequantized(scheme: str) -> None:
+    """Loaded quantized (`QuantizedExperts`): each expert's matrices dequantize to within half a quantization step
+    of the float ones (int8: max|w| / 127 a row; int4: a group's range / 15), and the layer's experts compute
+    with exactly those matrices."""
+    from celeris_cli.arch.gemma4 import Experts
+    from celeris_cli.arch.quantize import QuantizedExperts
+
+    full, quant = load_model(FOLDER).model.decoder.layers[1].experts, None
+    quant = load_model(FOLDER, quantize=scheme).model.decoder.layers[1].experts
+    assert isinstance(quant, QuantizedExperts) and not isinstance(full, QuantizedExperts)
+    for name in ("gate_up_proj", "down_proj"):
+        w = getattr(full, name).detach()
+        for e in range(w.shape[0]):
+            got = quant.matrix(name, e)
+            group = quant.groups[name]
+            if group is None:
+                step = w[e].abs().amax(1, keepdim=True) / 127
+            else:
+                g = w[e].view(w.shape[1], -1, group)
+                step = ((g.amax(-1) - g.amin(-1)) / 15).repeat_interleave(group, 1)
+            assert ((got - w[e]).abs() <= step / 2 + 1e-6).all(), (name, e)
+            assert (got != w[e]).any()  # quantized, not the float weights kept
+    assert quant.groups["gate_up_proj"] == (32 if scheme == "int4" else None)
+    dense = Experts.__new__(Experts)
+    torch.nn.Module.__init__(dense)
+    for name in ("gate_up_proj", "down_proj"):
+        stack = torch.stack([quant.matrix(name, e) for e in range(quant.num_experts)])
+        setattr(dense, name, torch.nn.Parameter(stack))
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(0))
+    experts, weights = torch.tensor([[0, 1], [2, 3], [1, 1], [3, 0], [2, 1], [0, 3]]), torch.rand(6, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(quant(x, weights, experts), dense(x, weights, experts), rtol=1e-5, atol=1e-5)

@@ -13,6 +13,7 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,7 +75,7 @@ def load_model(
         raise UsageError("--quantize int4 on CUDA needs --dtype bfloat16: torch's CUDA int4 kernel takes bfloat16")
     mf = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder)
     folder, files = mf.path, mf.weight_files
-    model = build_on_meta(mf.arch, mf.cfg)
+    model: Any = build_on_meta(mf.arch, mf.cfg)  # the family's class, with its own methods
     with torch.device("meta"):
         expected = dict(model.state_dict())  # the checkpoint's names and shapes, before any quantization
         convert = converter(model, quantize, dtype)  # the identity unless quantizing

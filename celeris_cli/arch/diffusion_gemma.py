@@ -118,8 +118,8 @@ class DiffusionGemmaModel(nn.Module):
         self.upcast = on
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        w = self.model.decoder.embed_tokens.weight
-        return F.embedding(ids, w) * torch.tensor(self.cfg.hidden_size**0.5, dtype=w.dtype)
+        rows: torch.Tensor = self.model.decoder.embed_tokens(ids)  # a quantized embedding dequantizes these rows only
+        return rows * torch.tensor(self.cfg.hidden_size**0.5, dtype=rows.dtype)
 
     def _ropes(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.cfg
@@ -167,20 +167,48 @@ class DiffusionGemmaModel(nn.Module):
         cache: Any,
         self_conditioning: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The canvas ids (B, L) against the cache -> soft-capped logits (B, L, V) in float32.
+        """The canvas ids (B, L) against the cache -> soft-capped logits (B, L, V) in float32, all at once (the
+        decoder runs `hidden`, `signal` and `logits` a chunk of positions at a time instead).
         self_conditioning: the previous step's temperature-scaled logits (B, L, V), or None at the first step."""
+        w = self.embedding()
+        signal = None if self_conditioning is None else self.signal(self_conditioning, w)
+        return self.logits(self.hidden(ids, positions, masks, cache, signal), self.head_matrix(w))
+
+    def embedding(self) -> torch.Tensor:
+        """The embedding as a matrix (V, d) in the weights' dtype: the parameter itself, or a quantized
+        embedding's dequantized copy (`quantize`), which a step holds while it runs."""
+        w: torch.Tensor = self.model.decoder.embed_tokens.weight
+        return w
+
+    def head_matrix(self, w: torch.Tensor) -> torch.Tensor:
+        """The matrix the head multiplies by: the embedding `w`, cast to float32 under `upcast` (held for a step)."""
+        return w.float() if self.upcast and w.dtype != torch.float32 else w
+
+    def signal(self, scaled: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Temperature-scaled logits (.., V) in the weights' dtype -> the self-conditioning input (.., d):
+        softmax(scaled) @ E, scaled as the embedding is."""
+        probs = scaled.softmax(-1, dtype=torch.float32).to(w.dtype)
+        return (probs @ w) * torch.tensor(self.cfg.hidden_size**0.5, dtype=w.dtype)
+
+    def hidden(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        masks: dict[bool, Mask],
+        cache: Any,
+        signal: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The canvas ids (B, L) against the cache -> the final-normed hidden states (B, L, d). signal: the
+        self-conditioning input (B, L, d) of the previous step (`signal`), or None at the first step."""
         dec = self.model.decoder
         x = self._embed(ids)
-        w = dec.embed_tokens.weight
-        if self_conditioning is None:
-            soft = torch.zeros_like(x)
-        else:
-            probs = self_conditioning.softmax(-1, dtype=torch.float32).to(w.dtype)
-            soft = (probs @ w) * torch.tensor(self.cfg.hidden_size**0.5, dtype=w.dtype)
-        x = dec.self_conditioning(x, soft)
+        x = dec.self_conditioning(x, torch.zeros_like(x) if signal is None else signal)
         h, _ = self._run(x, positions, masks, cache, encoder=False)
-        h = norm(h, dec.norm.weight, self.cfg.rms_norm_eps)
-        logits = F.linear(h.float(), w.float()) if self.upcast and h.dtype != torch.float32 else F.linear(h, w).float()
+        return norm(h, dec.norm.weight, self.cfg.rms_norm_eps)
+
+    def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """Hidden states (.., d) -> soft-capped logits (.., V) in float32; head: `head_matrix`'s."""
+        logits = F.linear(h.float(), head) if head.dtype == torch.float32 else F.linear(h, head).float()
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap and math.isfinite(cap) else logits
 

@@ -133,28 +133,42 @@ class Experts(nn.Module):
         N, k = experts.shape
         order = torch.sort(experts.reshape(-1))
         rows = x[order.indices // k]
-        counts = torch.bincount(order.values, minlength=self.gate_up_proj.shape[0])
+        counts = torch.bincount(order.values, minlength=self.num_experts)
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        h = _grouped(rows, self.gate_up_proj.transpose(-2, -1), offsets)
+        h = self.grouped(rows, "gate_up_proj", offsets)
         gate, up = h.chunk(2, dim=-1)
-        y = _grouped(F.gelu(gate, approximate="tanh") * up, self.down_proj.transpose(-2, -1), offsets)
+        y = self.grouped(F.gelu(gate, approximate="tanh") * up, "down_proj", offsets)
         y = y * weights.reshape(-1)[order.indices].unsqueeze(-1)
         back = torch.empty_like(order.indices)
         back[order.indices] = torch.arange(back.numel(), device=back.device)
         return y[back].view(N, k, -1).sum(1).to(x.dtype)
 
+    @property
+    def num_experts(self) -> int:
+        return int(self.gate_up_proj.shape[0])
 
-def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """x (S, i) rows grouped by expert (`offsets`: where each expert's rows end) @ w (E, i, o) -> (S, o)."""
-    grouped = getattr(F, "grouped_mm", None)
-    if grouped is not None and x.device.type == "cpu":  # transformers' path there (a GPU's takes bf16 only)
-        return grouped(x.to(w.dtype), w, offs=offsets)
-    out, start = x.new_zeros(x.shape[0], w.shape[2]), 0
-    for e, end in enumerate(offsets.tolist()):
-        if end > start:
-            out[start:end] = x[start:end] @ w[e]
-        start = end
-    return out
+    def matrix(self, name: str, e: int) -> torch.Tensor:
+        """Expert e's matrix of `name` (out, in) in the model's dtype."""
+        w: torch.Tensor = getattr(self, name)[e]
+        return w
+
+    def grouped(self, x: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
+        """x (S, i) rows grouped by expert (`offsets`: where each expert's rows end) @ each expert's `name`.T
+        -> (S, o): torch's grouped matmul on the CPU (transformers' path there; a GPU's takes bfloat16 only),
+        otherwise one expert at a time."""
+        stacked = getattr(self, name)
+        grouped = getattr(F, "grouped_mm", None)
+        if grouped is not None and x.device.type == "cpu" and stacked.is_floating_point():
+            return grouped(x.to(stacked.dtype), stacked.transpose(-2, -1), offs=offsets)
+        out, start = None, 0
+        for e, end in enumerate(offsets.tolist()):
+            if end > start:
+                y = x[start:end] @ self.matrix(name, e).t()
+                out = x.new_zeros(x.shape[0], y.shape[1], dtype=y.dtype) if out is None else out
+                out[start:end] = y
+            start = end
+        assert out is not None, "a token's rows go to some expert"
+        return out
 
 
 class Layer(nn.Module):

@@ -16,8 +16,8 @@ decoders in `decode/`):
 - `block` recomputes the prefix up to the active block at every step, without a cache;
 - `reference`, `dream` and `rnd1` run the whole canvas at every step, and the LM head on the positions a
   step predicts: the active block's masked ones (reference), the answer's (dream, rnd1);
-- `diffusion-gemma` holds a canvas x vocabulary of float32 logits and sampling buffers at every step, not
-  chunked, beside a cache of every layer's keys and values (`canvas_memory`).
+- `diffusion-gemma` runs the head and draws of a step a chunk of a row's positions at a time, beside a cache of
+  every layer's keys and values (`canvas_memory`).
 
 The LM head and the sampling run on at most `logit_chunk` positions at a time (`decode.predict.in_chunks`),
 so a step's logits stay within LOGIT_BUDGET per view however wide the batch and long the block. A position's
@@ -265,7 +265,7 @@ def plan(shape: Shape, req: Request) -> Estimate:
     elif rule == "canvas-vocab":
         from .canvas_memory import canvas_phases
 
-        phases.extend(canvas_phases(shape, req, weights_bytes(shape, req.dtype, req.quantize)))
+        phases.extend(canvas_phases(shape, req))
     elif rule in ("canvas-block", "canvas-answer"):
         act = _activations(shape, B * L, a, req.upcast)
         predicted = B * (W if rule == "canvas-block" else req.gen_length)  # a block's, or the whole answer's

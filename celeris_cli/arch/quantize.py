@@ -67,7 +67,7 @@ class _Int8(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized matrix (a transient copy in the model's dtype)."""
-        return (self.qweight.to(torch.float32) * self.weight_scale[:, None]).to(self.dtype)
+        return self.qweight.to(torch.float32).mul_(self.weight_scale[:, None]).to(self.dtype)
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         destination[prefix + "weight"] = self.qweight
@@ -216,9 +216,17 @@ def _int4_linear_of(group: int, dtype: torch.dtype) -> Convert:
 def prepare(model: nn.Module, dtype: torch.dtype, scheme: str = "int8") -> dict[str, Convert]:
     """Swap `model`'s linear layers and embeddings for quantized ones (in place; call it on the meta
     device); returns, for each weight to quantize, how its full-precision tensor becomes the new ones."""
+    from .gemma4 import Experts  # not at the top: gemma4's config module imports `layers`, which imports this
+
     plan: dict[str, Convert] = {}
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
+            if isinstance(child, Experts):  # DiffusionGemma's stacked routed experts
+                experts = QuantizedExperts(child, scheme, dtype)
+                setattr(parent, name, experts)
+                for n in EXPERTS:
+                    plan[f"{parent_name}.{name}.{n}" if parent_name else f"{name}.{n}"] = experts.convert(n)
+                continue
             if isinstance(child, nn.Linear):
                 rows, cols, bias = child.out_features, child.in_features, child.bias is not None
             elif isinstance(child, nn.Embedding):
@@ -248,7 +256,85 @@ def converter(
         how = plan.get(name)
         if how is None:
             return {name: t}
-        stem = name[: -len("weight")]
+        stem = name[: name.rindex(".") + 1]  # the module's prefix: its tensors are named by their own names
         return {stem + suffix: v for suffix, v in how(t).items()}
 
     return convert
+
+
+EXPERTS = ("gate_up_proj", "down_proj")  # the stacked tensors of a mixture's routed experts (`gemma4.Experts`)
+
+
+def _unnibble(p: torch.Tensor) -> torch.Tensor:
+    """`_nibbles`' inverse: two 0..15 a byte (..., cols // 2) -> (..., cols), the high half first."""
+    return torch.stack([p >> 4, p & 15], dim=-1).flatten(-2)
+
+
+class QuantizedExperts(nn.Module):
+    """Routed experts (`gemma4.Experts`) whose stacked tensors are kept quantized and dequantized one expert at a
+    time as it runs: int8 (a float32 scale per expert row), or int4 grouped along each row's inputs (two weights
+    a byte, a scale and a zero per group in the model's dtype; int8 for a tensor whose rows do not divide into
+    groups of 32). Saved under the float names: `gate_up_proj`, `down_proj`, with `_scale` (and `_zero`)."""
+
+    def __init__(self, experts: nn.Module, scheme: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype, self.groups = dtype, {}
+        self.full_params = 0  # the full-precision weights it stands for (the memory planner's shape)
+        for name in EXPERTS:
+            E, rows, cols = getattr(experts, name).shape
+            self.full_params += E * rows * cols
+            group = group_of(cols) if scheme == "int4" else None
+            self.groups[name] = group
+            if group is None:
+                self.register_buffer(name, torch.empty(E, rows, cols, dtype=torch.int8))
+                self.register_buffer(name + "_scale", torch.empty(E, rows, dtype=torch.float32))
+            else:
+                self.register_buffer(name, torch.empty(E, rows, cols // 2, dtype=torch.uint8))
+                self.register_buffer(name + "_scale", torch.empty(E, rows, cols // group, dtype=dtype))
+                self.register_buffer(name + "_zero", torch.empty(E, rows, cols // group, dtype=dtype))
+
+    def convert(self, name: str) -> Convert:
+        """How the loader turns the float stack (E, rows, cols) of `name` into this module's tensors."""
+        group = self.groups[name]
+
+        def convert(t: torch.Tensor) -> dict[str, torch.Tensor]:
+            """One expert at a time, so that no float32 copy of the whole stack is made."""
+            E, rows, cols = t.shape
+            if group is None:
+                q, scale = torch.empty(E, rows, cols, dtype=torch.int8, device=t.device), []
+                for e in range(E):
+                    q[e], s = quantize_rows(t[e])
+                    scale.append(s)
+                return {name: q, name + "_scale": torch.stack(scale)}
+            packed = torch.empty(E, rows, cols // 2, dtype=torch.uint8, device=t.device)
+            scales, zeros = [], []
+            for e in range(E):
+                q4, s, z = quantize_groups(t[e], group)
+                packed[e] = _nibbles(q4)
+                scales.append(s.to(self.dtype))
+                zeros.append(z.to(self.dtype))
+            return {name: packed, name + "_scale": torch.stack(scales), name + "_zero": torch.stack(zeros)}
+
+        return convert
+
+    def matrix(self, name: str, e: int) -> torch.Tensor:
+        """Expert e's matrix of `name` (out, in), dequantized in the model's dtype."""
+        q, scale = getattr(self, name)[e], getattr(self, name + "_scale")[e]
+        if self.groups[name] is None:
+            return (q.float().mul_(scale[:, None])).to(self.dtype)
+        zero = getattr(self, name + "_zero")[e]
+        return dequantize_groups(_unnibble(q), scale.float(), zero.float()).to(self.dtype)
+
+    @property
+    def num_experts(self) -> int:
+        return int(getattr(self, EXPERTS[0]).shape[0])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        from .gemma4 import Experts
+
+        return Experts.forward(self, x, weights, experts)  # type: ignore[arg-type]
+
+    def grouped(self, x: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
+        from .gemma4 import Experts
+
+        return Experts.grouped(self, x, name, offsets)  # type: ignore[arg-type]

@@ -275,17 +275,31 @@ class Tokenizer:
             )
         return self.word_pieces
 
-    def render_chat(self, prompt: str | list[dict[str, Any]]) -> str:
-        """Apply the chat template; `prompt` is a user message or an OpenAI-style message list."""
+    def render_chat(self, prompt: str | list[dict[str, Any]], options: dict[str, Any] | None = None) -> str:
+        """Apply the chat template; `prompt` is a user message or an OpenAI-style message list. options: the
+        template's own switches (`chat_template_kwargs`, such as `enable_thinking`), each one a variable the
+        template reads (one it does not read is refused by name: it would change nothing)."""
         if not self.chat_template:
             raise UsageError("--chat: this model has no chat_template in tokenizer_config.json")
-        from jinja2 import TemplateError
+        from jinja2 import TemplateError, meta
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        given = dict(options or {})
+        if given:
+            reads = meta.find_undeclared_variables(env.parse(self.chat_template)) - TEMPLATE_OWN
+            for key in sorted(given):
+                if key in TEMPLATE_OWN:
+                    raise UsageError(f"chat_template_kwargs: {key} is set by Celeris, not by a request")
+                if key not in reads:
+                    offer = ", ".join(sorted(reads)) or "none"
+                    raise UsageError(
+                        f"chat_template_kwargs: this model's chat template does not read {key!r} (it reads: {offer})"
+                    )
         try:
             return env.from_string(self.chat_template).render(
+                **given,
                 messages=messages,
                 add_generation_prompt=True,
                 bos_token=self.backend.piece(self.bos_id or 0) or "",
@@ -293,6 +307,9 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise UsageError(f"chat template failed to render: {e}") from None
+
+
+TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})  # what Celeris passes
 
 
 def _json_object(path: Path) -> dict[str, Any]:

@@ -5,6 +5,7 @@ otherwise batch by batch, each batch written as soon as it finishes."""
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -30,8 +31,28 @@ class Job:
     sample: int = 0  # which of the prompt's --samples this is
 
 
+def template_options(text: str | None) -> dict[str, Any] | None:
+    """--chat-template-kwargs: a JSON object, or None when not given."""
+    if text is None:
+        return None
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--chat-template-kwargs: not valid JSON ({e})") from None
+    if not isinstance(options, dict):
+        raise UsageError("--chat-template-kwargs: must be a JSON object, such as '{\"enable_thinking\": false}'")
+    return options
+
+
 def prepare(
-    engine: Any, params: Any, prompts: list[Prompt], bad: list[BadLine], chat: bool, strict: bool, samples: int
+    engine: Any,
+    params: Any,
+    prompts: list[Prompt],
+    bad: list[BadLine],
+    chat: bool,
+    strict: bool,
+    samples: int,
+    chat_options: dict[str, Any] | None = None,
 ) -> tuple[list[Job], int]:
     """Encode and check every prompt before any decoding. A bad argument fails the run; a bad file line is
     reported and skipped (with --strict it fails the run too, naming the line)."""
@@ -39,7 +60,7 @@ def prepare(
     ok: list[tuple[Prompt, list[int]]] = []
     for p in prompts:
         try:
-            ids = engine.encode_prompt(p.text, chat)
+            ids = engine.encode_prompt(p.text, chat, chat_options)
             engine.check_fits(len(ids), params)
         except UsageError as e:
             if p.line is None:

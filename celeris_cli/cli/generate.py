@@ -8,7 +8,7 @@ from typing import Any
 import typer
 
 from ..errors import EXIT_FAILED, EXIT_OK, CelerisError, UsageError
-from .answering import prepare, run
+from .answering import prepare, run, template_options
 from .app import MAX_MEMORY_HELP, QUANTIZE_HELP, DeviceOpt, DtypeOpt, QuantizeOpt, app, choice, fail
 from .constraint import choice_option, json_schema_option, regex_option, with_constraint
 from .knobs import given, with_knob_options
@@ -42,6 +42,12 @@ def generate(
     quantize: QuantizeOpt = choice(QuantizeOpt.none, "--quantize", help=QUANTIZE_HELP),
     max_memory: str = typer.Option(None, "--max-memory", metavar="SIZE", help=MAX_MEMORY_HELP),
     chat: bool = typer.Option(False, "--chat", help="Render prompts with the model's chat template."),
+    chat_template_kwargs: str = typer.Option(
+        None,
+        "--chat-template-kwargs",
+        metavar="JSON",
+        help="With --chat: the template's own switches, e.g. '{\"enable_thinking\": false}'.",
+    ),
     as_json: bool = typer.Option(
         False,
         "--json",
@@ -75,13 +81,18 @@ def generate(
                 from ..arch.memory import parse_size
 
                 parse_size(max_memory)
+            options = template_options(chat_template_kwargs)
+            if options is not None and not chat:
+                raise UsageError("--chat-template-kwargs: only with --chat (the chat template takes them)")
             prompts, bad = gather(list(args or []), list(prompt or []), file)
             overrides = given(with_constraint(knobs or {}, json_schema, regex, choices))
             from ..engine import load_engine
 
             engine = load_engine(model, device.value, dtype.value, quantize=quantize.value, max_memory=max_memory)
             params = engine.params(overrides)
-            jobs, skipped = prepare(engine, params, prompts, bad, chat, strict, samples)
+            if options is not None:  # its keys checked once, before any prompt
+                engine.tokenizer.render_chat("", options)
+            jobs, skipped = prepare(engine, params, prompts, bad, chat, strict, samples, options)
             fmt: Format = "json" if as_json else "jsonl" if as_jsonl else "text"
             sink = Sink(fmt, output, single=len(jobs) == 1 and not skipped)
         except CelerisError as e:

@@ -37,13 +37,15 @@ from typing import Any
 
 import torch
 
+from ..arch.canvas_memory import canvas_chunk
 from ..arch.gemma4 import Mask
 from ..errors import UsageError
 from ..params import NO_STRUCTURE, Blocks, CanvasNoise, Denoising, StopIds, Structure
 from ..structured.commit import Rule, Rules, note, short_error
+from .canvas_step import CanvasDraws, canvas_step
 from .sampling import RowNoise
 
-INIT, SAMPLE, RENOISE = 0, 1, 2  # the lanes of a row's stream (canvas start; each step's samples and redraws)
+INIT, RENOISE = 0, 2  # with SAMPLE (1), the lanes of a row's stream: canvas start, each step's redraws
 
 
 @dataclass(frozen=True)
@@ -55,39 +57,6 @@ class DiffusionGemmaPlan:
     noise: CanvasNoise
     stops: StopIds
     structure: Structure = NO_STRUCTURE  # rules come per row (`structured.commit`)
-
-
-class CanvasDraws:
-    """One batch's random numbers: each row's own counter-based stream, or torch generators (`noise: torch`)."""
-
-    def __init__(self, noise: RowNoise, torch_seeds: list[int] | None, vocab: int, device: torch.device) -> None:
-        self.noise, self.vocab, self.device = noise, vocab, device
-        self.gens = None if torch_seeds is None else [torch.Generator().manual_seed(s) for s in torch_seeds]
-
-    def tokens(self, rows: list[int], canvas: int, step: int, lane: int, length: int) -> torch.Tensor:
-        """Uniform token ids (len(rows), length)."""
-        if self.gens is not None:
-            out = [torch.randint(0, self.vocab, (1, length), generator=self.gens[r]) for r in rows]
-            return torch.cat(out).to(self.device)
-        u = self.noise.at(rows, canvas, step).uniform((length,), torch.float64, lane)
-        return (u * self.vocab).long().clamp_max(self.vocab - 1)
-
-    def sample(self, rows: list[int], canvas: int, step: int, probs: torch.Tensor) -> torch.Tensor:
-        """One token per position from probs (len(rows), L, V): torch's `multinomial`, or the inverse of the
-        cumulative distribution at one uniform per position."""
-        if self.gens is not None:
-            V = probs.shape[-1]
-            out = [torch.multinomial(p.cpu().view(-1, V), 1, generator=self.gens[r]) for r, p in zip(rows, probs)]
-            return torch.stack(out).view(probs.shape[:2]).to(self.device)
-        u = self.noise.at(rows, canvas, step).uniform((probs.shape[1],), torch.float64, SAMPLE)
-        cdf = probs.double().cumsum(-1)
-        picked = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None]).squeeze(-1)
-        return picked.clamp_max(probs.shape[-1] - 1)
-
-
-def entropy(scaled: torch.Tensor) -> torch.Tensor:
-    """Each position's entropy (.., V) -> (..), as torch's `Categorical(logits=...)` computes it."""
-    return torch.distributions.Categorical(logits=scaled).entropy()
 
 
 class Context:
@@ -137,6 +106,14 @@ class Context:
         self.cache = self.model.encode(ids, positions, self._masks(ids.shape[1], True), self.cache)
 
     def denoise(self, canvas: torch.Tensor, self_conditioning: torch.Tensor | None) -> torch.Tensor:
+        """The canvas's logits (B, L, V) all at once, from the previous step's scaled logits (or None)."""
+        return self._decoder_pass(canvas, lambda *a: self.model.denoise(*a, self_conditioning))
+
+    def hidden(self, canvas: torch.Tensor, signal: torch.Tensor | None) -> torch.Tensor:
+        """The canvas's final hidden states (B, L, d), from the self-conditioning input `signal` (or None)."""
+        return self._decoder_pass(canvas, lambda *a: self.model.hidden(*a, signal))
+
+    def _decoder_pass(self, canvas: torch.Tensor, run: Any) -> torch.Tensor:
         L = canvas.shape[1]
         self.net.nfe += 1
         self.net.positions_computed += canvas.numel()
@@ -144,8 +121,8 @@ class Context:
         self.real = torch.cat([real, torch.ones_like(canvas, dtype=torch.bool)], 1)
         masks = self._masks(L, False)
         self.real = real
-        logits: torch.Tensor = self.model.denoise(canvas, self.positions(L), masks, self.cache, self_conditioning)
-        return logits
+        out: torch.Tensor = run(canvas, self.positions(L), masks, self.cache)
+        return out
 
     def positions(self, L: int) -> torch.Tensor:
         return self.next_pos[:, None] + torch.arange(L, device=self.real.device)[None, :]
@@ -172,15 +149,19 @@ def denoise_canvas(
     j: int,
     done: torch.Tensor,
     rules: Rules | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """One canvas's denoising loop over the canvases x (B, L) -> the argmax canvases (under a constraint, the
-    committed canvas). Rows already `done` (an answer finished earlier) draw nothing and change nothing."""
+    committed canvas). Rows already `done` (an answer finished earlier) draw nothing and change nothing.
+    chunk: the positions of a row a step computes at a time (`canvas_chunk`'s; `noise: torch` draws a row's
+    canvas at once, as its generate does)."""
     B, L = x.shape
-    argmax, sc = x, None
+    V = ctx.model.cfg.vocab_size
+    chunk = L if draws.gens is not None else chunk or canvas_chunk(V, L)
+    argmax, signal = x, None
     adaptive = d.confidence_threshold is not None
     history = torch.full((d.stability_threshold, B, L), -1, dtype=x.dtype, device=x.device)
     done, gone = done.clone(), done.clone()
-    dtype = ctx.model.model.decoder.embed_tokens.weight.dtype
     held = {
         b: _Held(r, j * L) for b, r in enumerate(rules or []) if r is not None and r.constrained and not bool(done[b])
     }
@@ -194,31 +175,23 @@ def denoise_canvas(
             done = done | ~torch.isin(torch.arange(B, device=x.device), torch.tensor(open_, device=x.device))
         live = (~done).nonzero().flatten().tolist()
         at = (~done).nonzero().flatten()
-        # the untempered logits are kept only for a constrained row (its log probabilities); otherwise they
-        # are freed at once, as the planner (`arch.canvas_memory`) counts them
-        raw = ctx.denoise(x, sc) if held else None
-        scaled = (raw if raw is not None else ctx.denoise(x, sc)) / temperature(d, cur, steps).to(x.device)
-        probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
-        drawn = x.clone()
-        drawn[at] = draws.sample(live, j, i + 1, probs[at])  # a finished row draws nothing (as alone)
-        new_argmax = scaled.argmax(-1)
-        ent = entropy(scaled)
-        low, order = torch.sort(ent, dim=-1)
+        T = temperature(d, cur, steps).to(x.device)
+        hidden = ctx.hidden(x, signal)  # (B, L, d)
+        step = canvas_step(ctx.model, hidden, x, signal, T, draws, live, j, i + 1, chunk, set(held) & set(live))
+        low, order = torch.sort(step.entropy, dim=-1)
         keep = torch.zeros_like(done[:, None].expand(B, L)).scatter(1, order, low.cumsum(-1) - low <= d.entropy_bound)
         fresh = x.clone()
         fresh[at] = draws.tokens(live, j, i + 1, RENOISE, L)
-        new_x = torch.where(keep, drawn, fresh)
+        new_x, new_argmax = torch.where(keep, step.drawn, fresh), step.argmax
         for b, h in held.items():
             if not bool(done[b]) and not h.closed(L):
-                assert raw is not None
-                h.step(b, scaled, probs, drawn, keep, draws, j, i + 1, raw)
+                raw, scaled, probs = step.whole[b]
+                h.step(b, scaled, probs, step.drawn[b], keep[b], draws, j, i + 1, raw)
             new_x[b, : len(h.ids)] = torch.tensor(h.ids, dtype=x.dtype, device=x.device)
         if adaptive or bool(gone.any()) or i >= steps:  # past the schedule, the rows done are frozen too
             frozen = done[:, None]
             new_argmax = torch.where(frozen, argmax, new_argmax)
             new_x = torch.where(frozen, x, new_x)
-            if sc is not None:
-                scaled = torch.where(frozen[..., None], sc, scaled)
         if d.confidence_threshold is not None:
             if d.stability_threshold == 0:
                 stable = torch.ones_like(done)
@@ -226,10 +199,10 @@ def denoise_canvas(
                 stable = (history == new_argmax[None]).all(-1).all(0)
                 history = torch.roll(history, -1, 0)
                 history[-1] = new_argmax
-            done |= stable & (entropy(scaled).mean(-1) < d.confidence_threshold)
+            done |= stable & (step.entropy.mean(-1) < d.confidence_threshold)  # a frozen row is done already
         for b, h in held.items():  # a constrained row is done when its canvas is committed, not when stable
             done[b] = h.closed(L)
-        x, argmax, sc = new_x, new_argmax, scaled.to(dtype)  # as its generate keeps them, in the weights' dtype
+        x, argmax, signal = new_x, new_argmax, step.signal
         if bool(done.all()):
             break
     for b, h in held.items():
@@ -266,9 +239,10 @@ class _Held:
         i: int,
         raw: torch.Tensor,
     ) -> None:
-        """One step's commits: the leftmost open position under the mask, then the grammar's own tokens and
-        the kept samples it accepts, in order."""
-        c0, L, vocab = len(self.ids), scaled.shape[1], self.grammar.vocab
+        """One step's commits for row b, from its own (L, V) scaled logits, probabilities and untempered logits
+        and its (L,) draws and keeps: the leftmost open position under the mask, then the grammar's own tokens
+        and the kept samples it accepts, in order."""
+        c0, L, vocab = len(self.ids), scaled.shape[0], self.grammar.vocab
         allowed = self.grammar.allowed(scaled.device)[: scaled.shape[-1]]
         if not bool(allowed.any()):
             why = short_error(self.grammar.error())
@@ -276,22 +250,22 @@ class _Held:
             self.rule.ended = True
             self.ids.append(vocab.eos_id)
             return
-        masked = probs[b].clone()
+        masked = probs.clone()
         masked[c0] = torch.where(allowed, masked[c0], 0.0)
         if not bool(masked[c0].sum() > 0):  # every allowed token underflowed: the likeliest allowed one
-            best = scaled[b, c0].masked_fill(~allowed, -torch.inf).argmax()
+            best = scaled[c0].masked_fill(~allowed, -torch.inf).argmax()
             masked[c0] = torch.zeros_like(masked[c0]).index_fill(0, best, 1.0)
         token = int(draws.sample([b], j, i, masked[None])[0, c0])
-        self._take(token, raw[b, c0 : c0 + 1], allowed, c0)
+        self._take(token, raw[c0 : c0 + 1], allowed, c0)
         forced: list[int] = []
         while not self.closed(L):
             c = len(self.ids)
             forced = forced or self.grammar.forced()
-            token = forced.pop(0) if forced else int(drawn[b, c]) if bool(keep[b, c]) else -1
+            token = forced.pop(0) if forced else int(drawn[c]) if bool(keep[c]) else -1
             here = self.grammar.allowed(scaled.device)[: scaled.shape[-1]]
             if token < 0 or not bool(here[token]):
                 return
-            self._take(token, raw[b, c : c + 1], here, c)
+            self._take(token, raw[c : c + 1], here, c)
 
     def _take(self, token: int, logits: torch.Tensor, allowed: torch.Tensor, c: int) -> None:
         self.grammar.take(token)
@@ -312,10 +286,12 @@ def generate_diffusion_gemma(
     pad_id: int,
     noise: RowNoise,
     rules: Rules | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """prompt (B, P) left-padded -> (B, P + canvases * block_length): every row's answer in whole canvases, the
     positions after its first stop id holding the pad token. rules: each row's constraint (`structured.commit`;
-    the module's docstring), or None."""
+    the module's docstring), or None. chunk: the positions a step computes at a time (`canvas_chunk`'s by
+    default; the answer does not depend on it)."""
     B, P = prompt.shape
     L, V = plan.blocks.block_length, net.model.cfg.vocab_size
     pinned = plan.noise.initial_canvases
@@ -338,7 +314,7 @@ def generate_diffusion_gemma(
         x[rows] = draws.tokens(rows, j, 0, INIT, L)
         if j < len(pinned):
             x[:] = torch.tensor(pinned[j], device=prompt.device, dtype=prompt.dtype)
-        canvas = denoise_canvas(ctx, x, steps, plan.denoising, draws, j, finished, rules)
+        canvas = denoise_canvas(ctx, x, steps, plan.denoising, draws, j, finished, rules, chunk)
         canvas[finished] = pad_id
         out[:, j * L : (j + 1) * L] = canvas
         hit = torch.isin(canvas, stop) & ~finished[:, None]

@@ -175,6 +175,7 @@ class CompletionBody(_Body):
 
 class ChatBody(_Body):
     messages: Annotated[list[Message], Field(max_length=MAX_PROMPTS)]
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's switches, e.g. enable_thinking (vLLM's name)
     max_completion_tokens: Size | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
@@ -182,6 +183,7 @@ class ChatBody(_Body):
 
 # body keys handled here, not generation settings
 _OWN = {"model", "prompt", "messages", "stream", "stream_options", "user", "n", "logprobs", "echo", "best_of"}
+_OWN |= {"chat_template_kwargs"}  # a chat's, passed to its template
 _OWN |= {
     "suffix",
     "top_logprobs",
@@ -229,7 +231,8 @@ def to_requests(body: CompletionBody | ChatBody, request_id: str, max_tokens: in
         if not body.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         messages = [m.text() for m in body.messages]
-        return [(Request(request_id, 0, messages=messages, params=params), None)]
+        switches = body.chat_template_kwargs
+        return [(Request(request_id, 0, messages=messages, params=params, chat_template_kwargs=switches), None)]
     prompts: list[Any] = body.prompt if isinstance(body.prompt, list) and not _ids(body.prompt) else [body.prompt]
     out: list[Prompt] = []
     for i, prompt in enumerate(prompts):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import CelerisError, ConfigError
+from ..errors import CelerisError, ConfigError, UsageError
 from ..params import check_fits, script_of
 from .formats import Request
 
@@ -95,7 +95,9 @@ class Preparer:
             self.tokenizer.require_word_pieces()
         if request.messages is not None:
             if self.tokenizer.chat_template:
-                ids = self.tokenizer.encode(self.tokenizer.render_chat(request.messages))
+                ids = self.tokenizer.encode(self.tokenizer.render_chat(request.messages, request.chat_template_kwargs))
+            elif request.chat_template_kwargs:
+                raise UsageError("chat_template_kwargs: this model has no chat template to take them")
             else:  # a completion model: the conversation's text is the prompt
                 ids = self.tokenizer.encode_prompt("\n".join(m["content"] for m in request.messages))
             text = request.messages[-1]["content"]

@@ -46,6 +46,7 @@ class Request:
     params: dict[str, Any] = field(default_factory=dict)
     attempt: int = 1
     origin: dict[str, Any] | None = None  # for retried requests: where the first attempt came from
+    chat_template_kwargs: dict[str, Any] | None = None  # the chat template's switches (with messages only)
 
     def body(self) -> dict[str, Any]:
         """The request as a self-contained simple-JSONL object (what `retry` resubmits)."""
@@ -54,6 +55,8 @@ class Request:
             out["messages"] = self.messages
         else:
             out["prompt"] = self.prompt
+        if self.chat_template_kwargs is not None:
+            out["chat_template_kwargs"] = self.chat_template_kwargs
         out.update(self.params)
         return out
 
@@ -253,11 +256,16 @@ def _parse_jsonl(number: int, text: str) -> Request | LineError:
         params = {k: v for k, v in obj.items() if k not in own and not asks_nothing(k, v)}
         content = obj
     prompt, messages = content.get("prompt"), content.get("messages")
+    switches = params.pop("chat_template_kwargs", None)
+    if switches is not None and (not isinstance(switches, dict) or messages is None):
+        why = "a JSON object" if not isinstance(switches, dict) else "given with messages (a chat), not a prompt"
+        return LineError(number, "bad_param", f"chat_template_kwargs must be {why}", obj, custom_id)
     if messages is not None:
         texts = _message_texts(messages)
         if isinstance(texts, tuple):  # (code, message)
             return LineError(number, *texts, obj, custom_id)
-        return Request(custom_id, number, messages=texts, params=params, attempt=attempt, origin=origin)
+        return Request(custom_id, number, messages=texts, params=params, attempt=attempt, origin=origin,
+                       chat_template_kwargs=switches)  # fmt: skip
     if not isinstance(prompt, str) or not prompt.strip():
         return LineError(
             number, "missing_prompt", 'no prompt: give a non-empty string "prompt" or "messages"', obj, custom_id
