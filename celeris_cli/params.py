@@ -791,6 +791,10 @@ class GenerationParams:
     # block (False); the last layer that named one of them decides (`steps_unit`)
     steps_total: bool = False
     explicit: frozenset[str] = field(default=frozenset(), compare=False, repr=False)  # keys users set
+    # the model's strategies in its order (a model folder's defaults give them): where no user layer chose a
+    # strategy and the default cannot honour a setting a user asked for (a constraint, log probabilities on a
+    # diffusion default), the first of them that honours every setting asked runs instead (`_able`)
+    strategies: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         """Every value is checked however the record is built (constructor, `replace`, `from_mapping`)."""
@@ -813,9 +817,18 @@ class GenerationParams:
         base = base or cls()
         explicit = base.explicit | frozenset(layer)
         total = steps_unit(layer, base.steps_total, _spelled(values))
-        merged = replace(base, **layer, explicit=explicit, steps_total=total)
+        merged = replace(base, **layer, explicit=explicit, steps_total=total)._able()
         merged._check(frozenset(layer), _spelled(values))
         return merged._settle()
+
+    def _able(self) -> GenerationParams:
+        """These settings under the model's first strategy that honours every setting a user asked for, where
+        none chose one and the default does not (see `strategies`); otherwise unchanged, so that `_check`
+        names what the strategy cannot honour."""
+        if "strategy" in self.explicit or all(k in honoured(self.strategy) for k in self.explicit):
+            return self
+        able = next((s for s in self.strategies if all(k in honoured(s) for k in self.explicit)), None)
+        return replace(self, strategy=able) if able else self
 
     def with_(self, **changes: Any) -> GenerationParams:
         return GenerationParams.from_mapping(changes, self)

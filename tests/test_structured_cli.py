@@ -90,3 +90,18 @@ def test_a_constraint_past_its_budget_is_an_error_naming_it(tmp_path: Path) -> N
     )
     r = runner.invoke(app, ["generate", "--prompt", "x", "--json-schema", str(schema)])
     assert r.exit_code == 2 and "Error: " in r.output and "oneOf" in r.output, r.output
+
+
+def test_a_constraint_on_the_diffusion_default_runs_under_the_models_strategy_that_holds_it() -> None:
+    """The default model decodes by diffusion (`nemotron`), which holds no constraint: with no strategy chosen,
+    the model's first strategy that honours every setting asked (`spec`) runs it; a strategy chosen by name is
+    never swapped, and one that cannot honour the constraint is refused by name."""
+    r = runner.invoke(app, ["generate", "--prompt", "x", "--regex", "[a-z]{4}", "--gen-length", "8", "--jsonl"])
+    assert r.exit_code == 0, r.output
+    answer = json.loads(r.stdout.splitlines()[0])
+    assert answer["settings"]["strategy"] == "spec" and re.fullmatch("[a-z]{4}", answer["text"])
+    plain = runner.invoke(app, ["generate", "--prompt", "x", "--gen-length", "8", "--jsonl"])
+    assert json.loads(plain.stdout.splitlines()[0])["settings"]["strategy"] == "nemotron"
+    chosen = ["generate", "--prompt", "x", "--regex", "[a-z]{4}", "--strategy", "nemotron"]
+    refused = runner.invoke(app, chosen)
+    assert refused.exit_code == 2 and "not used by the nemotron strategy" in refused.output

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -204,7 +204,8 @@ class ModelFolder:
         strategy first). Accepts both Celeris's own keys and the file `transformers` writes; keys neither
         knows are ignored (logged)."""
         try:
-            return GenerationParams.defaults_from(self.arch.layer(self.config), self._layer[0])
+            params = GenerationParams.defaults_from(self.arch.layer(self.config), self._layer[0])
+            return replace(params, strategies=(params.strategy, *self.arch.strategies))
         except UsageError as e:
             raise ModelError(f"{self.path / GENERATION_CONFIG}: {e}") from None
 
