@@ -21,11 +21,15 @@ forwards it takes and the time.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ..arch.exact import exactly
+from ..params import draft_coin
 
 PRIOR_YIELD = 1.3  # tokens per row per drafting round assumed before any draft has been verified
 MARGIN = 1.05  # drafting must look this much faster than the AR step: a wrong "yes" costs more than a wrong "no"
@@ -70,8 +74,13 @@ class Pace:
         self.policy, self.width = policy, width
         self.cost = cost if cost is not None or policy != "auto" else calibrate(net.model)
         self.learned = learned if learned is not None else Learned()  # this decode's own, unless kept
+        seed = draft_coin(policy)
+        self.coin = random.Random(seed) if seed is not None else None  # `random:SEED`: a schedule a test forces
 
     def drafts(self, b: int, k: torch.Tensor) -> bool:
+        if self.coin is not None:  # tossed every round, even where nothing can draft: one toss a round
+            heads = self.coin.random() < 0.5
+            return heads and self.width >= 2
         if self.width < 2 or self.policy == "never":
             return False
         if self.policy == "always":
@@ -102,6 +111,11 @@ _CALIBRATION = ((1, 1), (1, 8), (4, 1), (4, 8), (16, 1), (16, 8), (64, 1), (64, 
 @torch.no_grad()
 def calibrate(model: Any, shapes: tuple[tuple[int, int], ...] = _CALIBRATION) -> ForwardCost:
     """Fit `ForwardCost` to the model's forward times at `shapes` (rows, columns) on its device and dtype."""
+    with exactly():  # the arithmetic a round runs (`arch.exact`)
+        return _calibrate(model, shapes)
+
+
+def _calibrate(model: Any, shapes: tuple[tuple[int, int], ...]) -> ForwardCost:
     device = next(model.parameters()).device
     xs: list[int] = []
     ys: list[float] = []
