@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ..arch.exact import exactly
 from ..arch.kv import KVCache
 from ..arch.packed import Segment, packed_layers
 from ..params import NO_SHAPING, NO_STRUCTURE, Drafting, Sampling, Shaping, Structure
@@ -117,6 +118,10 @@ class SpecRows:
     def lay_batch(self, prompt: torch.Tensor, prompt_mask: torch.Tensor, rules: Rules | None) -> None:
         """A static batch into these (empty) rows: the left-padded prompts (B, P), prefilled in one causal
         forward; row b is stream b."""
+        with exactly():
+            self._lay_batch(prompt, prompt_mask, rules)
+
+    def _lay_batch(self, prompt: torch.Tensor, prompt_mask: torch.Tensor, rules: Rules | None) -> None:
         B, P = prompt.shape
         G = self.plan.drafting.gen_length
         cv = CausalCanvas(self.net, prompt, prompt_mask, G + 2 * self.W, self.mask_id)  # room for a round past it
@@ -133,6 +138,10 @@ class SpecRows:
         The cache is allocated at the first rows with `first` (slots, length: what the rows on their way
         need), at least what these need; with too few slots they double, up to `slots` (the running set's
         width), and a canvas longer than the cache holds doubles its length."""
+        with exactly():
+            self._join(joining, slots, first)
+
+    def _join(self, joining: list[Joining], slots: int, first: tuple[int, int]) -> None:
         dev, b, n = self.device, len(self.idx), len(joining)
         C = max(len(j.prompt) + j.gen_length + 2 * j.width for j in joining)
         if self.cache is None:
@@ -277,6 +286,10 @@ class SpecRows:
     def round(self) -> int:
         """One round: each row's AR step, or its verify-and-draft forward (`Pace`'s choice); returns the
         positions it computed."""
+        with exactly():
+            return self._round()
+
+    def _round(self) -> int:
         b, dev = len(self.idx), self.device
         sampling, shaping, t = self.plan.sampling, self.plan.shaping, self.plan.sampling.temperature
         mask_id, stop, live, noise, net = self.mask_id, self.stop, self.live, self.noise, self.net
