@@ -30,7 +30,13 @@ def test_a_querys_result_is_its_own_whatever_the_shape_around_it() -> None:
                       torch.randn(H, D, generator=g))  # fmt: skip
         want = _by_hand(q0, k0, v0)
         results = []
-        for T, B, row, lead, extra in ((1, 1, 0, 0, 0), (8, 3, 1, 0, 5), (20, 5, 4, 7, 70), (3, 2, 0, 2, 0)):
+        for T, B, row, lead, extra in (
+            (1, 1, 0, 0, 0),
+            (8, 3, 1, 0, 5),
+            (20, 5, 4, 7, 70),
+            (3, 2, 0, 2, 0),
+            (90, 2, 1, 3, 0),
+        ):
             L = lead + s + T + extra
             k, v = torch.randn(B, H, L, D, generator=g), torch.randn(B, H, L, D, generator=g)
             q = torch.randn(B, H, T, D, generator=g)
