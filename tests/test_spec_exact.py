@@ -167,27 +167,24 @@ def test_answers_equal_never_alone_under_random_schedules_batch_mates_and_admiss
 
 
 def test_mixed_answer_lengths_and_draft_widths_through_one_running_set(engine) -> None:  # type: ignore[no-untyped-def]
-    """Issue 53's crash: one long prompt with a short answer beside short prompts with long ones, each its own
-    draft width, drafting every round and by the clock; a drafting round pads every row to the widest's
-    masks, which must fit each row's canvas."""
-    layers = [
-        (LONG, {"gen_length": 16, "denoise_steps": 2, "temperature": 0.8}),
-        *[(p, {"gen_length": g, "denoise_steps": s, "temperature": t}) for p, g, s, t in (
-            ("The old man", 24, 12, 0.7), ("It was late", 40, 4, 1.0), ("The river", 64, 8, 0.9),
-            ("At night", 32, 16, 0.7), ("床前明月光，", 48, 6, 1.0), ("She opened the door", 24, 2, 0.8),
-            ("白日依山尽，", 64, 32, 0.7),
-        )],
-        ("The river", {"gen_length": 20, "denoise_steps": 20}),
-    ]  # fmt: skip
-    for drafting in ("always", "random:11"):
-        requests = [(p, engine.params_for(p, engine.params({**layer, "drafting": drafting})), 7) for p, layer in layers]
-        got = engine.decode_running(
-            [p for p, _, _ in requests], [engine.encode_prompt(p) for p, _, _ in requests],
-            [q for _, q, _ in requests], [s for _, _, s in requests], 4,
-        )  # fmt: skip
-        want = _never_alone(engine, requests)
-        for r, (prompt, params, _), ids in zip(got, requests, want):
-            assert r.text == engine.finish(ids, params.stop, engine.encode_prompt(prompt), params.stop_token_ids)[0]
+    """Issue 53's crash: one long prompt with a short answer (draft width 1, the lane's longest canvas) beside
+    short prompts with long answers and wider drafts, in one lane (one sampler); a drafting round pads every
+    row to the widest row's columns, which must fit the long row's canvas near its end."""
+    short = (("The old man", 24, 3), ("It was late", 40, 5), ("The river", 64, 8), ("At night", 32, 4))
+    layers = [(LONG * 3, 16, 16), *short]
+    for sampler in ({"temperature": 0.0}, {"temperature": 0.9, "min_tokens": 20}):
+        for drafting in ("always", "random:11"):
+            settings = [engine.params({**sampler, "gen_length": g, "denoise_steps": s, "drafting": drafting})
+                        for _, g, s in layers]  # fmt: skip
+            requests = [(p, q, 7 + i) for i, ((p, _, _), q) in enumerate(zip(layers, settings))]
+            got = engine.decode_running(
+                [p for p, _, _ in requests], [engine.encode_prompt(p) for p, _, _ in requests],
+                [q for _, q, _ in requests], [s for _, _, s in requests], 5,
+            )  # fmt: skip
+            assert engine.last_occupancy is not None and engine.last_occupancy.forwards == engine.last_occupancy.rounds
+            want = _never_alone(engine, requests)
+            for r, (prompt, params, _), ids in zip(got, requests, want):
+                assert r.text == engine.finish(ids, params.stop, engine.encode_prompt(prompt))[0]
 
 
 @pytest.mark.parametrize("bad", ["random", "random:", "random:x", "random:-1", "Random:1", "random:1.5", "sometimes"])
@@ -246,3 +243,29 @@ def test_a_positions_logits_are_the_same_bits_whatever_the_schedule(engine, monk
     for key in shared:
         assert torch.equal(runs["never"][key], runs["always"][key])
         assert torch.equal(runs["never"][key], runs["random:5"][key])
+
+
+def test_rows_that_differ_in_sampler_share_a_forward_and_an_empty_lane_is_given_back(engine) -> None:  # type: ignore[no-untyped-def]
+    """A lane is a forward's shape: rows of four temperatures and two shapings (the script presets) run in one
+    lane a drafting policy, one forward a round; a lane whose rows have all left holds no cache; every answer
+    is its own alone."""
+    prompts = ["The old man", "床前明月光，", "It was late", "白日依山尽，", "The river", "At night"]
+    temperatures, policies = (0.0, 0.7, 0.9, 1.0, 0.7, 0.0), ["always"] * 4 + ["never"] * 2
+    settings = [
+        engine.params_for(p, engine.params({"gen_length": g, "temperature": t, "drafting": d, "denoise_steps": 4}))
+        for p, g, t, d in zip(prompts, (8, 20, 12, 6, 16, 10), temperatures, policies)
+    ]
+    assert len({(q.part("sampling"), q.part("shaping")) for q in settings}) >= 4
+    scheduler, _ = engine._scheduler(settings, 6)
+    scheduler.add(engine._request(i, engine.encode_prompt(p), q, 5) for i, (p, q) in enumerate(zip(prompts, settings)))
+    got, lanes_seen = {}, []
+    for key, out, _ in scheduler.run():
+        got[key] = out
+        lanes_seen.append(len(scheduler.lanes))
+        assert all(len(lane.idx) for lane in scheduler.lanes.values())  # no lane held empty
+    assert max(lanes_seen) == 2  # one per drafting policy, whatever the samplers
+    assert scheduler.occupancy.forwards <= 2 * scheduler.occupancy.rounds
+    assert not scheduler.lanes and not scheduler.noise.seeds  # nothing kept once every row has left
+    requests = list(zip(prompts, settings, [5] * len(prompts)))
+    stops = engine._special(settings[0]).stop_ids
+    assert [_cut(got[i], stops) for i in range(len(prompts))] == _never_alone(engine, requests)
