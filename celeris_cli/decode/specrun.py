@@ -186,7 +186,7 @@ class SpecScheduler(RunningSet[SpecRequest]):
         self._forget([int(lane.idx[i]) for i in done])
         if dead and (self.waiting or 4 * len(dead) >= len(lane.idx)):
             lane.drop(lane.live.clone())
-        for key, empty in list(self.lanes.items()):  # a lane whose rows have all left gives its cache back at once
+        for name, empty in list(self.lanes.items()):  # a lane whose rows have all left gives its cache back at once
             if not len(empty.idx):
-                del self.lanes[key]
+                del self.lanes[name]
         yield from answers
