@@ -28,6 +28,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -68,43 +69,75 @@ def bucket(n: torch.Tensor) -> torch.Tensor:
     return ((n + KEY_TILE - 1) // KEY_TILE).clamp_min(1) * KEY_TILE
 
 
+@dataclass(frozen=True)
+class _Window:
+    """The queries of one window size in one forward: where each sits (b_of, t_of), its tile (group) and row
+    in it (nth), each tile's row and key columns (gb, cols: G x w), and what each tile row may see."""
+
+    b_of: torch.Tensor
+    t_of: torch.Tensor
+    group: torch.Tensor
+    nth: torch.Tensor
+    rows: int  # M: the tile's rows, a multiple of QUERY_TILE
+    gb: torch.Tensor
+    cols: torch.Tensor
+    allowed: torch.Tensor  # (G, M, w) bool
+
+
+_last: tuple[object, tuple[int, ...], list[_Window]] | None = None  # the last forward's: each layer's the same
+
+
+def _windows(mask: torch.Tensor | None, B: int, T: int, L: int, device: torch.device) -> list[_Window]:
+    """The queries' windows and tiles for this mask, worked out once per forward (every layer of one forward
+    is given the same mask object)."""
+    global _last
+    shape = (B, T, L, mask._version if mask is not None else 0)  # a mask changed in place is another mask
+    if _last is not None and mask is not None and _last[0] is mask and _last[1] == shape:
+        return _last[2]
+    seen = torch.ones(B, T, L, dtype=torch.bool, device=device) if mask is None else mask[:, 0].expand(B, T, L)
+    anything = seen.any(-1)  # (B, T)
+    lo = torch.where(anything, seen.int().argmax(-1), 0)
+    hi = torch.where(anything, L - seen.flip(-1).int().argmax(-1), 0)
+    window = bucket(hi - lo)
+    out = []
+    for w in window[anything].unique().tolist():
+        b_of, t_of = (anything & (window == w)).nonzero(as_tuple=True)  # this window's queries, row-major
+        key = b_of * (L + 1) + lo[b_of, t_of]  # the queries of one row from one lo share their keys
+        groups, group = torch.unique_consecutive(key, return_inverse=True)
+        first = torch.searchsorted(key, groups)  # each group's first query
+        nth = torch.arange(len(key), device=device) - first[group]  # its place in its group
+        M = int(nth.max()) // QUERY_TILE * QUERY_TILE + QUERY_TILE
+        gb, glo = b_of[first], lo[b_of[first], t_of[first]]
+        cols = glo[:, None] + torch.arange(w, device=device)[None, :]  # (G, w)
+        inside = cols < L
+        cols = cols.clamp_max(L - 1)  # a window past the keys reads the last one again, never seen (below)
+        allowed = torch.ones(len(groups), M, w, dtype=torch.bool, device=device)  # padding rows: dropped
+        own = seen[b_of, t_of][torch.arange(len(key), device=device)[:, None], cols[group]]
+        allowed[group, nth] = own & inside[group]
+        out.append(_Window(b_of, t_of, group, nth, M, gb, cols, allowed))
+    if mask is not None:
+        _last = (mask, shape, out)
+    return out
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Scaled dot-product attention, q (B, H, T, D) over k, v (B, Hkv, L, D), mask bool broadcastable to
     (B, 1, T, L) (True = may attend; the same for every head), each query computed as described above.
     A query that sees no key gets zeros. Returns (B, H, T, Dv) in q's dtype, computed in k's dtype."""
     B, H, T, D = q.shape
-    L, Hkv = k.shape[2], k.shape[1]
-    dev = q.device
-    seen = torch.ones(B, T, L, dtype=torch.bool, device=dev) if mask is None else mask[:, 0].expand(B, T, L)
-    anything = seen.any(-1)  # (B, T)
-    lo = torch.where(anything, seen.int().argmax(-1), 0)
-    hi = torch.where(anything, L - seen.flip(-1).int().argmax(-1), 0)
-    window = bucket(hi - lo)
+    Hkv = k.shape[1]
     y = q.new_zeros(B, H, T, v.shape[-1])
-    kpad = torch.cat([k, k.new_zeros(B, Hkv, int(window.max()), D)], 2)  # every window inside the tensor
-    vpad = torch.cat([v, v.new_zeros(B, Hkv, int(window.max()), v.shape[-1])], 2)
-    mpad = torch.cat([seen, seen.new_zeros(B, T, int(window.max()))], 2)
     scale = 1.0 / math.sqrt(D)
-    for w in window[anything].unique().tolist():
-        b_of, t_of = (anything & (window == w)).nonzero(as_tuple=True)  # this window's queries, row-major
-        key = b_of * (L + 1) + lo[b_of, t_of]  # the queries of one row from one lo share their keys
-        groups, group = torch.unique_consecutive(key, return_inverse=True)
-        G = len(groups)
-        first = torch.searchsorted(key, groups)  # each group's first query
-        nth = torch.arange(len(key), device=dev) - first[group]  # its place in its group
-        M = int(nth.max()) // QUERY_TILE * QUERY_TILE + QUERY_TILE
-        gb, glo = b_of[first], lo[b_of[first], t_of[first]]
-        cols = glo[:, None] + torch.arange(w, device=dev)[None, :]  # (G, w)
-        ks = kpad[gb[:, None], :, cols].transpose(1, 2)  # (G, Hkv, w, D)
-        vs = vpad[gb[:, None], :, cols].transpose(1, 2)
+    for win in _windows(mask, B, T, k.shape[2], q.device):
+        G = win.cols.shape[0]
+        ks = k[win.gb[:, None], :, win.cols].transpose(1, 2)  # (G, Hkv, w, D)
+        vs = v[win.gb[:, None], :, win.cols].transpose(1, 2)
         if Hkv != H:
             ks, vs = ks.repeat_interleave(H // Hkv, 1), vs.repeat_interleave(H // Hkv, 1)
-        qs = q.new_zeros(G, H, M, D, dtype=k.dtype)
-        qs[group, :, nth] = q[b_of, :, t_of].to(k.dtype)
-        allowed = torch.ones(G, M, w, dtype=torch.bool, device=dev)  # padding queries: any keys, dropped
-        allowed[group, nth] = mpad[b_of, t_of][torch.arange(len(key), device=dev)[:, None], cols[group]]
+        qs = q.new_zeros(G, H, win.rows, D, dtype=k.dtype)
+        qs[win.group, :, win.nth] = q[win.b_of, :, win.t_of].to(k.dtype)
         scores = torch.matmul(qs.flatten(0, 1), ks.flatten(0, 1).transpose(1, 2)).unflatten(0, (G, H))
-        scores = (scores * scale).masked_fill(~allowed[:, None], float("-inf"))
+        scores = (scores * scale).masked_fill(~win.allowed[:, None], float("-inf"))
         out = torch.matmul(scores.softmax(-1).flatten(0, 1), vs.flatten(0, 1)).unflatten(0, (G, H))
-        y[b_of, :, t_of] = out[group, :, nth].to(y.dtype)
+        y[win.b_of, :, win.t_of] = out[win.group, :, win.nth].to(y.dtype)
     return y

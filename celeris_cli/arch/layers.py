@@ -124,7 +124,7 @@ def attend(
     if dtype != torch.float32 and upcast:  # low-precision rounding would depend on the batch's shape
         q, k, v = q.float(), k.float(), v.float()
     if exact.active():  # each query's numbers its own (self-speculation: `arch.exact`)
-        y = exact.attention(q, k, v, None if attn_mask is None else attn_mask[:, :1])
+        y = exact.attention(q, k, v, attn_mask)
     elif invariant.active() or (isinstance(cache, LayerKV) and cache.exact):
         y = invariant.attention(q, k, v, attn_mask, start, gqa)
     else:
