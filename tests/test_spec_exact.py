@@ -12,9 +12,14 @@ and against itself under schedules a test forces (`drafting: random:SEED`).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -269,3 +274,25 @@ def test_rows_that_differ_in_sampler_share_a_forward_and_an_empty_lane_is_given_
     requests = list(zip(prompts, settings, [5] * len(prompts)))
     stops = engine._special(settings[0]).stop_ids
     assert [_cut(got[i], stops) for i in range(len(prompts))] == _never_alone(engine, requests)
+
+
+def test_batch_files_under_different_schedules_and_batch_sizes_are_the_same_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`celeris batch` over 120 requests (the default model and dtype), twice with different drafting schedules
+    and batch sizes, and once with `never` three at a time: the same answers, request for request."""
+    scripts = ["床前明月光，", "春眠不觉晓，", "白日依山尽，", "The jury said it", "To be, or not", "红豆生南国，"]
+    lines = [{"custom_id": f"r{i}", "prompt": scripts[i % 6] + str(i), "seed": i % 3} for i in range(120)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines), "utf-8")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    answers = []
+    for name, drafting, batch in (("a", "random:1", 16), ("b", "random:2", 7), ("c", "never", 3)):
+        settings = json.dumps({"drafting": drafting, "gen_length": 16, "denoise_steps": 4})
+        args = ["batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / f"{name}.jsonl"), "--device", "cpu"]
+        args += ["--set", settings, "--batch-size", str(batch)]
+        done = subprocess.run([sys.executable, "-m", "celeris_cli", *args], env=env, capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        rows = [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text("utf-8").splitlines()]
+        answers.append({r["custom_id"]: (r["response"]["body"]["text"], r["response"]["body"]["finish_reason"])
+                        for r in rows})  # fmt: skip
+    assert len(answers[0]) == 120
+    assert answers[0] == answers[1] == answers[2]
