@@ -1,5 +1,5 @@
-"""Self-speculative decoding (`spec`, the default model's strategy) against oracles that share none of its code,
-and against itself under schedules a test forces (`drafting: random:SEED`).
+"""Self-speculative decoding (`spec`, the default model's exact left-to-right mode) against oracles that share
+none of its code, and against itself under schedules a test forces (`drafting: random:SEED`).
 
 - A plain left-to-right loop written here: the whole sequence through the model every token, no cache, no
   rows, no running set; greedy `spec` must give its tokens, and its log probabilities must be a softmax
@@ -39,7 +39,10 @@ LONG = "The jury said it was late and the old man opened the door to the river a
 
 @pytest.fixture(scope="module")
 def engine():  # type: ignore[no-untyped-def]
-    return load_engine(None, device="cpu", dtype="float32")  # the default model: spec
+    engine = load_engine(None, device="cpu", dtype="float32")  # the default model, decoded by its `spec`
+    assert engine.model_dir is not None
+    config = json.loads((engine.model_dir / "generation_config.json").read_text(encoding="utf-8"))
+    return engine.with_defaults({**config, "strategy": "spec"})
 
 
 def _plain_loop(model: Any, prompt: list[int], n: int, stops: frozenset[int]) -> tuple[list[int], list[torch.Tensor]]:
@@ -285,7 +288,7 @@ def test_batch_files_under_different_schedules_and_batch_sizes_are_the_same_file
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
     answers = []
     for name, drafting, batch in (("a", "random:1", 16), ("b", "random:2", 7), ("c", "never", 3)):
-        settings = json.dumps({"drafting": drafting, "gen_length": 16, "denoise_steps": 4})
+        settings = json.dumps({"strategy": "spec", "drafting": drafting, "gen_length": 16, "denoise_steps": 4})
         args = ["batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / f"{name}.jsonl"), "--device", "cpu"]
         args += ["--set", settings, "--batch-size", str(batch)]
         done = subprocess.run([sys.executable, "-m", "celeris_cli", *args], env=env, capture_output=True, text=True,
