@@ -273,11 +273,12 @@ class Engine:
 
     def forward_cost(self) -> ForwardCost:
         """The model's forward cost on this engine's device and dtype (`decode.pace.calibrate`), measured on
-        first use and kept: what self-speculation's per-round choice weighs."""
+        first use and kept, on disk too (`decode.pace.cached_calibration`): what self-speculation's per-round
+        choice weighs."""
         if self._forward_cost is None:
-            from .decode.pace import calibrate
+            from .decode.pace import cached_calibration
 
-            self._forward_cost = calibrate(self.model)
+            self._forward_cost = cached_calibration(self.model)
         return self._forward_cost
 
     def learned(self, plan: SelfSpecPlan) -> Learned:

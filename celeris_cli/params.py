@@ -30,7 +30,7 @@ Remasking = Literal["low_confidence", "random", "sequential"]
 CacheMode = Literal["none", "prefix", "dual"]
 Confidence = Literal["prob", "margin", "lead", "entropy"]
 DreamAlg = Literal["maskgit_plus", "topk_margin", "entropy", "origin"]
-DraftPolicy = Literal["auto", "always", "never"]
+DraftPolicy = str  # "auto", "always", "never" or "random:SEED" (`draft_coin`)
 MAX_SEED = 2**63 - 1
 # The ceiling of every length and count a user gives (tokens, steps, block length, top-k...): above any
 # model's context, and checked before anything is sized by the value (a list per block of a 10^9-token
@@ -100,6 +100,14 @@ def _finite(lo: float, hi: float = math.inf, hi_open: bool = False) -> Callable[
 
 POSITIVE = f"a positive integer, at most {MAX_SIZE}"
 COUNT = f"an integer in 0..{MAX_SIZE}"
+
+
+def draft_coin(policy: str) -> int | None:
+    """The coin's seed of a `random:SEED` drafting policy ("random:7" -> 7); None for any other text."""
+    head, _, seed = policy.partition(":")
+    if head != "random" or not seed.isdigit() or not seed.isascii() or len(seed) > 19 or int(seed) > MAX_SEED:
+        return None
+    return int(seed)
 
 
 def _size(lo: int) -> Callable[[Any], bool]:
@@ -246,10 +254,13 @@ KNOBS: dict[str, Knob] = {
     "drafting": Knob(
         str,
         "auto",
-        choices=("auto", "always", "never"),
+        lambda v: v in ("auto", "always", "never") or draft_coin(v) is not None,
+        f"auto, always, never or random:SEED (SEED an integer from 0 to {MAX_SEED})",
+        metavar="<auto|always|never|random:SEED>",
         help="spec: whether a round drafts the next tokens by diffusion as it verifies the last draft: auto "
-        "(where the engine's calibrated cost of a forward at the width in flight says it pays), always, or never "
-        "(one token a forward, the AR mode). The answer is the same either way; only the forwards differ.",
+        "(where the engine's calibrated cost of a forward at the width in flight says it pays), always, never "
+        "(one token a forward, the AR mode), or random:SEED (at each round by a coin seeded with SEED: the check "
+        "that the schedule cannot change an answer). The answer is the same either way; only the forwards differ.",
     ),
     # token editing (LLaDA2.1; the block strategies)
     "edit_threshold": Knob(

@@ -167,6 +167,32 @@ def test_the_engine_calibrates_its_forward_cost_once(engine, monkeypatch) -> Non
     assert len(calls) == 1 and engine.forward_cost().fixed > 0
 
 
+def test_the_calibration_is_kept_on_disk_per_machine_device_and_dtype(engine, monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A second process (an engine of its own) reads the first one's calibration; another dtype calibrates
+    its own; a damaged file is calibrated over."""
+    calls: list[int] = []
+
+    def counting(model: Any) -> ForwardCost:
+        calls.append(1)
+        return ForwardCost(0.001 * len(calls), 1e-5)
+
+    monkeypatch.setattr(pace, "calibrate", counting)
+    first = pace.cached_calibration(engine.model, tmp_path)
+    again = pace.cached_calibration(engine.model, tmp_path)
+    assert len(calls) == 1 and again == first
+    monkeypatch.setattr(engine, "_forward_cost", None)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert engine.forward_cost() == ForwardCost(0.002, 1e-5) and len(calls) == 2  # calibrated once, then kept
+    monkeypatch.setattr(engine, "_forward_cost", None)
+    assert engine.forward_cost() == ForwardCost(0.002, 1e-5) and len(calls) == 2
+    half = load_engine(FOLDER, device="cpu", dtype="bfloat16")
+    assert pace.machine_key(half.model) != pace.machine_key(engine.model)
+    assert pace.cached_calibration(half.model, tmp_path) == ForwardCost(0.003, 1e-5)
+    (tmp_path / pace.CACHE_FILE).write_text("{not json", encoding="utf-8")
+    assert pace.cached_calibration(engine.model, tmp_path) == ForwardCost(0.004, 1e-5)
+    assert pace.cached_calibration(engine.model, tmp_path) == ForwardCost(0.004, 1e-5) and len(calls) == 4
+
+
 def test_what_drafting_yielded_is_kept_across_decodes_so_only_the_first_explores(engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     k = torch.ones(1, dtype=torch.long)
     cost = ForwardCost(fixed=0.004, per_position=1e-4)
@@ -180,6 +206,7 @@ def test_what_drafting_yielded_is_kept_across_decodes_so_only_the_first_explores
 
     monkeypatch.setattr(engine, "_forward_cost", cost)
     monkeypatch.setattr(engine, "_learned", {})
+    monkeypatch.setattr(Pace, "took", lambda *a: None)  # the measured overheads held at 1: the yield decides
     params = _spec(engine, 24, temperature=0.8, denoise_steps=6)
     seen = engine.learned(plan_for(params))
     engine.decode_ids(PROMPTS[:1], params)  # one row: its first rounds draft on the prior

@@ -57,7 +57,7 @@ def test_rows_that_join_as_others_leave_answer_as_alone(engine, drafting) -> Non
     if drafting != "auto":  # auto: width 3 on this CPU may go either way
         assert (engine.drafted > before) == (drafting == "always")
     refilled = engine.last_occupancy
-    assert refilled is not None and refilled.prefills == len(prompts)
+    assert refilled is not None and refilled.prefills <= len(prompts)  # rows joining one round prefill together
     static = engine.decode_running(prompts, encoded, params, seeds, 3, refill=False)
     assert [r.text for r in static] == want
     # rows joined as others left: more rows in flight per round than static batches of three keep

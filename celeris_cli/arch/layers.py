@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
-from . import invariant
+from . import exact, invariant
 from .kv import KV, LayerKV
 from .packed import PackedLayer
 from .quantize import Int4Linear
@@ -123,7 +123,9 @@ def attend(
     dtype = q.dtype
     if dtype != torch.float32 and upcast:  # low-precision rounding would depend on the batch's shape
         q, k, v = q.float(), k.float(), v.float()
-    if invariant.active() or (isinstance(cache, LayerKV) and cache.exact):
+    if exact.active():  # each query's numbers its own (self-speculation: `arch.exact`)
+        y = exact.attention(q, k, v, attn_mask)
+    elif invariant.active() or (isinstance(cache, LayerKV) and cache.exact):
         y = invariant.attention(q, k, v, attn_mask, start, gqa)
     else:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import exact
 from .kv import DeferredKVCache, KVCache
 
 
@@ -78,9 +79,14 @@ class PackedLayer:
                 vs = v[0, :, lo:hi].unflatten(1, (n, width)).transpose(0, 1)
             if up:
                 qs, ks, vs = qs.float(), ks.float(), vs.float()
-            out = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=first.causal, enable_gqa=gqa
-            )  # (n, H, width, Dv)
+            if exact.active():  # each query's numbers its own (`arch.exact`)
+                keys = ks.shape[2]
+                seen = torch.ones(width, keys, dtype=torch.bool, device=q.device)
+                out = exact.attention(qs, ks, vs, (seen.tril(keys - width) if first.causal else seen)[None, None])
+            else:
+                out = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=first.causal, enable_gqa=gqa
+                )  # (n, H, width, Dv)
             y[0, :, lo:hi] = out.transpose(0, 1).flatten(1, 2)
         return y.to(dtype).transpose(1, 2).reshape(1, N, -1)
 

@@ -21,11 +21,19 @@ forwards it takes and the time.
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..arch.exact import exactly
+from ..params import draft_coin
 
 PRIOR_YIELD = 1.3  # tokens per row per drafting round assumed before any draft has been verified
 MARGIN = 1.05  # drafting must look this much faster than the AR step: a wrong "yes" costs more than a wrong "no"
@@ -70,8 +78,13 @@ class Pace:
         self.policy, self.width = policy, width
         self.cost = cost if cost is not None or policy != "auto" else calibrate(net.model)
         self.learned = learned if learned is not None else Learned()  # this decode's own, unless kept
+        seed = draft_coin(policy)
+        self.coin = random.Random(seed) if seed is not None else None  # `random:SEED`: a schedule a test forces
 
     def drafts(self, b: int, k: torch.Tensor) -> bool:
+        if self.coin is not None:  # tossed every round, even where nothing can draft: one toss a round
+            heads = self.coin.random() < 0.5
+            return heads and self.width >= 2
         if self.width < 2 or self.policy == "never":
             return False
         if self.policy == "always":
@@ -102,6 +115,11 @@ _CALIBRATION = ((1, 1), (1, 8), (4, 1), (4, 8), (16, 1), (16, 8), (64, 1), (64, 
 @torch.no_grad()
 def calibrate(model: Any, shapes: tuple[tuple[int, int], ...] = _CALIBRATION) -> ForwardCost:
     """Fit `ForwardCost` to the model's forward times at `shapes` (rows, columns) on its device and dtype."""
+    with exactly():  # the arithmetic a round runs (`arch.exact`)
+        return _calibrate(model, shapes)
+
+
+def _calibrate(model: Any, shapes: tuple[tuple[int, int], ...]) -> ForwardCost:
     device = next(model.parameters()).device
     xs: list[int] = []
     ys: list[float] = []
@@ -128,3 +146,44 @@ def calibrate(model: Any, shapes: tuple[tuple[int, int], ...] = _CALIBRATION) ->
     a = torch.stack([torch.ones_like(x), x], 1)
     fixed, per = torch.linalg.lstsq(a, y[:, None]).solution.flatten().tolist()
     return ForwardCost(max(fixed, 1e-6), max(per, 1e-9))
+
+
+CACHE_FILE = "forward-cost.json"  # under ~/.cache/celeris: calibrations by machine, device, dtype and model
+
+
+def machine_key(model: Any) -> str:
+    """What a calibration holds for: this machine (its name, processor and threads, or its GPU), the model's
+    device, dtype, class and size, and torch's version."""
+    p = next(model.parameters())
+    where = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else platform.processor()
+    size = sum(t.numel() for t in model.parameters())
+    parts = (platform.node(), platform.machine(), where, os.cpu_count(), torch.get_num_threads(), p.device.type,
+             str(p.dtype), type(model).__name__, size, torch.__version__)  # fmt: skip
+    return "|".join(str(x) for x in parts)
+
+
+def cached_calibration(model: Any, folder: Path | None = None) -> ForwardCost:
+    """`calibrate`, kept in `folder`/forward-cost.json (default ~/.cache/celeris) by `machine_key`, so that a
+    process's first answer does not pay for it again. An unreadable file is calibrated over; one that cannot be
+    written is left as it is (the cost is then measured again next time). It decides only how fast an answer
+    comes (docs/determinism.md)."""
+    path = (folder if folder is not None else Path.home() / ".cache" / "celeris") / CACHE_FILE
+    key = machine_key(model)
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(known, dict):
+            known = {}
+        if key in known:
+            return ForwardCost(float(known[key]["fixed"]), float(known[key]["per_position"]))
+    except (OSError, ValueError, TypeError, KeyError):
+        known = {}
+    cost = calibrate(model)
+    known[key] = asdict(cost)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return cost

@@ -51,7 +51,7 @@ class RowNoise:
     `noise: torch`)."""
 
     def __init__(self, seeds: Sequence[int], device: torch.device, given: Sequence[int] = ()) -> None:
-        self.seeds = list(seeds)
+        self.seeds = dict(enumerate(seeds))  # by row (a running set's: by stream, while it is in flight)
         self.device = device
         self.given = list(given)
 

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ..arch.exact import exactly
 from ..arch.kv import KVCache
 from ..arch.packed import Segment, packed_layers
 from ..params import NO_SHAPING, NO_STRUCTURE, Drafting, Sampling, Shaping, Structure
@@ -65,6 +66,8 @@ class Joining:
     rule: Rule | None
     gen_length: int
     width: int  # its draft width (`Drafting.width`)
+    sampling: Sampling
+    shaping: Shaping = NO_SHAPING
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,8 @@ class SelfSpecPlan:
 
 
 class SpecRows:
-    """Rows decoding side by side under one plan: each its canvas at its own positions (its prompt, then its
+    """Rows decoding side by side under one drafting policy, each under its own sampler and shaping (`settings`,
+    by stream; a static batch's all the plan's): each its canvas at its own positions (its prompt, then its
     answer from `ans` to `end`, then room for a round past it), its seed (the canvas index of its last
     decided token, not yet in the cache), its draft (the first `k` of `draft` real), whether it is still
     decoding (`live`), and its slot of the cache (row i owns slot i). `generate_self_spec` lays a batch in at
@@ -101,6 +105,7 @@ class SpecRows:
         self.pieces = word_pieces
         self.W = plan.drafting.width  # a static batch's draft width; running rows bring their own (`widths`)
         self.rules: dict[int, Rule] = {}
+        self.settings: dict[int, tuple[Sampling, Shaping]] = {}  # by stream: each row's sampler and shaping
         self.cache: KVCache | None = None
         dev = noise.device
         self.device = dev
@@ -117,6 +122,10 @@ class SpecRows:
     def lay_batch(self, prompt: torch.Tensor, prompt_mask: torch.Tensor, rules: Rules | None) -> None:
         """A static batch into these (empty) rows: the left-padded prompts (B, P), prefilled in one causal
         forward; row b is stream b."""
+        with exactly():
+            self._lay_batch(prompt, prompt_mask, rules)
+
+    def _lay_batch(self, prompt: torch.Tensor, prompt_mask: torch.Tensor, rules: Rules | None) -> None:
         B, P = prompt.shape
         G = self.plan.drafting.gen_length
         cv = CausalCanvas(self.net, prompt, prompt_mask, G + 2 * self.W, self.mask_id)  # room for a round past it
@@ -124,6 +133,7 @@ class SpecRows:
         assert cv.cache is not None
         self.cache, self.x, self.keys, self.pos = cv.cache, cv.x, cv.keys, cv.pos
         self.rules = {b: r for b, r in enumerate(rules or []) if r is not None}
+        self.settings = {b: (self.plan.sampling, self.plan.shaping) for b in range(B)}
         full = torch.full((B,), P, dtype=torch.long, device=prompt.device)
         self._lay(torch.arange(B, device=prompt.device), full, full + G, full * 0 + self.W, h, 0, 1)
 
@@ -133,8 +143,15 @@ class SpecRows:
         The cache is allocated at the first rows with `first` (slots, length: what the rows on their way
         need), at least what these need; with too few slots they double, up to `slots` (the running set's
         width), and a canvas longer than the cache holds doubles its length."""
+        with exactly():
+            self._join(joining, slots, first)
+
+    def _join(self, joining: list[Joining], slots: int, first: tuple[int, int]) -> None:
         dev, b, n = self.device, len(self.idx), len(joining)
-        C = max(len(j.prompt) + j.gen_length + 2 * j.width for j in joining)
+        # every canvas has room past its answer for a round of the lane's widest row: a drafting round pads all
+        # rows to its 1 + 2 x width - 1 columns, a finished row's too
+        wide = max([j.width for j in joining] + self.widths.tolist())
+        C = max([len(j.prompt) + j.gen_length for j in joining] + self.end.tolist()) + 2 * wide
         if self.cache is None:
             self.cache = allocate_cache(self.net, max(first[0], b + n), max(first[1], C), dev)
         if C > self.cache.length or b + n > self.cache.rows:
@@ -159,6 +176,7 @@ class SpecRows:
             segments.append(Segment(begin, begin + P, self.cache, b + i, 0, P, causal=True))
             if j.rule is not None:
                 self.rules[j.stream] = j.rule
+            self.settings[j.stream] = (j.sampling, j.shaping)
         ids = torch.cat([x[i, : len(j.prompt)] for i, j in enumerate(joining)])
         pos = torch.cat([torch.arange(len(j.prompt), device=dev) for j in joining])
         layers = packed_layers(segments, len(self.cache.layers), dev)
@@ -186,19 +204,14 @@ class SpecRows:
         """Rows from `joined` on: their streams, answer spans, draft widths and first tokens (the AR mode's,
         from `h`, the hidden state of each one's last prompt position); `prefills`: the forwards each has taken
         part in."""
-        n, s = len(idx), self.plan.sampling
+        n = len(idx)
         zero = torch.zeros(n, dtype=torch.long, device=self.device)
-        shaped = None
-        if self.plan.shaping.active:
-            fresh = torch.full((n, int((end - ans).max())), self.mask_id, dtype=torch.long, device=self.device)
-            shaped = ar_shaping(self.plan.shaping, fresh, zero, self.mask_id, self.stop, s.temperature, self.pieces)
-        logits = StepLogits(self.net.step_head(), [h], 0.0, *(shaped or (None, None)))
-        first, _ = choose(
-            logits, Places.counted([1] * n, self.device), s, None, self.noise.at(idx, 0, 0), self.net.chunk
-        )
+        fresh = torch.full((n, int((end - ans).max())), self.mask_id, dtype=torch.long, device=self.device)
+        first, picked = self._pick(idx, h, lambda: fresh, zero)
         for i, stream in enumerate(idx.tolist()):  # the first token again, under the row's rule
             if stream in self.rules:
-                first[i] = _ruled(logits, i, self.rules[stream], s, self.noise, stream, 0)
+                logits, j, sampling = picked[i]
+                first[i] = _ruled(logits, j, self.rules[stream], sampling, self.noise, stream, 0)
         rows = torch.arange(joined, joined + n, device=self.device)
         self.x[rows, ans] = first.to(self.x.dtype)
         self.idx, self.ans, self.end = (
@@ -222,9 +235,42 @@ class SpecRows:
                 self.cache.move(src, slot, min(int(self.seed_at[src]) + 1, self.cache.length))
         for name in ("x", "keys", "pos", "ans", "end", "idx", "seed_at", "k", "forwards", "draft", "live", "widths"):
             setattr(self, name, getattr(self, name)[stays])
-        gone = set(self.rules) - set(self.idx.tolist())
-        for stream in gone:
+        staying = set(self.idx.tolist())
+        for stream in set(self.rules) - staying:
             del self.rules[stream]
+        for stream in set(self.settings) - staying:
+            del self.settings[stream]
+            self.noise.seeds.pop(stream, None)  # (a running set's streams are never reused)
+
+    def _pick(
+        self, streams: torch.Tensor, h: torch.Tensor, history: Callable[[], torch.Tensor], at: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[StepLogits, int, Sampling]]]:
+        """The AR mode's token at N positions: position n of row `streams[n]` at answer position at[n], from its
+        hidden state h[n], under its row's sampler and shaping (after the answer `history()[n]`, made only where
+        a row shapes), drawn with the row's number for that position (stream, block 0, step at[n]). Rows of one
+        sampler and shaping are chosen together. Returns the tokens (N,) and, for each position, its logits,
+        its index in them and its sampler (what a rule redecides it from, `_ruled`)."""
+        n, dev, head = len(streams), self.device, self.net.step_head()
+        groups: dict[tuple[Sampling, Shaping], list[int]] = {}
+        for i, stream in enumerate(streams.tolist()):
+            groups.setdefault(self.settings[stream], []).append(i)
+        tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        picked: list[tuple[StepLogits, int, Sampling]] = [None] * n  # type: ignore[list-item]
+        past = history() if any(shaping.active for _, shaping in groups) else None
+        for (sampling, shaping), members in groups.items():
+            sel = torch.tensor(members, device=dev)
+            shaped = None
+            if shaping.active:
+                assert past is not None
+                t = sampling.temperature
+                shaped = ar_shaping(shaping, past[sel], at[sel], self.mask_id, self.stop, t, self.pieces)
+            logits = StepLogits(head, [h[sel]], 0.0, *(shaped or (None, None)))
+            draws = self.noise.at(streams[sel], 0, at[sel].tolist())
+            places = Places.counted([1] * len(members), dev)
+            tokens[sel], _ = choose(logits, places, sampling, None, draws, self.net.chunk)
+            for j, i in enumerate(members):
+                picked[i] = (logits, j, sampling)
+        return tokens, picked
 
     def answers(self) -> torch.Tensor:
         """Each row's answer so far (b, the longest answer), masks past its decided part and its end."""
@@ -277,8 +323,11 @@ class SpecRows:
     def round(self) -> int:
         """One round: each row's AR step, or its verify-and-draft forward (`Pace`'s choice); returns the
         positions it computed."""
+        with exactly():
+            return self._round()
+
+    def _round(self) -> int:
         b, dev = len(self.idx), self.device
-        sampling, shaping, t = self.plan.sampling, self.plan.shaping, self.plan.sampling.temperature
         mask_id, stop, live, noise, net = self.mask_id, self.stop, self.live, self.noise, self.net
         began = time.perf_counter()
         self.pace.width = int(self.widths.max())  # the widest row's masks: what a drafting round pads to
@@ -289,12 +338,7 @@ class SpecRows:
         if not drafts and not ruled:  # the AR mode's step: each row's seed in, its next token out
             seeds = self.x[lanes, self.seed_at]
             t_row = self.seed_at - self.ans + 1
-            shaped = None
-            if shaping.active:
-                shaped = ar_shaping(shaping, self.answers(), t_row, mask_id, stop, t, self.pieces)
-            picks = StepLogits(net.step_head(), [self._step(seeds)], 0.0, *(shaped or (None, None)))
-            places = Places.counted([1] * b, dev)
-            token, _ = choose(picks, places, sampling, None, noise.at(self.idx, 0, t_row.tolist()), net.chunk)
+            token, _ = self._pick(self.idx, self._step(seeds), self.answers, t_row)
             at = torch.minimum(self.seed_at + 1, self.end - 1)
             self.x[lanes, at] = torch.where(live, token.to(self.x.dtype), self.x[lanes, at])
             self.seed_at = at  # finished rows too: the rows stay side by side
@@ -321,18 +365,16 @@ class SpecRows:
         verify = cols < v[:, None]
         r_of, c_of = verify.nonzero(as_tuple=True)
         t_of = self.seed_at[r_of] - self.ans[r_of] + 1 + c_of
-        draws = noise.at(self.idx[r_of], 0, t_of.tolist())
-        places = Places.counted([1] * len(r_of), dev)
-        shaped = None
-        if shaping.active:  # each column's history: the accepted answer, then the draft before it
-            history = self.answers()[r_of].clone()
+
+        def history() -> torch.Tensor:  # each column's: the accepted answer, then the draft before it
+            past = self.answers()[r_of].clone()
             seed = self.seed_at[r_of] - self.ans[r_of]
             for j in range(1, T):
                 sel = c_of >= j
-                history[sel, seed[sel] + j] = ids[r_of[sel], j]
-            shaped = ar_shaping(shaping, history, t_of, mask_id, stop, t, self.pieces)
-        logits = StepLogits(net.step_head(), [h[r_of, c_of]], 0.0, *(shaped or (None, None)))
-        x0, _ = choose(logits, places, sampling, None, draws, net.chunk)
+                past[sel, seed[sel] + j] = ids[r_of[sel], j]
+            return past
+
+        x0, picked = self._pick(self.idx[r_of], h[r_of, c_of], history, t_of)
         ar = torch.full((b, T), -1, device=dev, dtype=torch.long)
         ar[r_of, c_of] = x0
         flat = torch.cumsum(v, 0) - v  # each row's first verify column in the flat order of r_of, c_of
@@ -341,7 +383,8 @@ class SpecRows:
             rule, start = self.rules[stream], int(self.seed_at[i] - self.ans[i]) + 1
             ar[i] = -1
             for c in range(int(v[i])):
-                ar[i, c] = _ruled(logits, int(flat[i]) + c, rule, sampling, noise, stream, start + c)
+                logits, j, sampling = picked[int(flat[i]) + c]
+                ar[i, c] = _ruled(logits, j, rule, sampling, noise, stream, start + c)
                 if c + 1 == int(v[i]) or int(ar[i, c]) != int(ids[i, c + 1]) or rule.ended:
                     break
         agree = (ar[:, : T - 1] == ids[:, 1:]) & (cols[:, 1:] < v[:, None])
@@ -380,14 +423,8 @@ class SpecRows:
         rows = torch.tensor([order[s] for s in streams.tolist()], device=dev).repeat_interleave(w)
         span = (self.end - self.ans)[rows]
         t = (first.repeat_interleave(w) + torch.arange(w, device=dev).repeat(n)).clamp_max(span - 1)
-        history = self.answers()[rows]  # the accepted answer (the guesses before each one are not in it)
-        s = self.plan.sampling
-        shaped = ar_shaping(self.plan.shaping, history, t, self.mask_id, self.stop, s.temperature, self.pieces)
-        logits = StepLogits(self.net.step_head(), [hm.flatten(0, 1)], 0.0, *(shaped or (None, None)))
-        places = Places.counted([1] * (n * w), dev)
-        x0, _ = choose(
-            logits, places, s, None, self.noise.at(streams.repeat_interleave(w), 0, t.tolist()), self.net.chunk
-        )
+        # the accepted answer is each guess's history (the guesses before it are not in it)
+        x0, _ = self._pick(streams.repeat_interleave(w), hm.flatten(0, 1), lambda: self.answers()[rows], t)
         return x0.view(n, w)
 
 

@@ -8,11 +8,11 @@ verify-and-draft columns (`selfspec.SpecRows.round`, the very round a static bat
 back the round it finishes; it leaves its slot at once if a request is waiting for one (which joins at the
 next round), else once a quarter of its lane has finished (leaving copies slots).
 
-Rows of one lane share their sampler, shaping and drafting policy (`SelfSpecPlan` but for the answer's
-length and the draft width, which are each row's own: a drafting round pads its rows to the widest's
-masks); rows that differ run in lanes of their own, a forward each per round. Each lane keeps its `Pace`:
-whether a round drafts is decided from the rows in flight in it then, with
-the engine's calibrated cost of a forward (`decode.pace`) and the tokens drafting has yielded in that lane so
+Rows of one lane share their drafting policy; their sampler, shaping, answer length and draft width are each
+row's own (a drafting round pads its rows to the widest's masks, and every canvas has room for it); rows of
+another policy run in a lane of their own, a forward each per round, and a lane whose rows have all left gives
+its cache back. Each lane keeps its `Pace`: whether a round drafts is decided from the rows in flight in it
+then, with the engine's calibrated cost of a forward (`decode.pace`) and the tokens drafting has yielded so
 far. The choice changes how many forwards a row takes, never its tokens: a row's answer is its AR answer,
 drawn from its own stream (`request_seed`) at its own answer positions, whoever runs beside it and whenever
 it was admitted.
@@ -53,8 +53,9 @@ class SpecRequest:
 
 
 def _lane_key(plan: SelfSpecPlan) -> tuple[Any, ...]:
-    """What rows of one lane share: everything in their settings but the answer's length and draft width."""
-    return plan.drafting.drafting, plan.sampling, plan.shaping
+    """What rows of one lane share: their drafting policy (whose `Pace` decides a round for all of them). Their
+    sampler, shaping, answer length and draft width are each row's own: every row's forward has one shape."""
+    return (plan.drafting.drafting,)
 
 
 class SpecScheduler(RunningSet[SpecRequest]):
@@ -81,10 +82,12 @@ class SpecScheduler(RunningSet[SpecRequest]):
         self.net, self.mask_id, self.cost, self.on_block = net, mask_id, cost, on_block
         self.learned = learned  # what drafting has yielded at a lane's width and sampler (`Engine.learned`)
         self.stop = torch.tensor(sorted(stop_ids), device=device, dtype=torch.long)
-        self.noise = RowNoise([], device)  # stream i: the i-th row admitted
+        self.noise = RowNoise([], device)  # stream i: the i-th row admitted, its seed kept while it is in flight
+        self.admitted = 0
         self.lanes: dict[tuple[Any, ...], SpecRows] = {}
         self.key_of: dict[int, int] = {}  # stream -> the caller's key
-        self.sizes: dict[tuple[Any, ...], tuple[int, int]] = {}  # by lane: (slots, canvas length) its cache wants
+        # by lane: (slots, canvas length) its cache wants, and the longest prompt and answer and widest draft
+        self.sizes: dict[tuple[Any, ...], tuple[int, int, int, int]] = {}
 
     def add(self, requests: Iterable[SpecRequest]) -> None:
         new = list(requests)
@@ -92,8 +95,9 @@ class SpecScheduler(RunningSet[SpecRequest]):
         # longest canvas (growing it on the way would copy it, and hold the old and the new at once)
         for r in new:
             key = _lane_key(r.plan)
-            rows, length = self.sizes.get(key, (0, 0))
-            self.sizes[key] = (min(rows + 1, self.width), max(length, _canvas(r)))
+            rows, length, answer, wide = self.sizes.get(key, (0, 0, 0, 0))
+            answer, wide = max(answer, len(r.prompt) + r.gen_length), max(wide, r.plan.drafting.width)
+            self.sizes[key] = (min(rows + 1, self.width), answer + 2 * wide, answer, wide)
         super().add(new)
 
     def in_flight_keys(self) -> list[int]:
@@ -130,9 +134,11 @@ class SpecScheduler(RunningSet[SpecRequest]):
                     if self.on_block is not None:
                         self._report(lane, (lane.seed_at > before) & lane.live)
                     yield from self._leave(lane)
-        for lane in self.lanes.values():  # rows handed back and still in their lane leave now
+        for key, lane in list(self.lanes.items()):  # rows handed back and still in their lane leave now
             if not bool(lane.live.all()):
                 lane.drop(lane.live.clone())
+            if not len(lane.idx):
+                del self.lanes[key]
 
     def _admit(self, key: tuple[Any, ...], reqs: list[SpecRequest]) -> None:
         """Rows of one lane that join this round, prefilled together (`SpecRows.join`)."""
@@ -146,11 +152,15 @@ class SpecScheduler(RunningSet[SpecRequest]):
         lane.pieces = frozenset(self.pieces.tolist())
         joining = []
         for req in reqs:
-            stream = len(self.noise.seeds)
-            self.noise.seeds.append(req.seed)
+            stream = self.admitted
+            self.admitted += 1
+            self.noise.seeds[stream] = req.seed
             self.key_of[stream] = req.key
-            joining.append(Joining(req.prompt, stream, req.rule, req.gen_length, req.plan.drafting.width))
-        slots, length = self.sizes.get(key, (1, 0))
+            plan = req.plan
+            joining.append(
+                Joining(req.prompt, stream, req.rule, req.gen_length, plan.drafting.width, plan.sampling, plan.shaping)
+            )
+        slots, length, _, _ = self.sizes.get(key, (1, 0, 0, 0))
         lane.join(joining, self.width, (min(slots, self.width), length))
         self.occupancy.prefills += 1
         self.occupancy.positions += sum(len(r.prompt) for r in reqs)
@@ -176,9 +186,7 @@ class SpecScheduler(RunningSet[SpecRequest]):
         self._forget([int(lane.idx[i]) for i in done])
         if dead and (self.waiting or 4 * len(dead) >= len(lane.idx)):
             lane.drop(lane.live.clone())
+        for name, empty in list(self.lanes.items()):  # a lane whose rows have all left gives its cache back at once
+            if not len(empty.idx):
+                del self.lanes[name]
         yield from answers
-
-
-def _canvas(req: SpecRequest) -> int:
-    """A row's canvas: its prompt, its answer and room for a round past it (`SpecRows.join`)."""
-    return len(req.prompt) + req.gen_length + 2 * req.plan.drafting.width

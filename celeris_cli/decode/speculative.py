@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..arch.exact import exactly
 from ..arch.kv import KVCache
 from ..params import Draft, Sampling
 from .nemotron import CausalCanvas, stop_after
@@ -108,7 +109,22 @@ def generate_speculative(
     noise: RowNoise,
 ) -> torch.Tensor:
     """Speculative decoding (see the module's text): prompt (B, P) left-padded -> the canvas (B, P + gen_length),
-    the rest of a finished row its stop token."""
+    the rest of a finished row its stop token. Computed as `ar` computes (`arch.exact.exactly`): a position's
+    logits are the same bits in a verify pass as in the AR mode's step, so the answer is `ar`'s at any
+    temperature, whatever its batch mates."""
+    with exactly():
+        return _generate_speculative(net, prompt, prompt_mask, plan, mask_id, stop_ids, noise)
+
+
+def _generate_speculative(
+    net: Any,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    plan: SpecPlan,
+    mask_id: int,
+    stop_ids: frozenset[int],
+    noise: RowNoise,
+) -> torch.Tensor:
     B, P = prompt.shape
     G, W = plan.draft.gen_length, plan.draft.block_length
     cv = CausalCanvas(net, prompt, prompt_mask, G + W, mask_id)  # room for a block drafted at the answer's end
