@@ -180,17 +180,21 @@ def check(engine: Engine, step: Step, gen_length: int = 16, rows: int = 2) -> di
     return row
 
 
-def timed(engine: Engine, step: Step, gen_length: int, buckets: tuple[int, ...]) -> dict[str, Any]:
-    """CUDA: the step's median time per call, eager and captured (reduce-overhead), per bucket of rows; the
-    captured decode runs twice, the first compiling and recording its graphs."""
+def timed(
+    engine: Engine, step: Step, gen_length: int, buckets: tuple[int, ...], backend: str = "inductor"
+) -> dict[str, Any]:
+    """The step's median time per call, eager and captured, per bucket of rows (a decode of that many prompts;
+    the captured one runs twice, the first compiling and recording its graphs). Captured: inductor with CUDA
+    graphs (`reduce-overhead`); another `backend` (dynamo's "eager", for a test) takes no mode."""
+    sync = engine.device.type == "cuda"
+    mode = "reduce-overhead" if backend == "inductor" else None
     out: dict[str, Any] = {}
     for rows in buckets:
         cell: dict[str, Any] = {}
-        for name, backend in (("eager_ms", None), ("captured_ms", "inductor")):
-            runs = 2 if backend else 1
+        for name, compiler in (("eager_ms", None), ("captured_ms", backend)):
             trace = Trace()
-            with compiled(engine.model, step, trace, backend, "reduce-overhead" if backend else None, True):
-                for _ in range(runs):
+            with compiled(engine.model, step, trace, compiler, mode if compiler else None, sync):
+                for _ in range(2 if compiler else 1):
                     trace.seconds.clear()
                     _answers(engine, step.settings, gen_length, rows)
             cell[name] = round(statistics.median(trace.seconds) * 1e3, 3) if trace.seconds else None
