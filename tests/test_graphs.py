@@ -129,3 +129,27 @@ def test_each_bucket_times_the_step_eager_and_captured() -> None:
     assert set(cells) == {"1", "2"}
     for cell in cells.values():
         assert cell["eager_ms"] > 0 and cell["captured_ms"] > 0 and "break" not in cell, cell
+
+
+def test_exact_attention_masks_each_row_as_alone_eager_and_traced() -> None:
+    torch.manual_seed(0)
+    B, H, T, D = 2, 2, 5, 8
+    q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
+    real = torch.tensor([[False, True, True, True, True], [True] * T])  # row 0 left-padded by one
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    mask = (real[:, None, None, :] & causal) | torch.eye(T, dtype=torch.bool)  # (B, 1, T, T)
+
+    def alone(b: int, t: int) -> torch.Tensor:  # a softmax written here: the keys row b's query t may see
+        keys = [j for j in range(T) if bool(mask[b, 0, t, j])]
+        w = torch.softmax(torch.stack([(q[b, :, t] * k[b, :, j]).sum(-1) for j in keys], -1) / D**0.5, -1)
+        return sum(w[:, i, None] * v[b, :, j] for i, j in enumerate(keys))  # type: ignore[return-value]
+
+    eager = invariant.attention(q, k, v, mask, 0, False)
+    for b, first in ((0, 1), (1, 0)):
+        for t in range(first, T):
+            torch.testing.assert_close(eager[b, :, t], alone(b, t), rtol=1e-5, atol=1e-5)
+    invariant.plan(mask, 0, B, T, T)  # what `hidden` does before the step
+    torch._dynamo.reset()
+    traced = torch.compile(invariant.attention, fullgraph=True, backend="eager")(q, k, v, mask, 0, False)
+    torch._dynamo.reset()
+    assert torch.equal(traced, eager)

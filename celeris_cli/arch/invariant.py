@@ -102,6 +102,7 @@ def route_linears(model: nn.Module) -> None:
 
 Span = tuple[tuple[int, ...] | None, int, int, int, bool]  # rows (None: all), keys [start, end), query offset, masked
 _last_plan: tuple[object, object, tuple[int, ...], list[Span]] | None = None  # the previous layer's: same mask
+_last_built: list[tuple[Any, torch.Tensor | None]] = []  # its rows and masks as tensors, for the eager layers
 
 
 def plan(mask: torch.Tensor | None, start: int | torch.Tensor, B: int, T: int, L: int) -> list[Span]:
@@ -109,7 +110,7 @@ def plan(mask: torch.Tensor | None, start: int | torch.Tensor, B: int, T: int, L
     (each is given the same mask and start objects), so worked out once per forward. It reads the mask on the
     host, so a forward works it out before its step (`DiffusionLM.hidden`); a step being traced by
     torch.compile takes the one worked out for it (a graph per plan: its numbers are the graph's constants)."""
-    global _last_plan
+    global _last_plan, _last_built
     key = (B, T, L)
     if torch.compiler.is_compiling():
         assert _last_plan is not None and _last_plan[2] == key, "the plan is worked out before the step"
@@ -125,14 +126,17 @@ def plan(mask: torch.Tensor | None, start: int | torch.Tensor, B: int, T: int, L
     for b, span in enumerate(zip(lead, last)):
         groups.setdefault(span, []).append(b)
     spans: list[Span] = []
+    built: list[tuple[Any, torch.Tensor | None]] = []
     for (off, end), rows in groups.items():
         q_off = max(0, off - start) if isinstance(start, int) else 0
         if q_off >= T:
             continue
-        pick = rows if len(rows) < B else None
-        masked = not bool(_group_mask(full, pick, off, end, q_off, T).all())
-        spans.append((None if pick is None else tuple(pick), off, end, q_off, masked))
-    _last_plan = (mask, start, key, spans)
+        pick = tuple(rows) if len(rows) < B else None
+        m = _group_mask(full, pick, off, end, q_off, T)
+        masked = not bool(m.all())
+        spans.append((pick, off, end, q_off, masked))
+        built.append((slice(None) if pick is None else torch.tensor(pick, device=full.device), m if masked else None))
+    _last_plan, _last_built = (mask, start, key, spans), built
     return spans
 
 
@@ -163,11 +167,17 @@ def attention(
     B, H, T, _ = q.shape
     L = k.shape[2]
     y: torch.Tensor | None = None
+    spans = plan(mask, start, B, T, L)
+    built = None if torch.compiler.is_compiling() else _last_built  # a traced step makes its own from the mask
     full = None if mask is None else _full(mask, B, L)
-    for rows, off, end, q_off, masked in plan(mask, start, B, T, L):
-        pick: Any = slice(None) if rows is None else torch.tensor(rows, device=q.device)
+    for i, (rows, off, end, q_off, masked) in enumerate(spans):
+        pick: Any
+        if built is not None:
+            pick, m = built[i]
+        else:
+            pick = slice(None) if rows is None else torch.tensor(rows, device=q.device)
+            m = _group_mask(full, rows, off, end, q_off, T) if masked and full is not None else None
         n = B if rows is None else len(rows)
-        m = _group_mask(full, rows, off, end, q_off, T) if masked and full is not None else None
         out = F.scaled_dot_product_attention(
             q[pick][:, :, q_off:].contiguous(),
             k[pick][:, :, off:end].contiguous(),

@@ -111,7 +111,10 @@ def compiled(
     fails to trace records why and runs eagerly from then on. `backend` None: no compiling, timing only; `sync`:
     each call's time waits for the device (CUDA)."""
     torch._dynamo.reset()
-    torch._dynamo.config.recompile_limit = 64  # past it dynamo would run eagerly without a word
+    config = torch._dynamo.config
+    limit, fail = config.recompile_limit, config.fail_on_recompile_limit_hit
+    config.recompile_limit = 64
+    config.fail_on_recompile_limit_hit = True  # past the limit dynamo would run eagerly without a word
     eager = getattr(model, step.method)
     fn = eager if backend is None else torch.compile(eager, fullgraph=True, backend=backend, mode=mode)
     head = None if backend is None else torch.compile(_head_argmax, fullgraph=True, backend=backend, mode=mode)
@@ -146,6 +149,7 @@ def compiled(
         yield
     finally:
         delattr(model, step.method)  # the class's method again
+        config.recompile_limit, config.fail_on_recompile_limit_hit = limit, fail
         torch._dynamo.reset()
 
 
