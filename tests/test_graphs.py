@@ -116,9 +116,14 @@ def test_the_command_refuses_an_unknown_step_and_a_missing_model_by_name(tmp_pat
     assert r.exit_code != 0 and "no model folder" in r.output
 
 
-def test_the_default_models_ar_step_and_its_bfloat16_head_are_one_graph() -> None:
-    row = _graphs("--step", "ar-step", "-m", "celeris-spec")["steps"]["ar-step"]["models"]["celeris-spec"]
+def test_the_default_models_ar_step_and_its_bfloat16_head_are_one_graph(tmp_path: Path) -> None:
+    out = tmp_path / "graphs.json"
+    args = ["bench", "graphs", "--device", "cpu", "--gen-length", "8", "--step", "ar-step", "--out", str(out)]
+    r = runner.invoke(app, args)  # the default: the embedded models, the default (bfloat16) one among them
+    assert r.exit_code == 0, r.output
+    row = json.loads(out.read_text())["steps"]["ar-step"]["models"]["celeris-spec"]
     assert row["fullgraph"] is True and row["identical"] is True and row["calls"] > 0, row
+    assert any(line.split()[:4] == ["ar-step", "celeris-spec", "True", "True"] for line in r.stdout.splitlines())
 
 
 def test_each_bucket_times_the_step_eager_and_captured() -> None:
