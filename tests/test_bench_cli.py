@@ -26,6 +26,7 @@ SUBCOMMANDS = [
     "invariance-cost",
     "sweep",
     "structured",
+    "graphs",
 ]
 
 

@@ -36,11 +36,30 @@ from torch import nn
 ROW_TILE = 16  # rows of every matmul are a multiple of this: the kernels' full-tile path, on every call
 
 _active: contextvars.ContextVar[bool] = contextvars.ContextVar("batch_invariant", default=False)
+# What a step being traced by torch.compile reads instead (dynamo cannot read a ContextVar, and a graph break
+# in every linear layer would split each step into hundreds of graphs): a plain global, which dynamo guards on,
+# so a step captured with the mode off is traced again, not reused, with it on. `traced` sets it from the
+# caller's context, outside the traced region (`measure.graphs`).
+_traced = False
 
 
 def active() -> bool:
-    """Whether the model computes batch-invariantly here (inside `enabled(True)`)."""
+    """Whether the model computes batch-invariantly here (inside `enabled(True)`; inside a step being traced
+    by torch.compile, what `traced` pinned for it)."""
+    if torch.compiler.is_compiling():
+        return _traced
     return _active.get()
+
+
+@contextlib.contextmanager
+def traced() -> Iterator[None]:
+    """Run a compiled step inside this block: the mode it traces under is the caller's (`active()` here)."""
+    global _traced
+    before, _traced = _traced, _active.get()
+    try:
+        yield
+    finally:
+        _traced = before
 
 
 @contextlib.contextmanager
@@ -59,7 +78,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
     extra = -rows % ROW_TILE
-    if not extra or not _active.get():
+    if not extra or not active():
         return F.linear(x, weight, bias)
     flat = torch.cat((x.reshape(rows, K), x.new_zeros(extra, K)))
     return F.linear(flat, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
@@ -81,19 +100,24 @@ def route_linears(model: nn.Module) -> None:
             module.__class__ = Linear
 
 
-Plan = list[tuple[Any, int, int, int, torch.Tensor | None]]  # (rows, key span start and end, query offset, mask)
-_last_plan: tuple[object, object, tuple[int, ...], Plan] | None = None  # the previous layer's: same mask, same plan
+Span = tuple[tuple[int, ...] | None, int, int, int, bool]  # rows (None: all), keys [start, end), query offset, masked
+_last_plan: tuple[object, object, tuple[int, ...], list[Span]] | None = None  # the previous layer's: same mask
+_last_built: list[tuple[Any, torch.Tensor | None]] = []  # its rows and masks as tensors, for the eager layers
 
 
-def _plan(mask: torch.Tensor | None, start: int | torch.Tensor, B: int, T: int, L: int, device: torch.device) -> Plan:
-    """`attention`'s groups of rows for this mask: the same for every layer of one forward (each is given the
-    same mask and start objects), so worked out once per forward."""
-    global _last_plan
+def plan(mask: torch.Tensor | None, start: int | torch.Tensor, B: int, T: int, L: int) -> list[Span]:
+    """`attention`'s groups of rows for this mask, as plain numbers: the same for every layer of one forward
+    (each is given the same mask and start objects), so worked out once per forward. It reads the mask on the
+    host, so a forward works it out before its step (`DiffusionLM.hidden`); a step being traced by
+    torch.compile takes the one worked out for it (a graph per plan: its numbers are the graph's constants)."""
+    global _last_plan, _last_built
     key = (B, T, L)
+    if torch.compiler.is_compiling():
+        assert _last_plan is not None and _last_plan[2] == key, "the plan is worked out before the step"
+        return _last_plan[3]
     if _last_plan is not None and _last_plan[0] is mask and _last_plan[1] is start and _last_plan[2] == key:
         return _last_plan[3]
-    full = torch.ones(1, 1, 1, L, dtype=torch.bool, device=device) if mask is None else mask
-    full = full.expand(B, *full.shape[1:])
+    full = _full(mask, B, L)
     seen = full.reshape(B, -1, L).any(1)  # (B, L): keys some query of the row may attend to
     anything = seen.any(1)
     lead = torch.where(anything, seen.int().argmax(1), 0).tolist()  # leading keys no query sees
@@ -101,17 +125,31 @@ def _plan(mask: torch.Tensor | None, start: int | torch.Tensor, B: int, T: int, 
     groups: dict[tuple[int, int], list[int]] = {}
     for b, span in enumerate(zip(lead, last)):
         groups.setdefault(span, []).append(b)
-    plan: Plan = []
+    spans: list[Span] = []
+    built: list[tuple[Any, torch.Tensor | None]] = []
     for (off, end), rows in groups.items():
         q_off = max(0, off - start) if isinstance(start, int) else 0
         if q_off >= T:
             continue
-        pick: Any = torch.tensor(rows, device=device) if len(rows) < B else slice(None)
-        m = full[pick][..., off:end]
-        m = m[:, :, q_off:] if m.shape[2] == T else m
-        plan.append((pick, off, end, q_off, None if bool(m.all()) else m))
-    _last_plan = (mask, start, key, plan)
-    return plan
+        pick = tuple(rows) if len(rows) < B else None
+        m = _group_mask(full, pick, off, end, q_off, T)
+        masked = not bool(m.all())
+        spans.append((pick, off, end, q_off, masked))
+        built.append((slice(None) if pick is None else torch.tensor(pick, device=full.device), m if masked else None))
+    _last_plan, _last_built = (mask, start, key, spans), built
+    return spans
+
+
+def _full(mask: torch.Tensor | None, B: int, L: int) -> torch.Tensor:
+    full = torch.ones(1, 1, 1, L, dtype=torch.bool) if mask is None else mask
+    return full.expand(B, *full.shape[1:])
+
+
+def _group_mask(full: torch.Tensor, rows: Any, off: int, end: int, q_off: int, T: int) -> torch.Tensor:
+    """A group's mask over its own keys and queries."""
+    pick: Any = slice(None) if rows is None else torch.tensor(rows, device=full.device)
+    m = full[pick][..., off:end]
+    return m[:, :, q_off:] if m.shape[2] == T else m
 
 
 def attention(
@@ -127,9 +165,19 @@ def attention(
     contiguous and a mask that allows everything is dropped, as for the same row alone, so that both take
     one kernel path on one layout. Returns (B, H, T, D)."""
     B, H, T, _ = q.shape
+    L = k.shape[2]
     y: torch.Tensor | None = None
-    for pick, off, end, q_off, m in _plan(mask, start, B, T, k.shape[2], q.device):
-        n = B if isinstance(pick, slice) else len(pick)
+    spans = plan(mask, start, B, T, L)
+    built = None if torch.compiler.is_compiling() else _last_built  # a traced step makes its own from the mask
+    full = None if mask is None else _full(mask, B, L)
+    for i, (rows, off, end, q_off, masked) in enumerate(spans):
+        pick: Any
+        if built is not None:
+            pick, m = built[i]
+        else:
+            pick = slice(None) if rows is None else torch.tensor(rows, device=q.device)
+            m = _group_mask(full, rows, off, end, q_off, T) if masked and full is not None else None
+        n = B if rows is None else len(rows)
         out = F.scaled_dot_product_attention(
             q[pick][:, :, q_off:].contiguous(),
             k[pick][:, :, off:end].contiguous(),

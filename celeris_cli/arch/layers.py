@@ -352,11 +352,28 @@ class DiffusionLM(nn.Module):
         if positions is None:
             assert isinstance(start, int), "rows decoding at their own places pass their positions"
             positions = torch.arange(start, start + T, device=ids.device).expand(B, T)
-        rope = self.rope(positions)
         mask = key_mask_4d(key_mask)
         if not self._routed:
             invariant.route_linears(self)
             self._routed = True
+        layer0 = None if cache is None else cache[0]
+        if not isinstance(layer0, PackedLayer) and (invariant.active() or (layer0 is not None and layer0.exact)):
+            # the per-row attention's groups read the mask on the host: worked out here, before the step
+            invariant.plan(mask, start, B, T, T if layer0 is None else layer0.k.shape[2])
+        return self.step(ids, positions, mask, cache, start, keep_kv)
+
+    def step(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: Sequence[LayerKV | PackedLayer] | None,
+        start: int | torch.Tensor,
+        keep_kv: bool,
+    ) -> tuple[torch.Tensor, list[KV]]:
+        """`hidden`'s work on tensors, with nothing read on the host: what a decoder runs every round, and
+        what `torch.compile` can capture whole (`measure.graphs`). mask: (B, 1, 1 or T, L) bool, or None."""
+        rope = self.rope(positions)
         embed, layers, norm = self.parts()
         x = embed(ids)
         fresh: list[KV] = []
@@ -379,6 +396,8 @@ class DiffusionLM(nn.Module):
             return lambda h: _fill(layer(h.float() if h.dtype != torch.float32 and self.upcast else h)[..., :V], holes)
         w = self.head_weight()
         cast: list[torch.Tensor] = []
+        if self.upcast and w.dtype != torch.float32 and w.numel() * 4 <= HEAD_CACHE_BYTES:
+            cast.append(self._float_head(w))  # kept between forwards: free, and out of a traced step's way
 
         def apply(h: torch.Tensor) -> torch.Tensor:
             if h.dtype != torch.float32 and self.upcast:

@@ -303,3 +303,48 @@ def structured_cmd(
         return bench_structured(engine, requests, gen_length, batch_size, _json_setting(set_name))
 
     _measure(measure, out, as_json, render_structured)
+
+
+@bench_app.command(name="graphs")
+def graphs_cmd(
+    models: list[str] = typer.Option(
+        None,
+        "--model",
+        "-m",
+        help="A model folder, an embedded model's name, or a folder of families (a folder of model folders per "
+        "family, as the tests' data: one model of each); repeat for several. Default: the embedded models.",
+    ),
+    steps: list[str] = typer.Option(None, "--step", help="Only this step; repeat for several. Default: every step."),
+    gen_length: int = typer.Option(16, "--gen-length", min=1, max=256, help="Each answer's length."),
+    device: DeviceOpt = DEVICE,
+    threads: int = THREADS,
+    out: Path = OUT,
+    as_json: bool = AS_JSON,
+) -> None:
+    """Each decode step (the AR step, the spec round, the cached block steps, the canvas step) on every model
+    given that runs it: whether torch.compile(fullgraph=True) captures it whole, whether answers with it
+    captured equal eager answers, and on CUDA its time eager and captured per batch bucket."""
+    import torch
+
+    from ..engine import embedded_models, model_dir
+    from ..errors import ModelError
+    from ..measure.graphs import STEPS, models_in, render, run
+
+    def measure() -> dict[str, Any]:
+        names = {s.name: s for s in STEPS}
+        unknown = [s for s in steps or [] if s not in names]
+        if unknown:
+            raise UsageError(f"--step {unknown[0]!r} is not a step; the steps: {', '.join(names)}")
+        paths = [model_dir(m) for m in models] if models else list(embedded_models().values())
+        missing = [p for p in paths if not p.is_dir()]
+        if missing:
+            raise ModelError(f"--model {missing[0]}: no such folder or embedded model")
+        found = models_in(paths)
+        if not found:
+            raise ModelError(f"--model {paths[0]}: holds no model folder (config.json and weights)")
+        if threads:
+            torch.set_num_threads(threads)
+        chosen = tuple(names[s] for s in steps) if steps else STEPS
+        return run(found, chosen, device.value, gen_length)
+
+    _measure(measure, out, as_json, render)
