@@ -751,6 +751,11 @@ def honoured(strategy: str) -> tuple[str, ...]:
     return tuple(k for k in KNOBS if k in names)
 
 
+# what an answer holds rather than how it is decoded: asked of a model whose default strategy lacks one, with no
+# strategy chosen, the model's first strategy that has it runs (`GenerationParams._able`)
+FEATURES = frozenset({"structured_outputs", "structured_layout", "logprobs", "top_logprobs"})
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     """Everything that decides an answer, validated however it is built; `from_mapping` layers user input."""
@@ -803,7 +808,7 @@ class GenerationParams:
     steps_total: bool = False
     explicit: frozenset[str] = field(default=frozenset(), compare=False, repr=False)  # keys users set
     # the model's strategies in its order (a model folder's defaults give them): where no user layer chose a
-    # strategy and the default cannot honour a setting a user asked for (a constraint, log probabilities on a
+    # strategy and the default cannot honour a feature a user asked for (FEATURES: a constraint, log probabilities on a
     # diffusion default), the first of them that honours every setting asked runs instead (`_able`)
     strategies: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
@@ -836,8 +841,9 @@ class GenerationParams:
         """These settings under the model's first strategy that honours every setting a user asked for, where
         none chose one and the default does not (see `strategies`); otherwise unchanged, so that `_check`
         names what the strategy cannot honour."""
-        if "strategy" in self.explicit or all(k in honoured(self.strategy) for k in self.explicit):
-            return self
+        lacking = {k for k in self.explicit if k not in honoured(self.strategy)}
+        if "strategy" in self.explicit or not lacking or not lacking <= FEATURES:
+            return self  # a tuning knob of another strategy is the user's mistake, named by `_check`
         able = next((s for s in self.strategies if all(k in honoured(s) for k in self.explicit)), None)
         return replace(self, strategy=able) if able else self
 
