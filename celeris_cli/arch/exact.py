@@ -40,9 +40,34 @@ QUERY_TILE = 16  # a window's queries are computed this many at a time (zero row
 _active: contextvars.ContextVar[bool] = contextvars.ContextVar("exact_attention", default=False)
 
 
+_traced = False  # what `traced` pinned for a step torch.compile traces (it cannot read a ContextVar)
+_planned: list[_Window] | None = None  # the windows `plan` worked out before a traced step
+
+
 def active() -> bool:
-    """Whether attention is computed query by query here (inside `enabled(True)`)."""
+    """Whether attention is computed query by query here (inside `enabled(True)`; inside a step being traced
+    by torch.compile, what `traced` pinned for it)."""
+    if torch.compiler.is_compiling():
+        return _traced
     return _active.get()
+
+
+@contextlib.contextmanager
+def traced() -> Iterator[None]:
+    """Run a compiled step inside this block: the mode it traces under is the caller's (`active()` here)."""
+    global _traced
+    before, _traced = _traced, _active.get()
+    try:
+        yield
+    finally:
+        _traced = before
+
+
+def plan(mask: torch.Tensor | None, B: int, T: int, L: int, device: torch.device) -> None:
+    """Work out a forward's windows before its step (`DiffusionLM.hidden`): they read the mask on the host,
+    which a step traced whole may not; inside it `attention` takes these."""
+    global _planned
+    _planned = _windows(mask, B, T, L, device)
 
 
 @contextlib.contextmanager
@@ -128,7 +153,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     Hkv = k.shape[1]
     y = q.new_zeros(B, H, T, v.shape[-1])
     scale = 1.0 / math.sqrt(D)
-    for win in _windows(mask, B, T, k.shape[2], q.device):
+    planned = _planned if torch.compiler.is_compiling() else None
+    for win in planned if planned is not None else _windows(mask, B, T, k.shape[2], q.device):
         G = win.cols.shape[0]
         ks = k[win.gb[:, None], :, win.cols].transpose(1, 2)  # (G, Hkv, w, D)
         vs = v[win.gb[:, None], :, win.cols].transpose(1, 2)

@@ -360,6 +360,8 @@ class DiffusionLM(nn.Module):
         if not isinstance(layer0, PackedLayer) and (invariant.active() or (layer0 is not None and layer0.exact)):
             # the per-row attention's groups read the mask on the host: worked out here, before the step
             invariant.plan(mask, start, B, T, T if layer0 is None else layer0.k.shape[2])
+        if not isinstance(layer0, PackedLayer) and exact.active():  # its windows too read the mask on the host
+            exact.plan(mask, B, T, T if layer0 is None else layer0.k.shape[2], ids.device)
         return self.step(ids, positions, mask, cache, start, keep_kv)
 
     def step(

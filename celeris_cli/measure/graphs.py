@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..arch import invariant
+from ..arch import exact, invariant
 from ..arch.kv import LayerKV
 from ..arch.packed import PackedLayer
 from ..engine import Engine, load_engine
@@ -44,7 +44,9 @@ class Step:
 
     name: str
     settings: dict[str, Any]
-    method: str = "step"  # `DiffusionLM.step` (over a cache), or "denoise" (DiffusionGemma's canvas step)
+    # `DiffusionLM.step` (over a cache), or DiffusionGemma's canvas pass: `hidden`, the decoder over the canvas
+    # against the cache, as its step runs it (the head, softmax and draws follow a chunk of positions at a time)
+    method: str = "step"
     wide: bool | None = None  # step: True for forwards of several positions a row, False for one, None: any
 
 
@@ -55,7 +57,7 @@ STEPS = (
     Step("dual-cache-step", {"strategy": "fast", "cache": "dual"}),
     Step("prefix-cache-step", {"strategy": "fast", "cache": "prefix"}),
     Step("block-fast-step", {"strategy": "block-fast"}),
-    Step("canvas-step", {"strategy": "diffusion-gemma"}, method="denoise"),
+    Step("canvas-step", {"strategy": "diffusion-gemma"}, method="hidden"),
 )
 
 
@@ -82,7 +84,7 @@ def _counting(trace: Trace) -> Callable[..., Any]:
 
 def _is_step(step: Step, args: tuple[Any, ...]) -> bool:
     """Whether this model call is the step, not a prefill or a calibration forward."""
-    if step.method == "denoise":
+    if step.method != "step":  # the canvas pass: every call is a denoising step
         return True
     cache = args[3]
     if not cache:
@@ -124,7 +126,7 @@ def compiled(
             return eager(*args, **kwargs)
         began = time.perf_counter()
         try:
-            with invariant.traced():
+            with invariant.traced(), exact.traced():
                 out = fn(*args, **kwargs)
         except Exception as e:  # a graph break under fullgraph, or a failure inside the traced step
             trace.error = _why(e)
@@ -136,7 +138,7 @@ def compiled(
         if head is not None and step.name.startswith("ar-step") and trace.head_equal is not False:
             h, apply = out[0], model.step_head()
             try:
-                with invariant.traced():
+                with invariant.traced(), exact.traced():
                     got = head(apply, h)
             except Exception as e:
                 trace.error, trace.head_equal = f"head: {_why(e)}", False
