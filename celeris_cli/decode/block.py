@@ -120,12 +120,26 @@ def lay_out(prompts: list[torch.Tensor], gen_length: int, width: int, mask_id: i
 
 
 def block_mask(real: torch.Tensor, q_lo: int, q_hi: int, k_hi: int, width: int) -> torch.Tensor:
-    """(B, 1, q_hi - q_lo, k_hi): query c sees key c' when c' exists and its block is not after c's. A
-    padding query sees itself, so no row of the mask is empty (some kernels give NaN for an empty row)."""
+    """(B, 1, q_hi - q_lo, k_hi): query c sees key c' when c' exists and its block is not after c's; a
+    padding query that would see nothing sees its row's first key (`never_empty`)."""
     q_idx = torch.arange(q_lo, q_hi, device=real.device)
     k_idx = torch.arange(k_hi, device=real.device)
     causal = (k_idx // width)[None, :] <= (q_idx // width)[:, None]  # (Tq, Tk)
-    return ((causal[None] & real[:, None, :k_hi]) | (k_idx[None, :] == q_idx[:, None])[None])[:, None]
+    return never_empty(causal[None] & real[:, None, :k_hi], real, q_idx)[:, None]
+
+
+def never_empty(seen: torch.Tensor, real: torch.Tensor, q_idx: torch.Tensor) -> torch.Tensor:
+    """`seen` (B, Tq, Tk; queries at canvas positions q_idx, keys at 0..Tk) with no empty row: a query that
+    sees nothing (left padding before its row's first real key, in a causal pass) sees the row's first real
+    key instead (itself in a row with none). Some kernels give NaN for an empty row; and a padding key is then
+    seen by no query, so the batch-invariant attention (`arch.invariant.plan`) slices a row's left padding
+    off, keys and queries, and computes the row in the shapes it has alone. What a padding query computes is
+    never read."""
+    Tk = seen.shape[-1]
+    mine = real[:, :Tk]
+    k_idx = torch.arange(Tk, device=seen.device)
+    first = torch.where(mine.any(1)[:, None], mine.int().argmax(1)[:, None], q_idx[None, :])  # (B, Tq)
+    return seen | (~seen.any(-1, keepdim=True) & (k_idx[None, None, :] == first[:, :, None]))
 
 
 def commit_step(

@@ -35,6 +35,7 @@ import torch
 
 from ..arch.kv import KVCache
 from ..params import NO_SHAPING, Blocks, Commit, Length, Ordering, Sampling, Shaping
+from .block import never_empty
 from .predict import Places, StepLogits, choose
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
 from .sampling import Draws, RowNoise, shaper
@@ -72,12 +73,12 @@ class CausalCanvas:
         self.cache: KVCache | None = None
 
     def _mask(self, s: int, e: int, causal: bool) -> torch.Tensor:
-        """(B, 1, e - s, e): the real keys before s, and inside [s, e) all of them or those up to the query.
-        A padding query sees itself, so no row of the mask is empty (as `block.block_mask`)."""
+        """(B, 1, e - s, e): the real keys before s, and inside [s, e) all of them or those up to the query;
+        a padding query that would see nothing sees its row's first key (`block.never_empty`)."""
         q = torch.arange(s, e, device=self.x.device)[:, None]
         k = torch.arange(e, device=self.x.device)[None, :]
         seen = self.keys[:, None, :e] & (k <= q if causal else torch.ones_like(k <= q))
-        return (seen | (k == q)[None])[:, None]
+        return never_empty(seen, self.keys, q[:, 0])[:, None]
 
     def forward(self, s: int, e: int, causal: bool) -> torch.Tensor:
         """Hidden states of positions [s, e), attending over the cache before s; the cache holds their keys
