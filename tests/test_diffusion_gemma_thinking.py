@@ -7,7 +7,8 @@ The folder is `saved_by_transformers/` with its chat template replaced by the re
 template opens a system turn with `<|think|>`; off or unset, the generation prompt ends in an empty thought
 channel. Each conversation (a user turn; system and user; a reply carrying a thought channel, then a user turn) is
 rendered with the switch on, off and unset, through the path serve, `celeris batch` and the queue take
-(`Preparer`) and through `celeris generate --chat --chat-template-kwargs`; the answers are token-exact.
+(`Preparer`); the answers are token-exact there, through `celeris batch`, serve's chat completions and
+`celeris generate --chat --chat-template-kwargs`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from celeris_cli.cli import app
 from celeris_cli.spool.backend import Preparer
 from celeris_cli.spool.formats import Request
 
+from .serve_helpers import Server
 from .test_diffusion_gemma_released import PAD, decoder_passes, request
 
 DATA = Path(__file__).parent / "data"
@@ -131,3 +133,21 @@ def test_every_recorded_run_through_celeris_batch(engine: Any, folder: Path, tmp
         want = engine.tokenizer.continuation(case["input_ids"], case["answer_ids"])
         assert results[str(i)]["text"] == want, (case["conversation"], case["setting"], case["seed"])
         assert results[str(i)]["usage"]["prompt_tokens"] == len(case["input_ids"])
+
+
+def test_serve_chat_completions_take_the_switch(engine: Any, folder: Path, tmp_path: Path) -> None:
+    """serve's chat completions with `chat_template_kwargs` in the body, on the conversations with a system turn and
+    with a reply: the same answers as transformers' runs."""
+    s = Server("--model", str(folder), "--device", "cpu", "--dtype", "float32", log=tmp_path / "serve.log").start()
+    try:
+        client = s.client()
+        for case in (r for r in RUNS if r["conversation"] != "user" and "t_max" not in r["settings"]):
+            extra = {"chat_template_kwargs": case["chat_template_kwargs"], "noise": "torch"}
+            ask = {"model": folder.name, "messages": REF["conversations"][case["conversation"]], "seed": case["seed"]}
+            got = client.chat.completions.create(  # type: ignore[call-overload]
+                **ask, max_tokens=case["settings"]["max_new_tokens"], extra_body=extra
+            )
+            want = engine.tokenizer.continuation(case["input_ids"], case["answer_ids"])
+            assert (got.choices[0].message.content, got.usage.prompt_tokens) == (want, len(case["input_ids"]))
+    finally:
+        s.stop()
