@@ -27,6 +27,7 @@ from .arch.tokenizer import Tokenizer
 from .backoff import is_out_of_memory, largest_fitting, run_backing_off
 from .backoff import too_large as too_large_error
 from .decode import waves
+from .decode.canvasrun import CanvasRequest, CanvasScheduler
 from .decode.pace import ForwardCost, Learned
 from .decode.running import BlockRequest, BlockScheduler
 from .decode.runset import Occupancy, RunningSet
@@ -313,6 +314,9 @@ class Engine:
                 SpecScheduler(*spec, refill, before_round, cost=cost, on_block=on_block, learned=self.learned),
                 net,
             )
+        if kinds == {"canvas"}:
+            canvas = (net, special.stop_ids, special.pad_id, max_batch, self.device, refill, on_block, before_round)
+            return CanvasScheduler(*canvas), net
         args = (net, special.mask_id, special.stop_ids, special.pad_id, max_batch, self.device, special.word_pieces)
         return BlockScheduler(*args, refill=refill, on_block=on_block, before_round=before_round), net
 
@@ -323,6 +327,8 @@ class Engine:
             return waves.FastRequest(key, list(ids), fast_plan_of(params), request_seed(seed, ids), rule)
         if _running_kind(params) == "spec":
             return SpecRequest(key, list(ids), plan_for(params), request_seed(seed, ids), rule)
+        if _running_kind(params) == "canvas":
+            return CanvasRequest(key, list(ids), plan_for(params), request_seed(seed, ids), seed, rule)
         return BlockRequest(key, list(ids), plan_of(params), request_seed(seed, ids), rule)
 
     def _account(self, scheduler: RunningSet[Any], net: Net) -> None:
