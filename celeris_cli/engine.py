@@ -589,8 +589,9 @@ class Engine:
 
     def continuous(self, params: GenerationParams) -> bool:
         """Whether rows with these settings decode through a running set: block diffusion's cached decoder
-        (`decode.running`) or the fast decoder (`decode.waves`), without guidance (docs/scheduling.md).
-        Other strategies decode in static batches."""
+        (`decode.running`), the fast decoder (`decode.waves`), self-speculation (`decode.specrun`) or
+        DiffusionGemma's canvases (`decode.canvasrun`): its strategy's row kind (docs/scheduling.md). Other
+        strategies decode in static batches."""
         return _running_kind(params) is not None
 
     # -- text level --------------------------------------------------------------------------------
@@ -687,8 +688,8 @@ class LiveRun:
         self.added = 0  # rows added in all (an answer's batch_size is the width, or fewer if fewer came)
 
     def accepts(self, params: GenerationParams) -> bool:
-        """Whether a row with these final settings can join: block diffusion or the fast strategy, without
-        guidance (`Engine.continuous`), of the kind of the rows already here and computed the same way
+        """Whether a row with these final settings can join: a strategy with a running set
+        (`Engine.continuous`), of the kind of the rows already here and computed the same way
         (`deterministic`)."""
         kind = _running_kind(params)
         if not self.rows:
@@ -828,7 +829,8 @@ def _lane_of(params: GenerationParams) -> tuple[Any, ...]:
 
 def _running_kind(params: GenerationParams) -> str | None:
     """Which running set decodes rows with these settings: "block" (`decode.running`), "waves"
-    (`decode.waves`), or None (static batches): its strategy's row kind (`strategy.Strategy.running`).
+    (`decode.waves`), "spec" (`decode.specrun`), "canvas" (`decode.canvasrun`), or None (static batches): its
+    strategy's row kind (`strategy.Strategy.running`).
     Under guidance a row's unconditional view takes a second slot in either."""
     return STRATEGIES[params.strategy].running
 

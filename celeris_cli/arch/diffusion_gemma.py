@@ -114,7 +114,7 @@ class DiffusionGemmaModel(nn.Module):
     def head_layer(self) -> nn.Module:
         """Asked by the memory planner, which does not know this family yet: what limits it is the canvas times
         the vocabulary in float32 (logits, probabilities, entropies), not what the planner counts."""
-        raise NoEstimate("no memory estimate for DiffusionGemma yet: its decoding runs in static batches")
+        raise NoEstimate("no memory estimate for DiffusionGemma's head: the planner counts its canvas step instead")
 
     def set_upcast(self, on: bool) -> None:
         self.upcast = on

@@ -62,7 +62,8 @@ class _Canvas:
 
     def __init__(self, x: torch.Tensor, steps: int, plan: DiffusionGemmaPlan, j: int, rule: Rule | None) -> None:
         L = x.shape[1]
-        self.x, self.argmax, self.signal = x, x, None  # (1, L), (1, L), the step's self-conditioning or None
+        self.x, self.argmax = x, x  # (1, L) each
+        self.signal: torch.Tensor | None = None  # (1, L, d): the last step's self-conditioning input
         self.steps, self.plan, self.j, self.i = steps, plan, j, 0
         d = plan.denoising
         self.history = torch.full((d.stability_threshold, 1, L), -1, dtype=x.dtype, device=x.device)
@@ -227,17 +228,17 @@ class CanvasScheduler(RunningSet[CanvasRequest]):
         """One decoder forward over the lane's rows, each its canvas against its own slot, then each row's
         step; then the commit pass of the canvases kept; returns the rows that are done."""
         rows: list[_Row] = lane.rows
-        canvases = [r.canvas for r in rows]
-        assert all(c is not None for c in canvases)
-        x = torch.cat([c.x for c in canvases if c is not None])
+        canvases = [r.canvas for r in rows if r.canvas is not None]
+        assert len(canvases) == len(rows), "every row in flight has a canvas in hand"
+        x = torch.cat([c.x for c in canvases])
         L = x.shape[1]
         positions = self._positions([r.cached for r in rows], L)
-        d = self.model.cfg.hidden_size
-        signal = None
-        if any(c is not None and c.signal is not None for c in canvases):  # a row at its first step: zeros
-            sig = [c.signal if c is not None and c.signal is not None else None for c in canvases]
-            like = next(s for s in sig if s is not None)
-            signal = torch.cat([s if s is not None else like.new_zeros(1, L, d) for s in sig])
+        signals = [c.signal for c in canvases]
+        first = next((s for s in signals if s is not None), None)
+        signal = None  # a row at its first step has none: zeros, as `hidden` gives a batch of one
+        if first is not None:
+            d = self.model.cfg.hidden_size
+            signal = torch.cat([first.new_zeros(1, L, d) if s is None else s for s in signals])
         masks = [{True: "all", False: "all"} for _ in rows]  # a batch of one's decoder pass: nothing hidden
         h = self.model.hidden(x, positions, masks, self._pasts(lane), signal)
         self.net.nfe += 1

@@ -28,6 +28,9 @@ counted from a row's first token. `noise: torch` draws instead from torch's CPU 
 seed, in the order its generate draws for a batch of one (the canvas `randint`, then per step `multinomial` and
 the renoise `randint`), so that answers equal its own; `initial_canvases` pins each loop's starting canvas (its
 `randint` is still drawn, as its generate draws it before taking `decoder_input_ids`).
+
+This is the static decoder (a batch decoded to its end); `decode.canvasrun` runs the same canvases as rows of a
+running set, each joining as others leave and answering as it does here alone.
 """
 
 from __future__ import annotations
