@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,15 +55,17 @@ def alone(engine: Engine, ids: list[int], params: Any, seed: int) -> tuple[list[
     prompt = torch.tensor([ids])
     noise = RowNoise([request_seed(seed, ids)], torch.device("cpu"), [seed])
     net = Net(engine.model)
-    out = get_strategy("diffusion-gemma")(net, prompt, torch.ones_like(prompt, dtype=torch.bool), params,
-                                          engine.special, noise)  # fmt: skip
+    real = torch.ones_like(prompt, dtype=torch.bool)
+    rule = engine.rule_for(params)
+    extra = {} if rule is None else {"rules": [rule]}
+    out = get_strategy("diffusion-gemma")(net, prompt, real, params, engine.special, noise, **extra)  # type: ignore[call-arg]
     return out[0, len(ids) :].tolist(), net.nfe
 
 
 def running(engine: Engine, rows: list[tuple[list[int], Any, int]], width: int) -> tuple[dict[int, Any], Any]:
     """Every row through one running set of `width` rows: {key: (generated ids, forwards)} and the set."""
     scheduler, _ = engine._scheduler([p for _, p, _ in rows], width)
-    requests = [engine._request(k, ids, p, seed) for k, (ids, p, seed) in enumerate(rows)]
+    requests = [engine._request(k, ids, p, seed, engine.rule_for(p)) for k, (ids, p, seed) in enumerate(rows)]
     return {k: (out, f) for k, out, f in scheduler.run(requests)}, scheduler
 
 
@@ -89,6 +92,23 @@ def test_mixed_rows_answer_each_as_alone_whoever_runs_beside_them(engine: Engine
     occupancy = scheduler.occupancy
     assert occupancy.prefills == len(rows) and occupancy.mean_rows > 1.2  # rows shared their forwards
     assert occupancy.mean_in_flight <= width
+
+
+def test_constrained_rows_beside_free_ones_answer_as_alone(engine: Engine) -> None:
+    """Rows under a constraint (their canvases' committed prefixes, steps past a schedule of 2) beside free rows,
+    two in flight: each as the static decoder gives it alone, the constraint holding."""
+    pattern = "the [a-z]{2,9} (cat|dog)"
+    rows = []
+    for i, prompt in enumerate(["hello there", "the cat", "a dog sat", "why"]):
+        s: dict[str, Any] = {"gen_length": 16 + 8 * (i % 2), "seed": i + 1, "block_steps": 2}
+        if i != 2:
+            s["structured_outputs"] = {"regex": pattern}
+        rows.append((engine.encode_prompt(prompt), engine.params(s), i + 1))
+    got, _ = running(engine, rows, 2)
+    for k, (ids, p, seed) in enumerate(rows):
+        assert got[k] == alone(engine, ids, p, seed)
+        text = engine.finish(got[k][0], (), ids)[0]
+        assert bool(re.fullmatch(pattern, text)) == (k != 2), text
 
 
 def test_the_recorded_runs_beside_each_other_are_transformers_own(engine: Engine) -> None:
