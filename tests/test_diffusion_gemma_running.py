@@ -58,7 +58,7 @@ def alone(engine: Engine, ids: list[int], params: Any, seed: int) -> tuple[list[
     real = torch.ones_like(prompt, dtype=torch.bool)
     rule = engine.rule_for(params)
     extra = {} if rule is None else {"rules": [rule]}
-    out = get_strategy("diffusion-gemma")(net, prompt, real, params, engine.special, noise, **extra)  # type: ignore[call-arg]
+    out = get_strategy("diffusion-gemma")(net, prompt, real, params, engine.special, noise, **extra)
     return out[0, len(ids) :].tolist(), net.nfe
 
 
