@@ -88,7 +88,7 @@ STRATEGIES: dict[str, Strategy] = {
         "diffusion-gemma",
         "canvases",
         "canvas-vocab",
-        "canvas",
+        "canvas",  # every setting it takes, constraints and `noise: torch` included (`decode.canvasrun`)
         streams_blocks=True,
         uncapped=True,
     ),

@@ -175,3 +175,27 @@ def test_celeris_batch_of_six_goes_through_the_running_set_with_no_fallback(engi
         assert body["text"] == engine.finish(ids_out, (), ids)[0]
         assert body["timing"]["nfe"] == forwards
         assert body["timing"]["batch_size"] == 3  # in a running set of 3 (static, each line would be its own batch)
+
+
+def test_serve_streams_each_row_a_canvas_at_a_time(engine: Engine) -> None:
+    """`serve`'s runner: rows streamed through its running set see their text after each canvas, and end
+    with the answer the request gets alone."""
+    from celeris_cli.serve.runner import Runner
+    from celeris_cli.spool.formats import Request
+
+    runner = Runner(engine, {"gen_length": 24, "block_steps": 4, "confidence_threshold": None}, max_batch=2)
+    try:
+        texts: dict[int, list[str]] = {}
+        futures = []
+        for k, prompt in enumerate(PROMPTS[:3]):
+            prepared = runner.prepare(Request("r", k, prompt=prompt, params={"seed": k}))
+            futures.append(runner.stream(prepared, lambda text, k=k: texts.setdefault(k, []).append(text)))
+        answers = [f.result(120) for f in futures]
+    finally:
+        runner.close()
+    for k, prompt in enumerate(PROMPTS[:3]):
+        ids, params = engine.encode_prompt(prompt), runner.base.with_(seed=k)
+        out, _ = alone(engine, ids, params, k)
+        canvases = [engine.finish(out[: 8 * (j + 1)], (), ids)[0] for j in range(3)]
+        assert texts[k] == canvases[: len(texts[k])] and len(texts[k]) >= 2
+        assert answers[k].text == canvases[-1]
