@@ -160,13 +160,17 @@ def test_celeris_batch_of_six_goes_through_the_running_set_with_no_fallback(engi
     lines = [{"prompt": PROMPTS[i % 4], "gen_length": g, "seed": 10 + i, "block_steps": 5, "custom_id": str(i)}
              for i, g in enumerate([8, 24, 16, 32, 12, 20])]  # fmt: skip
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    bad = {"prompt": "a b", "initial_canvases": [[999] * 8], "custom_id": "bad"}  # refused alone, as it is prepared
+    src.write_text("".join(json.dumps(line) + "\n" for line in [*lines, bad]), encoding="utf-8")
     cmd = [sys.executable, "-m", "celeris_cli", "batch", "-i", str(src), "-o", str(out), "--model", str(FOLDER)]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd + ["--dtype", "float32", "--batch-size", "3"], capture_output=True, text=True, env=env)
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 1, p.stderr
+    failed = [json.loads(line) for line in Path(f"{out}.failed.jsonl").read_text().splitlines()]
+    assert [f["custom_id"] for f in failed] == ["bad"] and "outside the vocabulary of 320" in json.dumps(failed)
     assert "again" not in p.stderr and "one at a time" not in p.stderr and "running set failed" not in p.stderr
     answers = {r["custom_id"]: r["response"]["body"] for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(answers) == [str(i) for i in range(6)]
     for i, line in enumerate(lines):
         settings = {k: v for k, v in line.items() if k not in ("prompt", "custom_id")}
         ids, params = engine.encode_prompt(str(line["prompt"])), engine.params(settings)
