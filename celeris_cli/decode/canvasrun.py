@@ -31,7 +31,7 @@ from ..errors import UsageError
 from ..structured.commit import Rule
 from .block import OnBlock
 from .canvas_step import CanvasDraws, canvas_step
-from .diffusion_gemma import INIT, RENOISE, DiffusionGemmaPlan, _Held, pass_masks, temperature
+from .diffusion_gemma import INIT, RENOISE, DiffusionGemmaPlan, Held, pass_masks, temperature
 from .runset import Lane, RunningSet
 from .sampling import RowNoise
 
@@ -67,7 +67,7 @@ class _Canvas:
         self.steps, self.plan, self.j, self.i = steps, plan, j, 0
         d = plan.denoising
         self.history = torch.full((d.stability_threshold, 1, L), -1, dtype=x.dtype, device=x.device)
-        self.held = _Held(rule, j * L) if rule is not None and rule.constrained else None
+        self.held = Held(rule, j * L) if rule is not None and rule.constrained else None
         self.done = False
 
     def step(self, model: Any, h: torch.Tensor, draws: CanvasDraws, chunk: int) -> None:
@@ -112,6 +112,8 @@ class _Canvas:
 
 
 class _Row:
+    """A request in flight: its answer so far, how much of its slot is written, and its canvas in hand."""
+
     def __init__(self, req: CanvasRequest, draws: CanvasDraws, stops: torch.Tensor, pad_id: int) -> None:
         self.req, self.draws, self.stop, self.pad_id = req, draws, stops, pad_id
         self.schedule = req.plan.blocks.canvas_steps()

@@ -171,7 +171,7 @@ def denoise_canvas(
     history = torch.full((d.stability_threshold, B, L), -1, dtype=x.dtype, device=x.device)
     done, gone = done.clone(), done.clone()
     held = {
-        b: _Held(r, j * L) for b, r in enumerate(rules or []) if r is not None and r.constrained and not bool(done[b])
+        b: Held(r, j * L) for b, r in enumerate(rules or []) if r is not None and r.constrained and not bool(done[b])
     }
     extra = L if held else 0  # a constrained row takes steps past the schedule until its canvas is full
     for i in range(steps + extra):
@@ -218,7 +218,7 @@ def denoise_canvas(
     return argmax
 
 
-class _Held:
+class Held:
     """A constrained row's committed prefix of the canvas in hand (the module's docstring)."""
 
     def __init__(self, rule: Rule, offset: int) -> None:
