@@ -63,9 +63,17 @@ def alone(engine: Engine, ids: list[int], params: Any, seed: int) -> tuple[list[
 
 
 def running(engine: Engine, rows: list[tuple[list[int], Any, int]], width: int) -> tuple[dict[int, Any], Any]:
-    """Every row through one running set of `width` rows: {key: (generated ids, forwards)} and the set."""
+    """Every row through one running set of `width` rows: {key: (generated ids, forwards)} and the set, with
+    `joined_beside`: how many rows were in flight as each row joined."""
     scheduler, _ = engine._scheduler([p for _, p, _ in rows], width)
     requests = [engine._request(k, ids, p, seed, engine.rule_for(p)) for k, (ids, p, seed) in enumerate(rows)]
+    admit, scheduler.joined_beside = scheduler._admit, []
+
+    def recorded(req: Any) -> None:
+        scheduler.joined_beside.append(scheduler.in_flight)
+        admit(req)
+
+    scheduler._admit = recorded
     return {k: (out, f) for k, out, f in scheduler.run(requests)}, scheduler
 
 
@@ -92,6 +100,8 @@ def test_mixed_rows_answer_each_as_alone_whoever_runs_beside_them(engine: Engine
     occupancy = scheduler.occupancy
     assert occupancy.prefills == len(rows) and occupancy.mean_rows > 1.2  # rows shared their forwards
     assert occupancy.mean_in_flight <= width
+    if width == 2:  # rows joined while others were part way through their canvases
+        assert sum(n > 0 for n in scheduler.joined_beside) >= 4
 
 
 def test_constrained_rows_beside_free_ones_answer_as_alone(engine: Engine) -> None:
