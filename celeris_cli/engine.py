@@ -27,6 +27,7 @@ from .arch.tokenizer import Tokenizer
 from .backoff import is_out_of_memory, largest_fitting, run_backing_off
 from .backoff import too_large as too_large_error
 from .decode import waves
+from .decode.canvasrun import CanvasRequest, CanvasScheduler
 from .decode.pace import ForwardCost, Learned
 from .decode.running import BlockRequest, BlockScheduler
 from .decode.runset import Occupancy, RunningSet
@@ -313,6 +314,9 @@ class Engine:
                 SpecScheduler(*spec, refill, before_round, cost=cost, on_block=on_block, learned=self.learned),
                 net,
             )
+        if kinds == {"canvas"}:
+            canvas = (net, special.stop_ids, special.pad_id, max_batch, self.device, refill, on_block, before_round)
+            return CanvasScheduler(*canvas), net
         args = (net, special.mask_id, special.stop_ids, special.pad_id, max_batch, self.device, special.word_pieces)
         return BlockScheduler(*args, refill=refill, on_block=on_block, before_round=before_round), net
 
@@ -323,6 +327,8 @@ class Engine:
             return waves.FastRequest(key, list(ids), fast_plan_of(params), request_seed(seed, ids), rule)
         if _running_kind(params) == "spec":
             return SpecRequest(key, list(ids), plan_for(params), request_seed(seed, ids), rule)
+        if _running_kind(params) == "canvas":
+            return CanvasRequest(key, list(ids), plan_for(params), request_seed(seed, ids), seed, rule)
         return BlockRequest(key, list(ids), plan_of(params), request_seed(seed, ids), rule)
 
     def _account(self, scheduler: RunningSet[Any], net: Net) -> None:
@@ -583,8 +589,9 @@ class Engine:
 
     def continuous(self, params: GenerationParams) -> bool:
         """Whether rows with these settings decode through a running set: block diffusion's cached decoder
-        (`decode.running`) or the fast decoder (`decode.waves`), without guidance (docs/scheduling.md).
-        Other strategies decode in static batches."""
+        (`decode.running`), the fast decoder (`decode.waves`), self-speculation (`decode.specrun`) or
+        DiffusionGemma's canvases (`decode.canvasrun`): its strategy's row kind (docs/scheduling.md). Other
+        strategies decode in static batches."""
         return _running_kind(params) is not None
 
     # -- text level --------------------------------------------------------------------------------
@@ -681,8 +688,8 @@ class LiveRun:
         self.added = 0  # rows added in all (an answer's batch_size is the width, or fewer if fewer came)
 
     def accepts(self, params: GenerationParams) -> bool:
-        """Whether a row with these final settings can join: block diffusion or the fast strategy, without
-        guidance (`Engine.continuous`), of the kind of the rows already here and computed the same way
+        """Whether a row with these final settings can join: a strategy with a running set
+        (`Engine.continuous`), of the kind of the rows already here and computed the same way
         (`deterministic`)."""
         kind = _running_kind(params)
         if not self.rows:
@@ -822,7 +829,8 @@ def _lane_of(params: GenerationParams) -> tuple[Any, ...]:
 
 def _running_kind(params: GenerationParams) -> str | None:
     """Which running set decodes rows with these settings: "block" (`decode.running`), "waves"
-    (`decode.waves`), or None (static batches): its strategy's row kind (`strategy.Strategy.running`).
+    (`decode.waves`), "spec" (`decode.specrun`), "canvas" (`decode.canvasrun`), or None (static batches): its
+    strategy's row kind (`strategy.Strategy.running`).
     Under guidance a row's unconditional view takes a second slot in either."""
     return STRATEGIES[params.strategy].running
 

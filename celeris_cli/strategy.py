@@ -27,7 +27,7 @@ StepsRule = Literal["schedule", "block_steps", "seeded", "per_token", "denoise",
 # "causal": a causal cache over the canvas and a round of verified and drafted columns (block_length: the draft's;
 # Nemotron's diffusion mode runs one block of block_length over such a cache, so the round of two bounds it)
 MemoryRule = Literal["fast", "block-cached", "block", "canvas-block", "canvas-answer", "canvas-vocab", "causal"]
-RowKind = Literal["block", "waves", "spec"]
+RowKind = Literal["block", "waves", "spec", "canvas"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,8 @@ STRATEGIES: dict[str, Strategy] = {
         "diffusion-gemma",
         "canvases",
         "canvas-vocab",
+        "canvas",  # every setting it takes, constraints and `noise: torch` included (`decode.canvasrun`)
+        streams_blocks=True,
         uncapped=True,
     ),
 }

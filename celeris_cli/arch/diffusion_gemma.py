@@ -28,6 +28,8 @@ from ..errors import ModelError
 from .diffusion_gemma_config import DiffusionGemmaConfig
 from .gemma4 import Layer, Mask, Norm, norm, rope_table
 
+# a pass's masks: one for the full layers (True) and one for the sliding ones (False), or such a pair a row
+PassMasks = dict[bool, Mask] | list[dict[bool, Mask]]
 VISION = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 
 
@@ -112,7 +114,7 @@ class DiffusionGemmaModel(nn.Module):
     def head_layer(self) -> nn.Module:
         """Asked by the memory planner, which does not know this family yet: what limits it is the canvas times
         the vocabulary in float32 (logits, probabilities, entropies), not what the planner counts."""
-        raise NoEstimate("no memory estimate for DiffusionGemma yet: its decoding runs in static batches")
+        raise NoEstimate("no memory estimate for DiffusionGemma's head: the planner counts its canvas step instead")
 
     def set_upcast(self, on: bool) -> None:
         self.upcast = on
@@ -134,8 +136,10 @@ class DiffusionGemmaModel(nn.Module):
         return min(cached, self.cfg.sliding_window - 1)
 
     def _run(
-        self, x: torch.Tensor, positions: torch.Tensor, masks: dict[bool, Mask], cache: Any, encoder: bool
+        self, x: torch.Tensor, positions: torch.Tensor, masks: PassMasks, cache: Any, encoder: bool
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """masks: the pass's (`encode`), or one a row with `cache` a list of each row's past a layer: each row
+        then attends over its own past alone (`gemma4.Attention.forward`)."""
         ropes = self._ropes(positions)
         fresh = []
         for i, layer in enumerate(self.model.decoder.layers):
@@ -144,17 +148,30 @@ class DiffusionGemmaModel(nn.Module):
             scalar = owner.layer_scalar
             assert isinstance(scalar, torch.Tensor)
             past = None if cache is None else cache[i]
-            if past is not None and not full:
-                w = self.window(past[0].shape[2])
-                past = (past[0][:, :, past[0].shape[2] - w :], past[1][:, :, past[1].shape[2] - w :])
-            x, kv = layer(x, ropes[full], masks[full], past, scalar)
+            if isinstance(past, list):
+                past = [p if p is None or full else self._window(p) for p in past]
+            elif past is not None and not full:
+                past = self._window(past)
+            mask = masks[full] if isinstance(masks, dict) else [m[full] for m in masks]
+            x, kv = layer(x, ropes[full], mask, past, scalar)
             fresh.append(kv)
         return x, fresh
+
+    def _window(self, past: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sliding layer's cached keys and values: the last `window` of them."""
+        n = past[0].shape[2]
+        w = self.window(n)
+        return past[0][:, :, n - w :], past[1][:, :, n - w :]
+
+    def fresh(self, ids: torch.Tensor, positions: torch.Tensor, masks: PassMasks, cache: Any) -> Any:
+        """The causal pass over ids (B, T) after the cached positions; returns its own keys and values, a
+        (B, kv_heads, T, dim) pair a layer. masks and cache: as `_run` takes them."""
+        return self._run(self._embed(ids), positions, masks, cache, encoder=True)[1]
 
     def encode(self, ids: torch.Tensor, positions: torch.Tensor, masks: dict[bool, Mask], cache: Any) -> Any:
         """The causal pass over ids (B, T) after the cached positions; returns the cache extended by them.
         masks[full]: the full layers' and the sliding layers' (over the keys they read: `window`)."""
-        _, fresh = self._run(self._embed(ids), positions, masks, cache, encoder=True)
+        fresh = self.fresh(ids, positions, masks, cache)
         if cache is None:
             return fresh
         return [(torch.cat([k0, k], 2), torch.cat([v0, v], 2)) for (k0, v0), (k, v) in zip(cache, fresh)]
@@ -194,12 +211,13 @@ class DiffusionGemmaModel(nn.Module):
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
-        masks: dict[bool, Mask],
+        masks: PassMasks,
         cache: Any,
         signal: torch.Tensor | None,
     ) -> torch.Tensor:
         """The canvas ids (B, L) against the cache -> the final-normed hidden states (B, L, d). signal: the
-        self-conditioning input (B, L, d) of the previous step (`signal`), or None at the first step."""
+        self-conditioning input (B, L, d) of the previous step (`signal`), or None at the first step. masks
+        and cache: as `_run` takes them."""
         dec = self.model.decoder
         x = self._embed(ids)
         x = dec.self_conditioning(x, torch.zeros_like(x) if signal is None else signal)

@@ -22,6 +22,8 @@ from .diffusion_gemma_config import DiffusionGemmaConfig, Rope
 # the causal order, "all" (every key) or "causal" (as many keys as queries): transformers' own dispatch, kept
 # so that a prompt without padding is computed with the same kernels, to the same bits
 Mask = torch.Tensor | str
+# A pass's attention for one layer type: one mask for the batch, or one a row (with a past a row: `Attention.forward`)
+Masks = Mask | list[Mask]
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -63,10 +65,12 @@ class Attention(nn.Module):
         self.k_norm = Norm(self.dim)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: Mask, past: Any
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: Masks, past: Any
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x (B, T, d) over the cached (k, v) `past` (or None) -> (B, T, d) and the fresh (k, v). `mask`: a bool
-        tensor (B, 1, T, keys), or "all" / "causal" where no key is hidden but the causal order's (see `Mask`)."""
+        tensor (B, 1, T, keys), or "all" / "causal" where no key is hidden but the causal order's (see `Mask`).
+        Or a list of B masks with `past` a list of B pasts: each row attends over its own past alone, as a
+        batch of one would (the canvas running set's rows, each of its own length: no padding to mask)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.dim)
         k = self.k_proj(x).view(B, T, -1, self.dim)
@@ -74,6 +78,16 @@ class Attention(nn.Module):
         q = rotate(norm(q, self.q_norm.weight, self.eps), *rope).transpose(1, 2)
         k = rotate(norm(k, self.k_norm.weight, self.eps), *rope).transpose(1, 2)
         v = norm(v, None, self.eps).transpose(1, 2)
+        if isinstance(mask, list):
+            pasts = past if past is not None else [None] * B
+            rows = [self._attend(q[r : r + 1], k[r : r + 1], v[r : r + 1], mask[r], pasts[r]) for r in range(B)]
+            y = torch.cat(rows)
+        else:
+            y = self._attend(q, k, v, mask, past)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, past: Any) -> torch.Tensor:
+        """Attention of q (B, heads, T, dim) over the past keys and values (or None) and the fresh k, v."""
         keys, values = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
         if isinstance(mask, str):
             y = F.scaled_dot_product_attention(q, keys, values, scale=1.0, is_causal=mask == "causal", enable_gqa=True)
@@ -81,7 +95,7 @@ class Attention(nn.Module):
             rep = q.shape[1] // keys.shape[1]
             keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
+        return y
 
 
 class Norm(nn.Module):
@@ -189,7 +203,7 @@ class Layer(nn.Module):
     pre_feedforward_layernorm_2: Norm
 
     def forward(
-        self, x: torch.Tensor, rope: Any, mask: Mask, past: Any, scalar: torch.Tensor
+        self, x: torch.Tensor, rope: Any, mask: Masks, past: Any, scalar: torch.Tensor
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         n, eps = self._norm, self.eps
         y, kv = self.self_attn(n(x, "input_layernorm"), rope, mask, past)

@@ -28,6 +28,9 @@ counted from a row's first token. `noise: torch` draws instead from torch's CPU 
 seed, in the order its generate draws for a batch of one (the canvas `randint`, then per step `multinomial` and
 the renoise `randint`), so that answers equal its own; `initial_canvases` pins each loop's starting canvas (its
 `randint` is still drawn, as its generate draws it before taking `decoder_input_ids`).
+
+This is the static decoder (a batch decoded to its end); `decode.canvasrun` runs the same canvases as rows of a
+running set, each joining as others leave and answering as it does here alone.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from ..arch.gemma4 import Mask
 from ..errors import UsageError
 from ..params import NO_STRUCTURE, Blocks, CanvasNoise, Denoising, StopIds, Structure
 from ..structured.commit import Rule, Rules, note, short_error
+from .block import OnBlock
 from .canvas_step import CanvasDraws, canvas_step
 from .sampling import RowNoise
 
@@ -59,6 +63,35 @@ class DiffusionGemmaPlan:
     structure: Structure = NO_STRUCTURE  # rules come per row (`structured.commit`)
 
 
+def pass_masks(model: Any, real: torch.Tensor, T: int, causal: bool) -> dict[bool, Mask]:
+    """The masks of T new positions after the S cached ones (`real` (B, S + T): the keys that may be attended
+    to), for the full layers (True) and the sliding ones (False, over the keys they read: the last `window`
+    cached and the new): causal (each query sees the real keys up to itself, a padding query itself; sliding
+    layers the last sliding_window of them), or bidirectional (every real key). Where no row has padding,
+    transformers' own choice: no mask for the decoder, SDPA's causal flag for a prefill that needs no window."""
+    S, W = real.shape[1] - T, model.cfg.sliding_window
+    w = model.window(S)
+    if bool(real.all()) and (not causal or S == 0):
+        if not causal:
+            return {True: "all", False: "all"}
+        if T < W:
+            return {True: "causal", False: "causal"}
+    dev = real.device
+    q = torch.arange(S, S + T, device=dev)[:, None]
+    out: dict[bool, Mask] = {}
+    for full, first in ((True, 0), (False, S - w)):
+        k = torch.arange(first, S + T, device=dev)[None, :]
+        seen = real[:, None, first:]
+        if causal:
+            mask = (seen & (k <= q) & (full or (q - k < W))) | (k == q)
+        else:
+            mask = seen.expand(-1, T, -1)
+        out[full] = mask[:, None]
+    if causal and S == 0 and bool(real.all()):
+        out[True] = "causal"
+    return out
+
+
 class Context:
     """The rows' prompts and committed canvases (left-padded), their positions and the cache."""
 
@@ -70,32 +103,7 @@ class Context:
         self.encode(prompt, (self.real.long().cumsum(1) - 1).clamp_min(0))
 
     def _masks(self, T: int, causal: bool) -> dict[bool, Mask]:
-        """The masks of T new positions after the S cached ones, for the full layers (True) and the sliding ones
-        (False, over the keys they read: the last `window` cached and the new): causal (each query sees the real
-        keys up to itself, a padding query itself; sliding layers the last sliding_window of them), or
-        bidirectional (every real key). Where no row has padding, transformers' own choice: no mask for the
-        decoder, SDPA's causal flag for a prefill that needs no window."""
-        S, W = self.real.shape[1] - T, self.model.cfg.sliding_window
-        w = self.model.window(S)
-        if bool(self.real.all()) and (not causal or S == 0):
-            if not causal:
-                return {True: "all", False: "all"}
-            if T < W:
-                return {True: "causal", False: "causal"}
-        dev = self.real.device
-        q = torch.arange(S, S + T, device=dev)[:, None]
-        out: dict[bool, Mask] = {}
-        for full, first in ((True, 0), (False, S - w)):
-            k = torch.arange(first, S + T, device=dev)[None, :]
-            seen = self.real[:, None, first:]
-            if causal:
-                mask = (seen & (k <= q) & (full or (q - k < W))) | (k == q)
-            else:
-                mask = seen.expand(-1, T, -1)
-            out[full] = mask[:, None]
-        if causal and S == 0 and bool(self.real.all()):
-            out[True] = "causal"
-        return out
+        return pass_masks(self.model, self.real, T, causal)
 
     def encode(self, ids: torch.Tensor, positions: torch.Tensor) -> None:
         """The causal pass over ids (B, T): its keys and values join the cache."""
@@ -163,7 +171,7 @@ def denoise_canvas(
     history = torch.full((d.stability_threshold, B, L), -1, dtype=x.dtype, device=x.device)
     done, gone = done.clone(), done.clone()
     held = {
-        b: _Held(r, j * L) for b, r in enumerate(rules or []) if r is not None and r.constrained and not bool(done[b])
+        b: Held(r, j * L) for b, r in enumerate(rules or []) if r is not None and r.constrained and not bool(done[b])
     }
     extra = L if held else 0  # a constrained row takes steps past the schedule until its canvas is full
     for i in range(steps + extra):
@@ -210,7 +218,7 @@ def denoise_canvas(
     return argmax
 
 
-class _Held:
+class Held:
     """A constrained row's committed prefix of the canvas in hand (the module's docstring)."""
 
     def __init__(self, rule: Rule, offset: int) -> None:
@@ -287,11 +295,13 @@ def generate_diffusion_gemma(
     noise: RowNoise,
     rules: Rules | None = None,
     chunk: int | None = None,
+    on_block: OnBlock | None = None,
 ) -> torch.Tensor:
     """prompt (B, P) left-padded -> (B, P + canvases * block_length): every row's answer in whole canvases, the
     positions after its first stop id holding the pad token. rules: each row's constraint (`structured.commit`;
     the module's docstring), or None. chunk: the positions a step computes at a time (`canvas_chunk`'s by
-    default; the answer does not depend on it)."""
+    default; the answer does not depend on it). on_block(row, its answer so far): as each of its canvases is
+    kept (streaming)."""
     B, P = prompt.shape
     L, V = plan.blocks.block_length, net.model.cfg.vocab_size
     pinned = plan.noise.initial_canvases
@@ -320,6 +330,9 @@ def generate_diffusion_gemma(
         hit = torch.isin(canvas, stop) & ~finished[:, None]
         after = (hit.cumsum(-1) > 0) & ~((hit.cumsum(-1) == 1) & hit)
         out[:, j * L : (j + 1) * L][after] = pad_id
+        if on_block is not None:
+            for b in rows:
+                on_block(b, out[b, : (j + 1) * L].tolist())
         finished |= hit.any(-1)
         if bool(finished.all()) or j + 1 == len(schedule):
             break

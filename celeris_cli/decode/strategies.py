@@ -312,9 +312,9 @@ def _diffusion_gemma(
     on_block: OnBlock | None = None,
     rules: Rules | None = None,
 ) -> torch.Tensor:
-    assert on_block is None, "diffusion-gemma streams no blocks"
     plan = _plan(DiffusionGemmaPlan, params)
-    return generate_diffusion_gemma(net, prompt, prompt_mask, plan, tokens.stop_ids, tokens.pad_id, noise, rules)
+    args = (tokens.stop_ids, tokens.pad_id, noise, rules)
+    return generate_diffusion_gemma(net, prompt, prompt_mask, plan, *args, on_block=on_block)
 
 
 @dataclass(frozen=True)

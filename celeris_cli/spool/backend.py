@@ -109,6 +109,9 @@ class Preparer:
         check_fits(len(ids), params.gen_length, self.max_length)
         if params.structured_outputs is not None and self.rows is not None:
             _check_structure(params, self.tokenizer, self.rows, self.stops)
+        bad = sorted({t for c in params.initial_canvases for t in c if self.rows is not None and t >= self.rows})
+        if bad:  # refused before the row joins a running set, as the decoder alone would refuse it
+            raise UsageError(f"initial_canvases: token id {bad[0]} is outside the vocabulary of {self.rows}")
         # requests that differ only in their seed share a batch: each row draws from its own seed
         return Prepared(request, params.batch_key(), len(ids) + params.gen_length, (text, ids, params.seed))
 
