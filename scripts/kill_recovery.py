@@ -89,9 +89,12 @@ def clean_run(root: Path, cfg: Path) -> float:
     return time.monotonic() - t0
 
 
-def killed_run(root: Path, cfg: Path, kills: int, clean_s: float, min_life: float) -> tuple[float, list[dict[str, Any]]]:
+Life = dict[str, Any]
+
+
+def killed_run(root: Path, cfg: Path, kills: int, clean_s: float, min_life: float) -> tuple[float, list[Life]]:
     t0 = time.monotonic()
-    lives: list[dict[str, Any]] = []
+    lives: list[Life] = []
     for k in range(1, kills + 2):
         started, started_wall = time.monotonic(), time.time()
         seen = len(events(root))
