@@ -60,6 +60,28 @@ def test_gpu_check_runs_end_to_end_on_cpu_at_a_tiny_shape(tmp_path: Path) -> Non
         assert r["yardstick"] == "ar" and r["forward_cost"]["fixed"] > 0
         assert [c["batch"] for c in r["cells"]] == [1, 2] and all(r["the_ar_modes_answers"].values())
         assert {"ar", "spec", "spec-always", "nemotron"} <= set(r["cells"][0]["modes"])
+    check_diffusion_gemma(report["diffusion_gemma"])
+
+
+def check_diffusion_gemma(dg: dict) -> None:  # type: ignore[type-arg]
+    """The DiffusionGemma section on the tiny checkpoint: batch 1, 4, 16 and the planner's largest within its
+    stand-in budget, each with tokens/s, time to first canvas and the peak against the plan."""
+    assert dg["model"]["folder"].endswith("diffusion_gemma_tiny") and dg["dtype"] == "bfloat16"
+    assert dg["workload"]["gen_length"] == 16 and dg["workload"]["canvas_length"] == 8  # two canvases a row
+    assert dg["workload"]["max_denoising_steps"] == 8  # --tiny's cap
+    assert abs(dg["weights_bytes"] - dg["planned_weights_bytes"]) <= 0.01 * dg["weights_bytes"]
+    largest = dg["planner_largest_batch"]
+    assert largest >= 16 and dg["largest_batch_run"] == min(largest, 32)
+    assert [c["batch"] for c in dg["cells"]] == sorted({1, 4, 16, dg["largest_batch_run"]})
+    for c in dg["cells"]:
+        assert 0 < c["new_tokens"] <= c["positions"] == 16 * c["batch"]
+        assert c["tokens_per_s"] > 0
+        assert c["canvases"] == 2 * c["batch"]  # every canvas of every row committed, each reported
+        assert 0 < c["first_canvas_s_mean"] <= c["first_canvas_s_max"] <= c["wall_s"]
+        assert c["first_canvas_s_mean"] < c["last_canvas_s_mean"] <= c["wall_s"]  # the first of two, not the last
+        assert 0 < c["peak_beyond_weights_bytes"] <= 1.1 * c["planned_beyond_weights_bytes"]  # the plan bounds it
+        assert c["planned_peak_bytes"] <= dg["budget_bytes"]
+    assert 0.9 <= dg["cells"][0]["measured_of_planned"] <= 1.1  # a row alone: the planner's count, within a tenth
 
 
 def test_a_run_cut_off_after_its_first_section_still_reports_it(tmp_path: Path) -> None:
@@ -83,7 +105,25 @@ def test_a_run_cut_off_after_its_first_section_still_reports_it(tmp_path: Path) 
     report = json.loads(out.read_text())
     assert report["complete"] is False
     assert [r["architecture"] for r in report["parity"]] == ["llada", "dream", "llada2_moe"]
-    assert "self_speculation" not in report
+    assert "self_speculation" not in report and "diffusion_gemma" not in report
+
+
+def test_the_released_layout_is_cut_by_whole_groups_of_layers_to_fit_the_card() -> None:
+    """On a card that cannot hold the 26B-A4B, the random network keeps its layout with fewer layers: its five
+    sliding layers and a full one at a time, as many as the planner fits (from the config: nothing is built)."""
+    from importlib.machinery import SourceFileLoader
+    from types import ModuleType
+
+    loader = SourceFileLoader("gpu_check", str(REPO / "scripts" / "gpu-check"))
+    check = ModuleType(loader.name)
+    check.__file__ = loader.path
+    loader.exec_module(check)
+    _, cfg, of = check.dg_layers(check.DG_SHAPE, 72 * 10**9)
+    assert (cfg.num_hidden_layers, of) == (30, 30)
+    _, cfg, _ = check.dg_layers(check.DG_SHAPE, 20 * 10**9)
+    assert cfg.num_hidden_layers in (6, 12, 18, 24) and len(cfg.layer_types) == cfg.num_hidden_layers
+    types = cfg.layer_types
+    assert types[-1] == "full_attention" and types.count("full_attention") * 6 == len(types)
 
 
 def test_a_cuda_device_torch_cannot_see_is_a_usage_error() -> None:
