@@ -30,7 +30,6 @@ PROMPT = "The jury said it"
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3, help="timed decodes, 1 to 20 (the best is reported)")
-    ap.add_argument("--folder", default=str(FOLDER), help="a DiffusionGemma folder (default: the tiny checkpoint)")
     args = ap.parse_args()
     if not 1 <= args.repeat <= 20:
         print(f"Error: --repeat {args.repeat}: give 1 to 20", file=sys.stderr)
@@ -39,7 +38,7 @@ def main() -> int:
 
     from celeris_cli.engine import load_engine
 
-    engine = load_engine(args.folder, device="cpu", dtype="float32")
+    engine = load_engine(FOLDER, device="cpu", dtype="float32")
     model = engine.model
     name = "hidden" if hasattr(model, "hidden") else "denoise"  # the decoder pass, in new and old checkouts
     inner = getattr(model, name)
@@ -70,6 +69,7 @@ def main() -> int:
         "threads": torch.get_num_threads(),
         "steps": steps,
         "new_tokens": tokens[1] if tokens else None,
+        "forwards": result.nfe,  # the engine's count: the steps, the prompt's pass and the commit passes
         "walls_s": [round(w, 3) for w in walls],
         "steps_per_s": round((steps or 0) / best, 1),
     }
