@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).parents[1]
 
@@ -63,7 +64,7 @@ def test_gpu_check_runs_end_to_end_on_cpu_at_a_tiny_shape(tmp_path: Path) -> Non
     check_diffusion_gemma(report["diffusion_gemma"])
 
 
-def check_diffusion_gemma(dg: dict) -> None:  # type: ignore[type-arg]
+def check_diffusion_gemma(dg: dict[str, Any]) -> None:
     """The DiffusionGemma section on the tiny checkpoint: batch 1, 4, 16 and the planner's largest within its
     stand-in budget, each with tokens/s, time to first canvas and the peak against the plan."""
     assert dg["model"]["folder"].endswith("diffusion_gemma_tiny") and dg["dtype"] == "bfloat16"
