@@ -82,6 +82,7 @@ def check_diffusion_gemma(dg: dict[str, Any]) -> None:
         assert c["first_canvas_s_mean"] < c["last_canvas_s_mean"] <= c["wall_s"]  # the first of two, not the last
         assert 0 < c["peak_beyond_weights_bytes"] <= 1.1 * c["planned_beyond_weights_bytes"]  # the plan bounds it
         assert c["planned_peak_bytes"] <= dg["budget_bytes"]
+    assert dg["out_of_memory_at"] is None
     assert 0.9 <= dg["cells"][0]["measured_of_planned"] <= 1.1  # a row alone: the planner's count, within a tenth
 
 
@@ -109,9 +110,8 @@ def test_a_run_cut_off_after_its_first_section_still_reports_it(tmp_path: Path) 
     assert "self_speculation" not in report and "diffusion_gemma" not in report
 
 
-def test_the_released_layout_is_cut_by_whole_groups_of_layers_to_fit_the_card() -> None:
-    """On a card that cannot hold the 26B-A4B, the random network keeps its layout with fewer layers: its five
-    sliding layers and a full one at a time, as many as the planner fits (from the config: nothing is built)."""
+def _script() -> Any:
+    """scripts/gpu-check as a module."""
     from importlib.machinery import SourceFileLoader
     from types import ModuleType
 
@@ -119,6 +119,13 @@ def test_the_released_layout_is_cut_by_whole_groups_of_layers_to_fit_the_card() 
     check = ModuleType(loader.name)
     check.__file__ = loader.path
     loader.exec_module(check)
+    return check
+
+
+def test_the_released_layout_is_cut_by_whole_groups_of_layers_to_fit_the_card() -> None:
+    """On a card that cannot hold the 26B-A4B, the random network keeps its layout with fewer layers: its five
+    sliding layers and a full one at a time, as many as the planner fits (from the config: nothing is built)."""
+    check = _script()
     _, cfg, of = check.dg_layers(check.DG_SHAPE, 72 * 10**9)
     assert (cfg.num_hidden_layers, of) == (30, 30)
     _, cfg, _ = check.dg_layers(check.DG_SHAPE, 20 * 10**9)
@@ -138,3 +145,26 @@ def test_a_cuda_device_torch_cannot_see_is_a_usage_error() -> None:
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert p.returncode == 2 and "--device cuda" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_diffusion_gemma_batch_out_of_memory_keeps_the_smaller_ones_and_tries_no_larger() -> None:
+    """The tiny checkpoint's engine with its decode failing as CUDA's allocator does from 16 rows on."""
+    import torch
+
+    from celeris_cli.engine import load_engine
+
+    check = _script()
+    engine = load_engine(REPO / check.DG_TINY, device="cpu", dtype="bfloat16")
+    decode, tried = engine.decode_ids, []
+
+    def short_of_memory(rows: list[list[int]], *args: Any, **kwargs: Any) -> Any:
+        tried.append(len(rows))
+        if len(rows) >= 16:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (a stand-in)")
+        return decode(rows, *args, **kwargs)
+
+    engine.decode_ids = short_of_memory
+    dg = check.dg_measure(engine, {}, check.DG_TINY_BUDGET, "", 32, {"block_steps": 2})
+    assert [c["batch"] for c in dg["cells"]] == [1, 4, 16] and dg["out_of_memory_at"] == 16
+    assert "tokens_per_s" in dg["cells"][1] and "out of memory" in dg["cells"][2]["error"]
+    assert max(tried) == 16  # the planner's largest (19) is not tried after 16 failed
