@@ -163,7 +163,7 @@ def test_a_diffusion_gemma_batch_out_of_memory_keeps_the_smaller_ones_and_tries_
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (a stand-in)")
         return decode(rows, *args, **kwargs)
 
-    engine.decode_ids = short_of_memory
+    engine.decode_ids = short_of_memory  # type: ignore[method-assign,assignment]
     dg = check.dg_measure(engine, {}, check.DG_TINY_BUDGET, "", 32, {"block_steps": 2})
     assert [c["batch"] for c in dg["cells"]] == [1, 4, 16] and dg["out_of_memory_at"] == 16
     assert "tokens_per_s" in dg["cells"][1] and "out of memory" in dg["cells"][2]["error"]
