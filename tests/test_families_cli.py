@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
+from celeris_cli.cli import app
 
 from .spool_helpers import drop, failures, make_queue, outputs
 
@@ -32,9 +35,9 @@ def celeris(*args: str, timeout: int = 180) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("family", FOLDERS)
 def test_inspect_names_the_architecture_special_ids_and_strategies(family: str) -> None:
-    p = celeris("inspect", str(FOLDERS[family]), "--json")
-    assert p.returncode == 0, p.stderr
-    info = json.loads(p.stdout)
+    r = CliRunner().invoke(app, ["inspect", str(FOLDERS[family]), "--json"])  # in process; a subprocess is below
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
     assert info["architecture"].startswith(family)
     assert END_OF_TURN[family] in info["special_ids"]["end_of_turn"]
     assert info["chat_template"] == "yes"

@@ -8,6 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
+from celeris_cli.cli import app
 
 from .test_families_cli import celeris
 
@@ -33,9 +36,9 @@ FACTS = {
 
 @pytest.mark.parametrize("family", FOLDERS)
 def test_inspect_tells_each_familys_layout_attention_shift_block_and_experts(family: str) -> None:
-    p = celeris("inspect", str(FOLDERS[family]), "--json")
-    assert p.returncode == 0, p.stderr
-    info = json.loads(p.stdout)
+    r = CliRunner().invoke(app, ["inspect", str(FOLDERS[family]), "--json"])  # in process: a subprocess is below
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
     assert info["architecture"].startswith(family + " ")
     attention, shift, block, moe = FACTS[family]
     assert (info["attention"], info["logit_shift"].split()[0], info["block"]) == (attention, shift, block)
@@ -56,5 +59,7 @@ def test_generate_loads_each_folder_as_saved(family: str) -> None:
     r = json.loads(p.stdout)
     assert (
         r["settings"]["strategy"]
-        == json.loads(celeris("inspect", str(FOLDERS[family]), "--json").stdout)["strategies"].split(",")[0]
+        == json.loads(CliRunner().invoke(app, ["inspect", str(FOLDERS[family]), "--json"]).stdout)["strategies"].split(
+            ","
+        )[0]
     )

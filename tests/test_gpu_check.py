@@ -51,9 +51,10 @@ def test_gpu_check_runs_end_to_end_on_cpu_at_a_tiny_shape(tmp_path: Path) -> Non
     assert {r["dtype"] for r in models if r["quantize"] == "int4"} == {"bfloat16"}  # CUDA's int4 kernel's dtype
     sched = report["scheduling"]
     assert [r["model"] for r in sched] == ["celeris-block", "llada-8b-shape"]
+    assert [r["answers"] for r in sched] == [8, 4]
     for r in sched:  # static against continuous: the same answers (bfloat16 allows a near tie to flip)
-        assert set(r["scheduling"]) == {"static", "continuous"} and r["answers"] == 8
-        assert r["identical_answers"] >= 6
+        assert set(r["scheduling"]) == {"static", "continuous"}
+        assert r["identical_answers"] >= r["answers"] - 2
     spec = report["self_speculation"]
     assert [r["model"] for r in spec] == ["celeris-spec", "llada-8b-shape"]
     assert [r["default_mode"] for r in spec] == ["nemotron", "spec"]  # its folder's default; the architecture's
@@ -72,8 +73,9 @@ def check_diffusion_gemma(dg: dict[str, Any]) -> None:
     assert dg["workload"]["max_denoising_steps"] == 8  # --tiny's cap
     assert abs(dg["weights_bytes"] - dg["planned_weights_bytes"]) <= 0.01 * dg["weights_bytes"]
     largest = dg["planner_largest_batch"]
-    assert largest >= 16 and dg["largest_batch_run"] == min(largest, 32)
-    assert [c["batch"] for c in dg["cells"]] == sorted({1, 4, 16, dg["largest_batch_run"]})
+    assert largest >= 8 and dg["largest_batch_run"] == min(largest, 32)
+    top = dg["largest_batch_run"]
+    assert [c["batch"] for c in dg["cells"]] == sorted({b for b in (1, 4, 16, top) if b <= top})
     for c in dg["cells"]:
         assert 0 < c["new_tokens"] <= c["positions"] == 16 * c["batch"]
         assert c["tokens_per_s"] > 0
@@ -164,7 +166,7 @@ def test_a_diffusion_gemma_batch_out_of_memory_keeps_the_smaller_ones_and_tries_
         return decode(rows, *args, **kwargs)
 
     engine.decode_ids = short_of_memory  # type: ignore[method-assign,assignment]
-    dg = check.dg_measure(engine, {}, check.DG_TINY_BUDGET, "", 32, {"block_steps": 2})
+    dg = check.dg_measure(engine, {}, 2 * 2**20, "", 32, {"block_steps": 2})  # the planner's largest: 19
     assert [c["batch"] for c in dg["cells"]] == [1, 4, 16] and dg["out_of_memory_at"] == 16
     assert "tokens_per_s" in dg["cells"][1] and "out of memory" in dg["cells"][2]["error"]
     assert max(tried) == 16  # the planner's largest (19) is not tried after 16 failed

@@ -28,7 +28,7 @@ def _rows(engine: Any, drafting: str) -> tuple[list[str], list[Any], list[int]]:
     """Requests of three lengths and two samplers (so two lanes, and rows that leave at different rounds), each
     with the settings its prompt runs with (the script presets: more lanes)."""
     prompts, params, seeds = [], [], []
-    for i in range(14):
+    for i in range(10):
         p = PROMPTS[i % len(PROMPTS)]
         layer = {"gen_length": (8, 20, 33)[i % 3], "temperature": (0.0, 0.9)[i % 2], "drafting": drafting}
         prompts.append(p)

@@ -271,12 +271,12 @@ def test_sigkill_of_the_daemon_mid_batch_on_ray_then_restart_loses_and_duplicate
     pytest.importorskip("ray")
     for key, value in SLOW_START.items():
         monkeypatch.setenv(key, value)  # for both daemons
-    slow = {"gen_length": 32, "block_length": 32, "denoise_steps": 32}  # 30 batches of ~0.1 s: time to kill mid-run
+    slow = {"gen_length": 32, "block_length": 32, "denoise_steps": 32}  # 15 batches of ~0.1 s: time to kill mid-run
     config = make_queue(tmp_path, model=tiny_model, batch_size=4, generation=slow, engine=RAY, rescan_s=60)
     ids = set()
     for f in range(3):
-        drop(tmp_path, f"f{f}.txt", "".join(f"prompt {f}-{i}\n" for i in range(40)), age_s=30 - f)
-        ids |= {f"f{f}.txt:line-{i}" for i in range(1, 41)}
+        drop(tmp_path, f"f{f}.txt", "".join(f"prompt {f}-{i}\n" for i in range(20)), age_s=30 - f)
+        ids |= {f"f{f}.txt:line-{i}" for i in range(1, 21)}
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     daemon = subprocess.Popen(
         [sys.executable, "-m", "celeris_cli", "watch", str(config)],

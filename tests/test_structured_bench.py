@@ -115,7 +115,7 @@ def test_every_stop_answer_over_the_sample_validates(block: Engine) -> None:
         schema, _ = _read(path)
         if celeris_accepts(schema, vocab)[0] is None:
             continue
-        params = block.params({"structured_outputs": {"json": schema}, "gen_length": 48})
+        params = block.params({"structured_outputs": {"json": schema}, "gen_length": 32})
         for r in block.generate(["Return a JSON value:", "Fill it in."], params, seeds=[0, 1]):
             assert r.error is None or "does not validate" not in r.error, (path.name, r.text, r.error)
             if r.finish_reason == "stop":
