@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -33,11 +34,17 @@ def celeris(*args: str, timeout: int = 180) -> subprocess.CompletedProcess[str]:
     )
 
 
+def inspect_json(folder: Path) -> dict[str, Any]:
+    """`celeris inspect FOLDER --json`, in process (the subprocess path is the generate and watch tests')."""
+    r = CliRunner().invoke(app, ["inspect", str(folder), "--json"])
+    assert r.exit_code == 0, r.output
+    info: dict[str, Any] = json.loads(r.stdout)
+    return info
+
+
 @pytest.mark.parametrize("family", FOLDERS)
 def test_inspect_names_the_architecture_special_ids_and_strategies(family: str) -> None:
-    r = CliRunner().invoke(app, ["inspect", str(FOLDERS[family]), "--json"])  # in process; a subprocess is below
-    assert r.exit_code == 0, r.output
-    info = json.loads(r.stdout)
+    info = inspect_json(FOLDERS[family])
     assert info["architecture"].startswith(family)
     assert END_OF_TURN[family] in info["special_ids"]["end_of_turn"]
     assert info["chat_template"] == "yes"

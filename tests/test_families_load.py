@@ -8,11 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from celeris_cli.cli import app
-
-from .test_families_cli import celeris
+from .test_families_cli import celeris, inspect_json
 
 DATA = Path(__file__).parent / "data"
 FOLDERS = {
@@ -36,9 +33,7 @@ FACTS = {
 
 @pytest.mark.parametrize("family", FOLDERS)
 def test_inspect_tells_each_familys_layout_attention_shift_block_and_experts(family: str) -> None:
-    r = CliRunner().invoke(app, ["inspect", str(FOLDERS[family]), "--json"])  # in process: a subprocess is below
-    assert r.exit_code == 0, r.output
-    info = json.loads(r.stdout)
+    info = inspect_json(FOLDERS[family])
     assert info["architecture"].startswith(family + " ")
     attention, shift, block, moe = FACTS[family]
     assert (info["attention"], info["logit_shift"].split()[0], info["block"]) == (attention, shift, block)
@@ -57,9 +52,4 @@ def test_generate_loads_each_folder_as_saved(family: str) -> None:
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
-    assert (
-        r["settings"]["strategy"]
-        == json.loads(CliRunner().invoke(app, ["inspect", str(FOLDERS[family]), "--json"]).stdout)["strategies"].split(
-            ","
-        )[0]
-    )
+    assert r["settings"]["strategy"] == inspect_json(FOLDERS[family])["strategies"].split(",")[0]
