@@ -16,8 +16,9 @@ from typing import Any, Literal
 
 import torch
 
-from .arch import invariant
+from .arch import capture, invariant
 from .arch.budget import MemoryBudget, read_peak, reset_peak
+from .arch.capture import Capture
 from .arch.checkpoint import load_model
 from .arch.folder import CONFIG, GENERATION_CONFIG, ModelFolder
 from .arch.layers import Model
@@ -155,6 +156,15 @@ class Engine:
         self._learned: dict[tuple[Any, ...], Learned] = {}  # self-speculation's drafting yield, kept (`learned`)
         self.last_occupancy: Occupancy | None = None  # the last running set's (for `bench`)
         self.memory = MemoryBudget(model, dtype)  # the planner's view of this model; no budget unless set
+        self.capture: Capture | None = None  # the decode step captured (`--cuda-graphs`), or eager
+
+    def capture_steps(self, backend: Any = "inductor", mode: str | None = "reduce-overhead") -> Capture:
+        """Run this engine's decode steps captured from now on (`arch.capture`): on CUDA as CUDA graphs (the
+        defaults); another dynamo `backend` with no `mode` traces the same calls on any device (for tests)."""
+        if self.capture is not None:
+            self.capture.remove()
+        self.capture = Capture(self.model, backend, mode)
+        return self.capture
 
     def with_defaults(self, settings: dict[str, Any]) -> Engine:
         """Replace this engine's model-folder layer of defaults with `settings`, a generation_config.json's
@@ -853,14 +863,16 @@ def load_engine(
     threads: int | None = None,
     quantize: str = "none",
     max_memory: str | int | None = None,
+    cuda_graphs: str = "auto",
 ) -> Engine:
     """Load a model folder (default: the embedded model) onto a device, ready to generate. `quantize`:
     "int8" or "int4" weights (`arch.quantize`); `max_memory`: the budget batches are sized to
-    (`arch.budget`)."""
+    (`arch.budget`); `cuda_graphs`: auto, on or off, each decode step a captured CUDA graph (`arch.capture`)."""
     if threads:
         torch.set_num_threads(threads)
     folder = model_dir(model)
     dev = resolve_device(device)
+    graphs = capture.resolve(cuda_graphs, dev)  # a usage error before the weights are read
     dt = resolve_dtype(dtype, dev)
     mf = ModelFolder.open(folder)
     tok = mf.tokenizer()  # a mismatched tokenizer fails before the weights are read
@@ -868,4 +880,6 @@ def load_engine(
     log.info("loaded %s (%s) on %s (%s)", folder, mf.arch.name, dev, dt)
     engine = Engine(m, tok, dev, dt, mf)
     engine.memory = MemoryBudget(m, dt, quantize, max_memory, dev)
+    if graphs:
+        engine.capture_steps()
     return engine

@@ -87,7 +87,7 @@ class RayActorPool:
         actor = ray.remote(actor_class).options(
             num_cpus=cpus, num_gpus=s.gpus_per_actor, max_restarts=-1, max_task_retries=REDO
         )
-        args = (cfg.model, cfg.device, cfg.dtype, threads, cfg.generation, os.environ.get(CRASH_ENV))
+        args = (cfg.model, cfg.device, cfg.dtype, threads, cfg.generation, os.environ.get(CRASH_ENV), cfg.cuda_graphs)
         self.new_actor = lambda: actor.remote(*args)
         actors = [self.new_actor() for _ in range(s.actors)]
         try:
@@ -197,10 +197,11 @@ class EngineActor:
         threads: int,
         generation: dict[str, Any],
         crash_marker: str | None = None,
+        cuda_graphs: str = "auto",
     ) -> None:
         from ..spool.backend import EngineBackend
 
-        self.backend = EngineBackend(model, device, dtype, threads, generation)
+        self.backend = EngineBackend(model, device, dtype, threads, generation, cuda_graphs=cuda_graphs)
         self.crash_marker = crash_marker  # tests: die at the second batch, once (the marker file remembers)
         self.batches_done = 0
 

@@ -38,7 +38,7 @@ class RayOptions:
     threads_per_actor: int | None = None  # torch threads; None: the cluster's CPUs shared among the actors
     batch_size: int = 16
     token_budget: int = 16384
-    engine: dict[str, Any] = field(default_factory=dict)  # model, device, dtype, generation
+    engine: dict[str, Any] = field(default_factory=dict)  # model, device, dtype, cuda_graphs, generation
 
 
 def import_ray(what: str = "--ray", data: bool = True) -> Any:
@@ -181,7 +181,7 @@ class RayWorker:
 
         backend = EngineBackend(
             engine.get("model"), engine.get("device", "auto"), engine.get("dtype", "auto"), threads,
-            engine.get("generation", {}),
+            engine.get("generation", {}), cuda_graphs=engine.get("cuda_graphs", "auto"),
         )  # fmt: skip
         self.executor = LocalExecutor(backend, batch_size)  # the running set as wide as --batch-size
         self.batches_done = 0

@@ -132,6 +132,18 @@ class DtypeOpt(str, Enum):
     bfloat16 = "bfloat16"
 
 
+class GraphsOpt(str, Enum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+GRAPHS_HELP = (
+    "Run each decode step as a captured CUDA graph (torch.compile, reduce-overhead): auto is on for CUDA and "
+    "off elsewhere; on needs --device cuda."
+)
+
+
 class QuantizeOpt(str, Enum):
     none = "none"
     int8 = "int8"

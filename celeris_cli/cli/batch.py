@@ -8,7 +8,7 @@ from typing import Any
 import typer
 
 from ..errors import EXIT_FAILED, EXIT_OK, CelerisError
-from .app import DeviceOpt, DtypeOpt, _json_setting, app, choice, fail
+from .app import GRAPHS_HELP, DeviceOpt, DtypeOpt, GraphsOpt, _json_setting, app, choice, fail
 
 
 def _optional_ray_address(argv: list[str]) -> list[str]:
@@ -38,6 +38,7 @@ def batch_cmd(
     gpus_per_actor: float = typer.Option(0.0, "--gpus-per-actor", min=0.0, help="Ray: GPUs per actor."),
     device: DeviceOpt = choice(DeviceOpt.auto, "--device"),
     dtype: DtypeOpt = choice(DtypeOpt.auto, "--dtype"),
+    cuda_graphs: GraphsOpt = choice(GraphsOpt.auto, "--cuda-graphs", help=GRAPHS_HELP),
     restart: bool = typer.Option(
         False, "--restart", help="Discard the journal of an interrupted run (OUTPUT.celeris-journal) and start over."
     ),
@@ -55,12 +56,14 @@ def batch_cmd(
 
         check_values(settings)
         engine = {"model": str(model) if model else None, "device": device.value, "dtype": dtype.value,
-                  "generation": settings}  # fmt: skip
+                  "cuda_graphs": cuda_graphs.value, "generation": settings}  # fmt: skip
         if ray is None:
             from ..batch.local import LocalExecutor
             from ..spool.backend import EngineBackend
 
-            backend = EngineBackend(engine["model"], device.value, dtype.value, None, settings)
+            backend = EngineBackend(
+                engine["model"], device.value, dtype.value, None, settings, cuda_graphs=cuda_graphs.value
+            )
             executor: Any = LocalExecutor(backend, batch_size)
         else:
             from ..batch.ray_pool import RayExecutor, RayOptions

@@ -13,7 +13,18 @@ import typer
 from typer.core import TyperGroup
 
 from ..errors import CelerisError, UsageError
-from .app import QUANTIZE_HELP, DeviceOpt, DtypeOpt, QuantizeOpt, _json_setting, app, choice, fail
+from .app import (
+    GRAPHS_HELP,
+    QUANTIZE_HELP,
+    DeviceOpt,
+    DtypeOpt,
+    GraphsOpt,
+    QuantizeOpt,
+    _json_setting,
+    app,
+    choice,
+    fail,
+)
 
 # The flags the measurements had before they were subcommands: a user who gives one is told the new form.
 MOVED = {
@@ -87,6 +98,7 @@ def bench_cmd(
     dtype: DtypeOpt = DTYPE,
     threads: int = THREADS,
     quantize: QuantizeOpt = choice(QuantizeOpt.none, "--quantize", help=QUANTIZE_HELP),
+    cuda_graphs: GraphsOpt = choice(GraphsOpt.auto, "--cuda-graphs", help=GRAPHS_HELP),
     out: Path = OUT,
     as_json: bool = AS_JSON,
 ) -> None:
@@ -105,7 +117,7 @@ def bench_cmd(
     from ..measure.bench import bench, bench_queue, modes_for, render
 
     try:
-        engine = load_engine(model, device.value, dtype.value, threads, quantize.value)
+        engine = load_engine(model, device.value, dtype.value, threads, quantize.value, cuda_graphs=cuda_graphs.value)
         table, _ = modes_for(engine)
         chosen = [m.strip() for m in modes.split(",")] if modes else None
         for m in chosen or []:
@@ -113,7 +125,8 @@ def bench_cmd(
                 raise UsageError(f"unknown mode {m!r} for this model (choose {', '.join(table)})")
         settings = _json_setting(set_name)
         block_length = block_length or engine.params(settings).block_length
-        other = load_engine(versus, device.value, dtype.value, threads) if versus else None
+        graphs = cuda_graphs.value
+        other = load_engine(versus, device.value, dtype.value, threads, cuda_graphs=graphs) if versus else None
         report = bench(
             engine,
             prompts,

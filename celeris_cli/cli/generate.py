@@ -9,7 +9,18 @@ import typer
 
 from ..errors import EXIT_FAILED, EXIT_OK, CelerisError, UsageError
 from .answering import prepare, run, template_options
-from .app import MAX_MEMORY_HELP, QUANTIZE_HELP, DeviceOpt, DtypeOpt, QuantizeOpt, app, choice, fail
+from .app import (
+    GRAPHS_HELP,
+    MAX_MEMORY_HELP,
+    QUANTIZE_HELP,
+    DeviceOpt,
+    DtypeOpt,
+    GraphsOpt,
+    QuantizeOpt,
+    app,
+    choice,
+    fail,
+)
 from .constraint import choice_option, json_schema_option, regex_option, with_constraint
 from .knobs import given, with_knob_options
 from .output import Format, Sink
@@ -41,6 +52,7 @@ def generate(
     dtype: DtypeOpt = choice(DtypeOpt.auto, "--dtype", help="auto picks bfloat16 where it is fast."),
     quantize: QuantizeOpt = choice(QuantizeOpt.none, "--quantize", help=QUANTIZE_HELP),
     max_memory: str = typer.Option(None, "--max-memory", metavar="SIZE", help=MAX_MEMORY_HELP),
+    cuda_graphs: GraphsOpt = choice(GraphsOpt.auto, "--cuda-graphs", help=GRAPHS_HELP),
     chat: bool = typer.Option(False, "--chat", help="Render prompts with the model's chat template."),
     chat_template_kwargs: str = typer.Option(
         None,
@@ -88,7 +100,10 @@ def generate(
             overrides = given(with_constraint(knobs or {}, json_schema, regex, choices))
             from ..engine import load_engine
 
-            engine = load_engine(model, device.value, dtype.value, quantize=quantize.value, max_memory=max_memory)
+            engine = load_engine(
+                model, device.value, dtype.value, quantize=quantize.value, max_memory=max_memory,
+                cuda_graphs=cuda_graphs.value,
+            )  # fmt: skip
             params = engine.params(overrides)
             if options is not None:  # its keys checked once, before any prompt
                 engine.tokenizer.render_chat("", options)

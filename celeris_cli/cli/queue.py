@@ -32,8 +32,9 @@ def _spool(cfg: Any, progress: Any = None, hooks: bool = False) -> Any:
         from ..spool.backend import EngineBackend
 
         return EngineBackend(
-            cfg.model, cfg.device, cfg.dtype, cfg.threads, cfg.generation, cfg.quantize, cfg.max_memory
-        )
+            cfg.model, cfg.device, cfg.dtype, cfg.threads, cfg.generation, cfg.quantize, cfg.max_memory,
+            cfg.cuda_graphs,
+        )  # fmt: skip
 
     if not hooks:
         return Spool(cfg, backend, progress=progress)

@@ -9,7 +9,7 @@ import typer
 
 from ..errors import EXIT_OK, CelerisError, UsageError
 from ..structured.spec import MAX_SPEC_CHARS
-from .app import DeviceOpt, DtypeOpt, app, fail
+from .app import GRAPHS_HELP, DeviceOpt, DtypeOpt, GraphsOpt, app, fail
 
 
 @app.command()
@@ -34,6 +34,7 @@ def serve(
     ),
     device: DeviceOpt = typer.Option(None, "--device", help="auto picks CUDA when present."),
     dtype: DtypeOpt = typer.Option(None, "--dtype", help="auto picks bfloat16 where it is fast."),
+    cuda_graphs: GraphsOpt = typer.Option(None, "--cuda-graphs", help=GRAPHS_HELP + " With --queue: the config's."),
     batch_size: int = typer.Option(16, "--batch-size", min=1, metavar="N", help="Rows decoded together at most."),
     max_tokens: int = typer.Option(
         512, "--max-tokens", min=1, metavar="N", help="Largest max_tokens a request may ask."
@@ -85,7 +86,7 @@ def serve(
         sizes = (max_body_bytes, max_file_bytes, max_tokens, max_batch_lines, max_concurrent, batch_size)
         limits = Limits(*sizes, max_constraint_chars)
         _check_port(host, port)
-        state = _build(model, queue, device, dtype, keys, limits, threads)
+        state = _build(model, queue, device, dtype, keys, limits, threads, cuda_graphs)
         state.hosts = allowed_hosts(host)
     except CelerisError as e:
         fail(e)
@@ -106,6 +107,7 @@ def _build(
     keys: Any,
     limits: Any,
     threads: int | None,
+    cuda_graphs: GraphsOpt | None = None,
 ) -> Any:
     from ..engine import load_engine
     from ..serve.files import FileStore
@@ -119,15 +121,18 @@ def _build(
         from ..spool.folders import create_missing
 
         cfg = load_config(queue)
-        for flag, value in (("--model", model), ("--device", device), ("--dtype", dtype)):
+        given = (("--model", model), ("--device", device), ("--dtype", dtype), ("--cuda-graphs", cuda_graphs))
+        for flag, value in given:
             if value is not None:
                 raise UsageError(f"{flag}: with --queue the model and its device come from {queue}")
         create_missing(cfg.folders, cfg.private)
-        engine = load_engine(cfg.model, cfg.device, cfg.dtype, threads or cfg.threads or default_threads())
+        threads = threads or cfg.threads or default_threads()
+        engine = load_engine(cfg.model, cfg.device, cfg.dtype, threads, cuda_graphs=cfg.cuda_graphs)
         generation = cfg.generation
     else:
         device_name, dtype_name = (device or DeviceOpt.auto).value, (dtype or DtypeOpt.auto).value
-        engine = load_engine(model, device_name, dtype_name, threads or default_threads())
+        graphs = (cuda_graphs or GraphsOpt.auto).value
+        engine = load_engine(model, device_name, dtype_name, threads or default_threads(), cuda_graphs=graphs)
     model_id = engine.model_dir.name if engine.model_dir is not None else "celeris"
     runner = Runner(engine, generation, limits.batch_size, limits.max_constraint_chars)
     state = ServeState(runner, model_id, limits, keys, files=None, queue=cfg)

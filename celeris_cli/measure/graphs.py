@@ -30,8 +30,7 @@ from typing import Any
 import torch
 
 from ..arch import exact, invariant
-from ..arch.kv import LayerKV
-from ..arch.packed import PackedLayer
+from ..arch.capture import is_step
 from ..engine import Engine, load_engine
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # rows a step is timed at on CUDA
@@ -82,21 +81,6 @@ def _counting(trace: Trace) -> Callable[..., Any]:
     return backend
 
 
-def _is_step(step: Step, args: tuple[Any, ...]) -> bool:
-    """Whether this model call is the step, not a prefill or a calibration forward."""
-    if step.method != "step":  # the canvas pass: every call is a denoising step
-        return True
-    cache = args[3]
-    if not cache:
-        return False
-    if isinstance(cache[0], PackedLayer):  # a running set's tick; a packed causal prefill is no step
-        if any(s.causal for s in cache[0].segments):
-            return False
-    elif not isinstance(cache[0], LayerKV):
-        return False
-    return step.wide is None or step.wide == (args[0].shape[1] > 1)
-
-
 def _why(e: Exception) -> str:
     """The first line of a failure, and where in the package it happened."""
     text = str(e).strip()
@@ -122,7 +106,7 @@ def compiled(
     head = None if backend is None else torch.compile(_head_argmax, fullgraph=True, backend=backend, mode=mode)
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if trace.error is not None or not _is_step(step, args):
+        if trace.error is not None or not is_step(step.method, args, step.wide):
             return eager(*args, **kwargs)
         began = time.perf_counter()
         try:

@@ -143,10 +143,11 @@ class EngineBackend:
         generation: dict[str, Any],
         quantize: str = "none",
         max_memory: str | None = None,
+        cuda_graphs: str = "auto",
     ) -> None:
         from ..engine import load_engine
 
-        self.engine = load_engine(model, device, dtype, threads, quantize, max_memory)
+        self.engine = load_engine(model, device, dtype, threads, quantize, max_memory, cuda_graphs)
         self.base = _settings(lambda: self.engine.params(generation))
 
     def prepare(self, request: Request) -> Prepared:

@@ -59,6 +59,7 @@ class BatchConfig:
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    cuda_graphs: str = "auto"  # auto | on | off: each decode step a captured CUDA graph (`arch.capture`)
     threads: int | None = None
     quantize: str = "none"  # int8 / int4: weight-only (`arch.quantize`)
     max_memory: str | None = None  # the budget batches are sized to, "8GiB" (`arch.budget`)
@@ -92,6 +93,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "model": (str, type(None)),
     "device": (str,),
     "dtype": (str,),
+    "cuda_graphs": (str, bool),  # YAML reads a bare on / off as true / false
     "threads": (int, type(None)),
     "quantize": (str,),
     "max_memory": (str, type(None)),
@@ -210,6 +212,12 @@ def parse_config(raw: Any, path: Path) -> BatchConfig:
         raise ConfigError(f"device: must be auto, cpu or cuda, got {values['device']!r}")
     if "dtype" in values and values["dtype"] not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"dtype: must be auto, float32 or bfloat16, got {values['dtype']!r}")
+    if isinstance(values.get("cuda_graphs"), bool):
+        values["cuda_graphs"] = "on" if values["cuda_graphs"] else "off"
+    if "cuda_graphs" in values and values["cuda_graphs"] not in ("auto", "on", "off"):
+        raise ConfigError(f"cuda_graphs: must be auto, on or off, got {values['cuda_graphs']!r}")
+    if values.get("cuda_graphs") == "on" and values.get("device") == "cpu":
+        raise ConfigError("cuda_graphs: on needs device cuda (or auto on a machine with CUDA), and device is cpu")
     if "quantize" in values and values["quantize"] not in QUANTIZE_CHOICES:
         raise ConfigError(f"quantize: must be one of {', '.join(QUANTIZE_CHOICES)}, got {values['quantize']!r}")
     if values.get("max_memory") is not None:
