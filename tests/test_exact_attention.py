@@ -58,3 +58,27 @@ def test_grouped_heads_and_a_query_that_sees_nothing() -> None:
     assert torch.equal(y[1, :, 2], torch.zeros(4, 8))
     want = _by_hand(q[0, :, 1], k[0].repeat_interleave(2, 0), v[0].repeat_interleave(2, 0))
     assert torch.allclose(y[0, :, 1].double(), want, atol=1e-5)
+
+
+def test_keys_read_as_one_slice_or_gathered_row_by_row_give_the_same_bits() -> None:
+    """Where every row's keys start at one place the window is a slice of the cache (padded with zeros past the
+    last key); where rows start at different places each row's window is gathered. A query's bits are the same."""
+    g = torch.Generator().manual_seed(2)
+    B, H, D = 3, 4, 16
+    for s, T in ((5, 1), (70, 1), (40, 6), (130, 3)):
+        k0, v0 = torch.randn(H, s + T, D, generator=g), torch.randn(H, s + T, D, generator=g)
+        q0 = torch.randn(H, T, D, generator=g)
+        results = []
+        for leads in ((0, 0, 0), (4, 4, 4), (0, 3, 9), (7, 0, 2)):
+            L = max(leads) + s + T
+            k, v = torch.randn(B, H, L, D, generator=g), torch.randn(B, H, L, D, generator=g)
+            q = torch.randn(B, H, T, D, generator=g)
+            key, col = torch.arange(L)[None, :], torch.arange(T)[:, None]
+            masks = []
+            for b, lead in enumerate(leads):  # row b's keys at lead.., its queries the last T, causal
+                k[b, :, lead : lead + s + T], v[b, :, lead : lead + s + T] = k0, v0
+                q[b] = q0
+                masks.append((key >= lead) & (key - lead - s <= col) & (key < lead + s + T))
+            y = attention(q, k, v, torch.stack(masks)[:, None])
+            results.extend(y[b] for b in range(B))
+        assert all(torch.equal(results[0], r) for r in results[1:]), (s, T)

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from . import invariant
 
@@ -107,6 +108,9 @@ class _Window:
     gb: torch.Tensor
     cols: torch.Tensor
     allowed: torch.Tensor  # (G, M, w) bool
+    # where every row is one group, in order, and every group's window starts at one key: that key (its
+    # keys are then a slice of the cache, no gather); None otherwise
+    lo: int | None = None
 
 
 _last: tuple[object, tuple[int, ...], list[_Window]] | None = None  # the last forward's: each layer's the same
@@ -139,10 +143,23 @@ def _windows(mask: torch.Tensor | None, B: int, T: int, L: int, device: torch.de
         allowed = torch.ones(len(groups), M, w, dtype=torch.bool, device=device)  # padding rows: dropped
         own = seen[b_of, t_of][torch.arange(len(key), device=device)[:, None], cols[group]]
         allowed[group, nth] = own & inside[group]
-        out.append(_Window(b_of, t_of, group, nth, M, gb, cols, allowed))
+        aligned = len(groups) == B and bool((gb == torch.arange(B, device=device)).all() & (glo == glo[0]).all())
+        out.append(_Window(b_of, t_of, group, nth, M, gb, cols, allowed, int(glo[0]) if aligned else None))
     if mask is not None:
         _last = (mask, shape, out)
     return out
+
+
+def _window_of(k: torch.Tensor, win: _Window, heads: torch.Tensor) -> torch.Tensor:
+    """Each group's window of `k` (B, Hkv, L, D) -> (G, Hkv, w, D), contiguous. Past the last key a window
+    holds values no query sees (their scores are -inf, their weights exactly 0): the last key again, or where
+    the window is a slice, zeros."""
+    if win.lo is None:
+        return k[win.gb[:, None, None], heads, win.cols[:, None, :]]
+    w = win.cols.shape[1]
+    part = k[:, :, win.lo : win.lo + w]
+    short = w - part.shape[2]
+    return F.pad(part, (0, 0, 0, short)) if short else part.contiguous()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -154,16 +171,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     y = q.new_zeros(B, H, T, v.shape[-1])
     scale = 1.0 / math.sqrt(D)
     planned = _planned if torch.compiler.is_compiling() else None
+    heads = torch.arange(Hkv, device=q.device)[None, :, None]
     for win in planned if planned is not None else _windows(mask, B, T, k.shape[2], q.device):
         G = win.cols.shape[0]
-        ks = k[win.gb[:, None], :, win.cols].transpose(1, 2)  # (G, Hkv, w, D)
-        vs = v[win.gb[:, None], :, win.cols].transpose(1, 2)
+        ks, vs = _window_of(k, win, heads), _window_of(v, win, heads)
         if Hkv != H:
             ks, vs = ks.repeat_interleave(H // Hkv, 1), vs.repeat_interleave(H // Hkv, 1)
         qs = q.new_zeros(G, H, win.rows, D, dtype=k.dtype)
         qs[win.group, :, win.nth] = q[win.b_of, :, win.t_of].to(k.dtype)
         scores = torch.matmul(qs.flatten(0, 1), ks.flatten(0, 1).transpose(1, 2)).unflatten(0, (G, H))
-        scores = (scores * scale).masked_fill(~win.allowed[:, None], float("-inf"))
-        out = torch.matmul(scores.softmax(-1).flatten(0, 1), vs.flatten(0, 1)).unflatten(0, (G, H))
+        # the softmax of the queries' own rows only (each row's is its own: the tile's padding rows stay zero)
+        real = scores[win.group, :, win.nth]  # (N, H, w)
+        real = (real * scale).masked_fill(~win.allowed[win.group, win.nth][:, None], float("-inf"))
+        probs = scores.new_zeros(scores.shape)
+        probs[win.group, :, win.nth] = real.softmax(-1)
+        out = torch.matmul(probs.flatten(0, 1), vs.flatten(0, 1)).unflatten(0, (G, H))
         y[win.b_of, :, win.t_of] = out[win.group, :, win.nth].to(y.dtype)
     return y
