@@ -160,6 +160,8 @@ class SpecScheduler(RunningSet[SpecRequest]):
             joining.append(
                 Joining(req.prompt, stream, req.rule, req.gen_length, plan.drafting.width, plan.sampling, plan.shaping)
             )
+        # rows of one prompt length side by side: their prefill attention is one call (`arch.packed` groups)
+        joining.sort(key=lambda j: len(j.prompt))
         slots, length, _, _ = self.sizes.get(key, (1, 0, 0, 0))
         lane.join(joining, self.width, (min(slots, self.width), length))
         self.occupancy.prefills += 1
