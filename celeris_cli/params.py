@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
+from .constraints import canonical
 from .errors import PromptTooLong, UsageError
 from .strategy import STRATEGIES
-from .structured.spec import canonical
 
 Remasking = Literal["low_confidence", "random", "sequential"]
 CacheMode = Literal["none", "prefix", "dual"]
@@ -695,7 +695,7 @@ class StopIds:
 
 @dataclass(frozen=True)
 class Structure:
-    """What a row's answer is held to (`structured_outputs`: canonical text, `structured.spec`; None: nothing)
+    """What a row's answer is held to (`structured_outputs`: canonical text, `constraints`; None: nothing)
     and whether its tokens' log probabilities are recorded (with the top_logprobs likeliest at each)."""
 
     structured_outputs: str | None

@@ -17,7 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from celeris_cli.arch.budget import folder_report
-from celeris_cli.arch.memory import Request, Shape, largest_batch, plan, shape_from_dims
+from celeris_cli.arch.memory import Request, Shape, largest_batch, plan
+from celeris_cli.arch.memory_sizes import shape_from_dims
 
 # model card figures (config.json of each release)
 MODELS: dict[str, tuple[Shape, Request]] = {

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from celeris_cli import load_engine
-from celeris_cli.arch.memory import LOGIT_COPIES, WHOLE_DRAW_BYTES, Request, Shape, logit_chunk, plan
+from celeris_cli.arch.memory import Request, Shape, plan
+from celeris_cli.arch.memory_sizes import LOGIT_COPIES, WHOLE_DRAW_BYTES, logit_chunk
 from celeris_cli.decode.strategies import Net
 
 DATA = Path(__file__).parent / "data"

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from celeris_cli import load_engine
-from celeris_cli.arch.memory import Request, largest_batch, parse_size, plan, shape_from_dims, weights_bytes
+from celeris_cli.arch.memory import Request, largest_batch, parse_size, plan, weights_bytes
+from celeris_cli.arch.memory_sizes import shape_from_dims
 from celeris_cli.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]

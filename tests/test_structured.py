@@ -17,12 +17,12 @@ import jsonschema
 import pytest
 import torch
 
+from celeris_cli.constraints import canonical
 from celeris_cli.decode.block import step_share
 from celeris_cli.engine import Engine, load_engine
 from celeris_cli.errors import UsageError
 from celeris_cli.structured.commit import Record, Rule, settle
 from celeris_cli.structured.grammar import Grammar
-from celeris_cli.structured.spec import canonical
 from celeris_cli.structured.template import TooLong, shape
 
 PROMPTS = [

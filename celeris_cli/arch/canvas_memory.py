@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .memory import DTYPE_BYTES, Estimate, Request, Shape, count_matrices, weights_bytes
+from .memory_sizes import DTYPE_BYTES, Estimate, Request, Shape, count_matrices, weights_bytes
 
 CHUNK_ENTRIES = 1 << 24  # canvas positions x vocabulary entries a step computes at a time (`canvas_chunk`)
 # The head's and the self-conditioning's matmuls run on a multiple of TILE positions (a ragged chunk padded with

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ModelError
-from .layers import check_type
+from .config_fields import check_type
 
 # DiffusionGemmaTextConfig's fields (transformers 5.23.0), and the bookkeeping any saved config may carry
 _TEXT_KEYS = {

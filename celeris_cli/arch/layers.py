@@ -16,6 +16,7 @@ from torch import nn
 
 from ..errors import ModelError
 from . import exact, invariant
+from .config_fields import check_type
 from .kv import KV, LayerKV
 from .packed import PackedLayer
 from .quantize import Int4Linear
@@ -139,23 +140,6 @@ def key_mask_4d(key_mask: torch.Tensor | None) -> torch.Tensor | None:
     if key_mask is None or key_mask.dim() == 4:
         return key_mask
     return key_mask[:, None, None, :]
-
-
-_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
-    "int": ((int,), "an integer"),
-    "float": ((int, float), "a number"),
-    "bool": ((bool,), "true or false"),
-}
-
-
-def check_type(key: str, value: Any, annotation: str) -> None:
-    """A config.json value checked by its dataclass annotation ("int", "float | None", ...), naming the key."""
-    kind, optional = annotation.replace(" | None", ""), annotation.endswith("| None")
-    if kind not in _KINDS or (optional and value is None):
-        return
-    types, name = _KINDS[kind]
-    if not isinstance(value, types) or (isinstance(value, bool) and kind != "bool"):
-        raise ModelError(f"config.json: {key} must be {name}, got {value!r}")
 
 
 def read_fields(cls: Any, raw: dict[str, Any], required: tuple[str, ...]) -> dict[str, Any]:

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
-from .layers import KV, DiffusionLM, LayerKV, apply_rope, attend, check_special_ids, check_type
+from .config_fields import check_type
+from .layers import KV, DiffusionLM, LayerKV, apply_rope, attend, check_special_ids
 
 # LLaDA config.json keys that change the architecture, and the only values we implement.
 _UNSUPPORTED = {

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
-from .memory import QUANTIZE_CHOICES
+from .gemma4 import Experts
+from .memory_sizes import QUANTIZE_CHOICES
 
 SCALE = "weight_scale"
 
@@ -216,8 +217,6 @@ def _int4_linear_of(group: int, dtype: torch.dtype) -> Convert:
 def prepare(model: nn.Module, dtype: torch.dtype, scheme: str = "int8") -> dict[str, Convert]:
     """Swap `model`'s linear layers and embeddings for quantized ones (in place; call it on the meta
     device); returns, for each weight to quantize, how its full-precision tensor becomes the new ones."""
-    from .gemma4 import Experts  # not at the top: gemma4's config module imports `layers`, which imports this
-
     plan: dict[str, Convert] = {}
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
@@ -330,11 +329,7 @@ class QuantizedExperts(nn.Module):
         return int(getattr(self, EXPERTS[0]).shape[0])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        from .gemma4 import Experts
-
         return Experts.forward(self, x, weights, experts)  # type: ignore[arg-type]
 
     def grouped(self, x: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
-        from .gemma4 import Experts
-
         return Experts.grouped(self, x, name, offsets)  # type: ignore[arg-type]

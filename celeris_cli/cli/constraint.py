@@ -1,5 +1,5 @@
 """The command line's short forms of a constraint: `--json-schema FILE`, `--regex TEXT`, `--choice TEXT`
-(repeatable), each the one setting `structured_outputs` in vLLM's spelling (`structured.spec`). One form per
+(repeatable), each the one setting `structured_outputs` in vLLM's spelling (`constraints`). One form per
 run: two of them, or one beside `--structured-outputs` / `--response-format`, is an error naming both."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 import typer
 
+from ..constraints import MAX_SPEC_CHARS
 from ..errors import UsageError
-from ..structured.spec import MAX_SPEC_CHARS
 
 JSON_SCHEMA_HELP = "Hold the answer to the JSON schema in FILE (the --structured-outputs '{\"json\": ...}' setting)."
 REGEX_HELP = "Hold the answer to a regular expression (the --structured-outputs '{\"regex\": ...}' setting)."

@@ -7,8 +7,8 @@ from typing import Any
 
 import typer
 
+from ..constraints import MAX_SPEC_CHARS
 from ..errors import EXIT_OK, CelerisError, UsageError
-from ..structured.spec import MAX_SPEC_CHARS
 from .app import GRAPHS_HELP, DeviceOpt, DtypeOpt, GraphsOpt, app, fail
 
 

@@ -19,7 +19,7 @@ as the tests' oracles (tests/oracles.py).
 
 A step's logits are made from the hidden states of the positions it predicts a chunk at a time
 (`StepLogits`, `choose`, `in_chunks`): a wide batch on a long block holds at most `Net.chunk` positions'
-logits at once (`arch.memory.logit_chunk`), and nothing a position gets depends on the chunks.
+logits at once (`arch.memory_sizes.logit_chunk`), and nothing a position gets depends on the chunks.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def choose(
 def in_chunks(n: int, size: int, step: Callable[[slice], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     """step(part) over the positions [0, n) in parts of at most `size`, each output concatenated in order:
     a step's LM head and sampling hold the logits of `size` positions at a time, never of all n at once
-    (`arch.memory.logit_chunk`). Nothing a position gets depends on the parts: its draw is numbered by its
+    (`arch.memory_sizes.logit_chunk`). Nothing a position gets depends on the parts: its draw is numbered by its
     `Places`, and its logits are its own row of the head, the same bit for bit in any chunk under the
     batch-invariant mode (`deterministic`; otherwise a matmul's float32 rounding may change with its number
     of rows, as it may with a batch's)."""

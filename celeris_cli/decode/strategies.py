@@ -19,7 +19,7 @@ import torch
 
 from ..arch.kv import KV, KVCache, LayerKV
 from ..arch.layers import Model
-from ..arch.memory import logit_chunk
+from ..arch.memory_sizes import logit_chunk
 from ..arch.packed import PackedLayer
 from ..errors import UsageError
 from ..params import Drafting, GenerationParams

@@ -8,7 +8,7 @@ plain schema files in one subfolder per subset. Per schema:
 
 - llguidance alone: the schema as given, compiled by llguidance with its own default options and limits
   (`LLMatcher.validate_grammar` over the model's vocabulary);
-- Celeris: the schema as a request's `structured_outputs` (its size bound, `structured.spec`) built the way a
+- Celeris: the schema as a request's `structured_outputs` (its size bound, `constraints`) built the way a
   request is admitted (`structured.grammar.check`: the rewrite, the compile budget, the first steps);
 - each test instance, written compact, fed to Celeris's grammar: an invalid instance it accepts is a gap
   (the grammar allows what the schema forbids); a valid one it refuses is expected where the grammar narrows
@@ -73,8 +73,8 @@ def llguidance_alone(schema: Any, vocab: Any) -> bool:
 
 def celeris_accepts(schema: Any, vocab: Any) -> tuple[str | None, str | None]:
     """(the canonical constraint, None) where Celeris admits the schema, else (None, why not)."""
+    from ..constraints import canonical
     from ..structured.grammar import check
-    from ..structured.spec import canonical
 
     try:
         spec = canonical("structured_outputs", {"json": schema})

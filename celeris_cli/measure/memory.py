@@ -222,7 +222,7 @@ def default_specs(threads: int = 2) -> list[dict[str, Any]]:
     exit; on celeris-block, min_tokens holds the answer open), the case the planner sizes batches for.
     The random checkpoints run in bfloat16 at a small batch: this CPU emulates bfloat16 slowly. The last
     three predict a 256-token block for 4 rows of a 151,936-token vocabulary in one step, in float32: the
-    LM head's logits are bounded by its chunk (`arch.memory.logit_chunk`), not by the block; the last
+    LM head's logits are bounded by its chunk (`arch.memory_sizes.logit_chunk`), not by the block; the last
     samples over the whole vocabulary (float64 copies, `arch.memory.whole_draw`)."""
     from ..engine import embedded_models
 

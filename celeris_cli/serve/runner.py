@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backoff import run_backing_off
+from ..constraints import MAX_SPEC_CHARS
 from ..errors import UsageError
 from ..params import check_fits, script_of
 from ..spool.backend import Prepared, Preparer
 from ..spool.formats import Request
 from ..strategy import STRATEGIES
-from ..structured.spec import MAX_SPEC_CHARS
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..constraints import MAX_SPEC_CHARS
 from ..errors import UsageError
-from ..structured.spec import MAX_SPEC_CHARS
 
 
 @dataclass(frozen=True)

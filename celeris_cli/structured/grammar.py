@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from ..arch.tokenizer import Tokenizer
+from ..constraints import parse
 from ..errors import UsageError
 from .budget import check_budget
-from .spec import parse
 
 JSON_OPTIONS: Any = {"whitespace_flexible": False}
 BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")

@@ -26,9 +26,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ..constraints import parse
 from ..errors import UsageError
 from .grammar import Grammar, Vocabulary, check
-from .spec import parse
 
 _SCALARS = {"boolean": 5, "null": 4}
 

@@ -15,7 +15,7 @@ import functools
 import json
 from typing import Any
 
-from .spec import parse
+from ..constraints import parse
 
 
 @functools.lru_cache(maxsize=64)

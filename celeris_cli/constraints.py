@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..errors import UsageError
+from .errors import UsageError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 20  # the canonical text of one constraint (measured: docs/structured.md)
