@@ -36,7 +36,7 @@ class Outcome(Generic[R]):
     """One row's result, or why it could not be decoded even alone."""
 
     value: R | None = None
-    error: TooLarge | None = None
+    error: Exception | None = None  # TooLarge; with `isolate`, whatever the row raised alone
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -46,7 +46,7 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 
 def _human(n: int) -> str:
-    from .arch.memory import human
+    from .arch.memory_sizes import human
 
     return human(n)
 
@@ -58,10 +58,13 @@ def run_backing_off(
     budget: int | None = None,
     is_oom: Callable[[BaseException], bool] = is_out_of_memory,
     release: Callable[[], None] = lambda: None,
+    isolate: bool = False,
 ) -> list[Outcome[R]]:
     """Each row's outcome, in order. `run(group)` returns one result per row of the group; `need(group)`
     estimates its peak in bytes (the memory planner), checked against `budget` before anything runs;
-    `release` frees what a failed run left behind (`torch.cuda.empty_cache`) before the retry."""
+    `release` frees what a failed run left behind (`torch.cuda.empty_cache`) before the retry. `isolate`:
+    any other failure is halved the same way, down to the row that raises alone, whose outcome is its error
+    (one request's failure does not sink its batch mates); without it, it propagates."""
     out: list[Outcome[R]] = []
     pending: list[list[T]] = [list(rows)] if rows else []
     while pending:
@@ -78,14 +81,18 @@ def run_backing_off(
         try:
             out.extend(Outcome(value=r) for r in run(group))
         except Exception as e:
-            if not is_oom(e):
+            oom = is_oom(e)
+            if not oom and not isolate:
                 raise
-            release()
+            if oom:
+                release()
             if len(group) == 1:
-                needed = need(group) if need is not None else 0
-                out.append(Outcome(error=too_large(needed, "out of memory alone")))
+                needed = need(group) if need is not None and oom else 0
+                if not oom:
+                    log.warning("decoding failed: %s: %s", type(e).__name__, e)
+                out.append(Outcome(error=too_large(needed, "out of memory alone") if oom else e))
                 continue
-            log.info("out of memory with %d rows; retrying in halves", len(group))
+            log.info("%s with %d rows; retrying in halves", "out of memory" if oom else "a failure", len(group))
             mid = len(group) // 2
             pending[:0] = [group[:mid], group[mid:]]
     return out

@@ -22,7 +22,7 @@ from .arch.capture import Capture
 from .arch.checkpoint import load_model
 from .arch.folder import CONFIG, GENERATION_CONFIG, ModelFolder
 from .arch.layers import Model
-from .arch.memory import human
+from .arch.memory_sizes import human
 from .arch.registry import ARCHITECTURES, Architecture
 from .arch.tokenizer import Tokenizer
 from .backoff import is_out_of_memory, largest_fitting, run_backing_off

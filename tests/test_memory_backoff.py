@@ -110,6 +110,23 @@ def test_back_off_passes_other_errors_through() -> None:
         run_backing_off(run, [1, 2])
 
 
+def test_isolated_a_row_that_fails_alone_is_its_own_outcome_and_its_batch_mates_answer() -> None:
+    """`isolate` (serve's static batches): any failure halves the batch down to the row that raises alone; rows
+    already answered are kept, not decoded again."""
+    runs: list[list[int]] = []
+
+    def run(group: list[int]) -> list[int]:
+        runs.append(group)
+        if 5 in group:
+            raise ValueError("row 5 is bad")
+        return [10 * r for r in group]
+
+    out = run_backing_off(run, [1, 2, 3, 4, 5, 6], isolate=True)
+    assert [o.value for o in out] == [10, 20, 30, 40, None, 60]
+    assert isinstance(out[4].error, ValueError) and str(out[4].error) == "row 5 is bad"
+    assert runs == [[1, 2, 3, 4, 5, 6], [1, 2, 3], [4, 5, 6], [4], [5, 6], [5], [6]]
+
+
 @pytest.fixture()
 def fragile_block(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path):  # type: ignore[no-untyped-def]
     """A block-causal model (the running set's path) that runs out of memory over 2 rows or 40 positions."""

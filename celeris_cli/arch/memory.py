@@ -36,6 +36,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
+from ..backoff import largest_fitting
 from ..errors import UsageError
 from ..params import GenerationParams, honoured
 from ..strategy import STRATEGIES
@@ -117,17 +118,9 @@ def plan(shape: Shape, req: Request) -> Estimate:
 
 
 def largest_batch(shape: Shape, req: Request, budget: int, limit: int = 4096) -> int:
-    """The largest batch whose expected peak fits `budget` bytes (0 when not even one row fits)."""
-    if plan(shape, replace(req, batch=1)).peak > budget:
-        return 0
-    lo, hi = 1, limit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if plan(shape, replace(req, batch=mid)).peak <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """The largest batch whose expected peak fits `budget` bytes (0 when not even one row fits): the one
+    "how many fit" search (`backoff.largest_fitting`) over the plan."""
+    return largest_fitting(limit, lambda n: plan(shape, replace(req, batch=n)).peak <= budget)
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)\s*$", re.IGNORECASE)
@@ -146,14 +139,6 @@ def parse_size(text: str, name: str = "max-memory") -> int:
     if value <= 0:
         raise UsageError(f"{name} must be positive, got {text!r}")
     return value
-
-
-def human(n: int) -> str:
-    """Bytes for people: 1.2 GiB, 340 MiB."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.0f} {unit}"
-    return f"{n} B"
 
 
 def shape_of_model(model: Any) -> Shape:

@@ -208,3 +208,11 @@ def count_matrices(model: Any) -> tuple[list[tuple[int, int]], int]:
         else:
             other += sum(p.numel() for p in m.parameters(recurse=False))
     return matrices, other
+
+
+def human(n: int) -> str:
+    """Bytes for people: 1.2 GiB, 340 MiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.0f} {unit}"
+    return f"{n} B"

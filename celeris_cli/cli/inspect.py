@@ -63,7 +63,7 @@ def _memory(
     as_json: bool,
 ) -> None:
     from ..arch.budget import folder_report
-    from ..arch.memory import human
+    from ..arch.memory_sizes import human
     from ..device import resolve_device, resolve_dtype
 
     if dtype == "auto":

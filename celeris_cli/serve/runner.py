@@ -242,26 +242,18 @@ class Runner:
             row.on_text(self.engine.finish(ids, params.stop, encoded)[0])
 
     def _run(self, rows: list[Row]) -> None:
-        """A static batch, backing off on out of memory as the queue does (`backoff`): halved down to one
-        row, and a row that does not fit alone answered with `TooLarge` (a 400 naming what to lower)."""
+        """A static batch, backing off as the queue does (`backoff`): out of memory or any failure halves it
+        down to one row; a row that does not fit alone is answered with `TooLarge` (a 400 naming what to
+        lower), a row that fails alone with its own error, and its batch mates with their answers."""
         params, memory = rows[0].prepared.group, self.engine.memory
-        try:
-            outcomes = run_backing_off(
-                self._decode,
-                rows,
-                lambda group: memory.need([row.prepared.payload[1] for row in group], params),
-                memory.budget,
-                release=memory.release,
-            )
-        except Exception as e:  # noqa: BLE001 - one request's failure must not sink its batch mates
-            if len(rows) > 1:
-                mid = len(rows) // 2
-                self._run(rows[:mid])
-                self._run(rows[mid:])
-                return
-            log.warning("decoding failed: %s: %s", type(e).__name__, e)
-            rows[0].future.set_exception(e)
-            return
+        outcomes = run_backing_off(
+            self._decode,
+            rows,
+            lambda group: memory.need([row.prepared.payload[1] for row in group], params),
+            memory.budget,
+            release=memory.release,
+            isolate=True,
+        )
         for row, outcome in zip(rows, outcomes):
             if outcome.error is not None:
                 row.future.set_exception(outcome.error)
