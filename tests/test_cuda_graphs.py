@@ -17,7 +17,7 @@ from celeris_cli.arch import capture
 from celeris_cli.arch.layers import DiffusionLM
 from celeris_cli.cli.app import app
 from celeris_cli.engine import load_engine
-from celeris_cli.errors import UsageError
+from celeris_cli.errors import TooLarge, UsageError
 
 DATA = Path(__file__).parent / "data"
 runner = CliRunner()
@@ -30,9 +30,8 @@ PROMPTS = ["The jury said it", "红豆生南国，"]
         ["generate", "--prompt", "hi"],
         ["batch", "-i", "in.jsonl", "-o", "out.jsonl"],
         ["bench", "--prompts", "1"],
-        ["serve", "--port", "18977"],
     ],
-    ids=["generate", "batch", "bench", "serve"],
+    ids=["generate", "batch", "bench"],
 )
 def test_cuda_graphs_on_with_a_cpu_device_exits_2_naming_the_option(command: list[str], tmp_path: Path) -> None:
     (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
@@ -43,6 +42,30 @@ def test_cuda_graphs_on_with_a_cpu_device_exits_2_naming_the_option(command: lis
     assert r.exit_code == 2, r.output
     assert "--cuda-graphs" in r.output, r.output
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_serve_with_cuda_graphs_on_and_a_cpu_device_is_refused_before_it_serves() -> None:
+    from celeris_cli.cli.app import DeviceOpt, GraphsOpt
+    from celeris_cli.cli.serve import _build
+
+    with pytest.raises(UsageError, match="--cuda-graphs"):  # `_build` runs before uvicorn: nothing listens
+        _build(str(DATA / "nemotron" / "nemotron_tiny"), None, DeviceOpt.cpu, None, None, None, 1, GraphsOpt.on)
+
+
+def test_an_out_of_memory_error_inside_a_captured_step_goes_to_the_back_off() -> None:
+    engine = load_engine(DATA / "nemotron" / "nemotron_tiny", device="cpu", dtype="float32")
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("fake")
+
+    captured = engine.capture_steps(backend="eager", mode=None)
+    captured.compiled = fails
+    try:
+        with pytest.raises(TooLarge, match="out of memory alone"):  # the back-off halved it down to one row
+            _answers(engine, {"strategy": "ar"})
+        assert captured.error is None  # still capturing: a smaller batch may fit
+    finally:
+        captured.remove()
 
 
 def test_an_unknown_cuda_graphs_value_is_refused_by_name() -> None:
@@ -67,9 +90,9 @@ def test_the_queue_config_takes_cuda_graphs_and_refuses_on_with_a_cpu_device(tmp
         load_config(path)
 
 
-def test_auto_is_on_for_cuda_only_and_on_needs_cuda() -> None:
+def test_auto_is_off_until_measured_and_on_needs_cuda() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert capture.resolve("auto", cpu) is False and capture.resolve("auto", cuda) is True
+    assert capture.resolve("auto", cpu) is False and capture.resolve("auto", cuda) is False
     assert capture.resolve("on", cuda) is True and capture.resolve("off", cuda) is False
     with pytest.raises(UsageError, match="--cuda-graphs"):
         capture.resolve("on", cpu)

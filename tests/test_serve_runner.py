@@ -188,6 +188,34 @@ def test_a_static_batch_out_of_memory_alone_is_too_large_naming_what_to_lower(ga
             f.result(60)
 
 
+def test_a_static_batch_with_one_failing_row_answers_the_others_and_the_worker_lives_on(
+    gated: tuple[Runner, Gate], engine: Engine
+) -> None:
+    runner, gate = gated
+    gate.release.set()
+    prompts = ("The quick", "To be, or not", "The jury said it")
+    rows = [runner.prepare(req(p, cfg_scale=1.5, strategy="block")) for p in prompts]
+    alone = [runner.submit([r])[0].result(60).text for r in rows]
+    gate.fail_on = only_in(engine, prompts[1], prompts[0], prompts[2])
+    futures = runner.submit(rows)  # a static batch: halved down to the row that fails alone
+    assert futures[0].result(60).text == alone[0] and futures[2].result(60).text == alone[2]
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        futures[1].result(60)
+    gate.fail_on = None
+
+    def unplannable(*args: Any) -> int:  # a failure outside any decode: the batch's rows fail, not the worker
+        raise ValueError("no plan")
+
+    budget, need = engine.memory.budget, engine.memory.need
+    engine.memory.budget, engine.memory.need = 10**12, unplannable  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ValueError, match="no plan"):
+            runner.submit(rows[:1])[0].result(60)
+    finally:
+        engine.memory.budget, engine.memory.need = budget, need  # type: ignore[method-assign]
+    assert runner.submit(rows[:1])[0].result(60).text == alone[0]  # the worker is still there
+
+
 def test_guidance_rows_decode_in_static_batches_and_answer_as_alone(gated: tuple[Runner, Gate]) -> None:
     runner, gate = gated
     gate.release.set()

@@ -3,7 +3,7 @@
 A decode step is the call a decoder makes every round over its cache: `DiffusionLM.step` (the layers over the
 cache, after `hidden` has done what reads the host) and DiffusionGemma's canvas pass (`hidden`, every call a
 denoising step). `Capture` replaces that method on one model with a function that sends each step call through
-`torch.compile(fullgraph=True)` (on CUDA: inductor with CUDA graphs, `mode="reduce-overhead"`) and every other
+`torch.compile(fullgraph=True)` (inductor with CUDA graphs, `mode="reduce-overhead"`) and every other
 call (a prefill, a calibration forward) to the eager method. A step that fails to compile is said once on the
 log and runs eagerly from then on: never silently. `measure.graphs` checks the same steps with the same
 predicate (`is_step`), and times them.
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..backoff import is_out_of_memory
 from ..errors import UsageError
 from . import exact, invariant
 from .kv import LayerKV
@@ -29,17 +30,18 @@ RECOMPILE_LIMIT = 64
 
 
 def resolve(name: str, device: torch.device) -> bool:
-    """`--cuda-graphs`: auto is on for CUDA and off elsewhere; on needs a CUDA device (a usage error that names
-    the option where the device is not one)."""
+    """`--cuda-graphs`: on needs a CUDA device (a usage error that names the option where the device is not
+    one). auto is off, on CUDA too, until a card has shown captured steps answer as eager ones (docs/gpu.md:
+    no GPU has run this yet; a default that changes a decode's arithmetic, and makes a first answer wait for a
+    compile, must be measured first)."""
     if name not in MODES:
         raise UsageError(f"--cuda-graphs: must be auto, on or off, got {name!r}")
     if name == "on" and device.type != "cuda":
         raise UsageError(
-            f"--cuda-graphs on (a queue config's cuda_graphs: on): CUDA graphs need a CUDA device, and this run "
-            f"decodes on {device.type} "
-            "(give --device cuda on a machine with CUDA, or --cuda-graphs auto/off)"
+            f"--cuda-graphs on (in a queue config, cuda_graphs: on) needs a CUDA device, and this run decodes on "
+            f"{device.type}: choose the device cuda on a machine with CUDA, or cuda_graphs auto or off"
         )
-    return name == "on" or (name == "auto" and device.type == "cuda")
+    return name == "on"
 
 
 def method_of(model: Any) -> str:
@@ -97,6 +99,8 @@ class Capture:
             with invariant.traced(), exact.traced():
                 out = self.compiled(*args, **kwargs)
         except Exception as e:  # a graph break under fullgraph, or a failure in the compiler
+            if is_out_of_memory(e):  # the back-off's to handle (a smaller batch): not a reason to stop capturing
+                raise
             self.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
             log.warning("--cuda-graphs: the decode step could not be captured, it runs eagerly (%s)", self.error)
             return self.eager(*args, **kwargs)

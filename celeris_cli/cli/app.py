@@ -139,8 +139,8 @@ class GraphsOpt(str, Enum):
 
 
 GRAPHS_HELP = (
-    "Run each decode step as a captured CUDA graph (torch.compile, reduce-overhead): auto is on for CUDA and "
-    "off elsewhere; on needs --device cuda."
+    "Run each decode step as a captured CUDA graph (torch.compile, reduce-overhead); on needs --device cuda. "
+    "auto is off until a GPU has measured it (docs/gpu.md)."
 )
 
 

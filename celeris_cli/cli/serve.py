@@ -124,7 +124,7 @@ def _build(
         given = (("--model", model), ("--device", device), ("--dtype", dtype), ("--cuda-graphs", cuda_graphs))
         for flag, value in given:
             if value is not None:
-                raise UsageError(f"{flag}: with --queue the model and its device come from {queue}")
+                raise UsageError(f"{flag}: with --queue the model, its device and its settings come from {queue}")
         create_missing(cfg.folders, cfg.private)
         threads = threads or cfg.threads or default_threads()
         engine = load_engine(cfg.model, cfg.device, cfg.dtype, threads, cuda_graphs=cfg.cuda_graphs)

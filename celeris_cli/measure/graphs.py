@@ -232,7 +232,7 @@ def run(
     CUDA each model's row has its times per bucket up to `max_rows`."""
     out: dict[str, Any] = {"steps": {}, "torch": torch.__version__}
     for label, folder in models.items():
-        engine = load_engine(folder, device=device)
+        engine = load_engine(folder, device=device, cuda_graphs="off")  # its eager baseline eager; it captures
         out["device"] = str(engine.device)
         for step in steps:
             if step.settings["strategy"] not in engine.arch.strategies:

@@ -246,14 +246,20 @@ class Runner:
         down to one row; a row that does not fit alone is answered with `TooLarge` (a 400 naming what to
         lower), a row that fails alone with its own error, and its batch mates with their answers."""
         params, memory = rows[0].prepared.group, self.engine.memory
-        outcomes = run_backing_off(
-            self._decode,
-            rows,
-            lambda group: memory.need([row.prepared.payload[1] for row in group], params),
-            memory.budget,
-            release=memory.release,
-            isolate=True,
-        )
+        try:
+            outcomes = run_backing_off(
+                self._decode,
+                rows,
+                lambda group: memory.need([row.prepared.payload[1] for row in group], params),
+                memory.budget,
+                release=memory.release,
+                isolate=True,
+            )
+        except Exception as e:  # noqa: BLE001 - outside any decode (the memory estimate): the rows fail, not the worker
+            log.warning("a batch could not be planned: %s: %s", type(e).__name__, e)
+            for row in rows:
+                row.future.set_exception(e)
+            return
         for row, outcome in zip(rows, outcomes):
             if outcome.error is not None:
                 row.future.set_exception(outcome.error)
