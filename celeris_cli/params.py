@@ -983,11 +983,6 @@ class GenerationParams:
                 f"{self.temperature_final}: the temperature falls from the first to the last step, or stays (for "
                 "greedy answers use a tiny one, e.g. temperature 1e-5 and temperature_final 0)"
             )
-        if self.deterministic and "deterministic" in self.explicit:
-            raise UsageError(
-                f"{name('deterministic')}: the diffusion-gemma strategy has no batch-invariant kernels yet; in "
-                "float32 its answers already agree alone and batched"
-            )
         if self.logprobs and "logprobs" in self.explicit:
             raise UsageError(
                 f"{name('logprobs')}: the diffusion-gemma strategy keeps each canvas's argmax after its last step, "
@@ -1029,7 +1024,7 @@ class GenerationParams:
             and "deterministic" not in self.explicit
             and STRATEGIES[self.strategy].decoder == "diffusion-gemma"
         ):
-            fixes["deterministic"] = False  # no batch-invariant kernels there; an explicit true is refused
+            fixes["deterministic"] = False  # its invariant kernels cost its speed: asked for, not by default
         blocks = (
             -(-self.gen_length // min(self.block_length, self.gen_length))  # len(block_spans), not built
             if "denoise_steps" in honoured(self.strategy) and "block_length" in honoured(self.strategy)

@@ -175,7 +175,6 @@ def test_the_adaptive_stop_and_the_step_cap_change_the_forwards(engine: Any) -> 
         ({"confidence_threshold": 0}, "confidence_threshold must be a finite number > 0, or null"),
         ({"stop_token_ids": [-1]}, "stop_token_ids must be at most 64 token ids"),
         ({"noise": "numpy"}, "noise: unknown value 'numpy'"),
-        ({"deterministic": True}, "deterministic: the diffusion-gemma strategy has no batch-invariant kernels"),
     ],
 )
 def test_settings_it_cannot_honour_are_refused_by_name(engine: Any, settings: dict[str, Any], words: str) -> None:
@@ -344,3 +343,17 @@ def test_quantized_experts_are_each_expert_within_a_step_of_its_weights_and_run_
     experts, weights = torch.tensor([[0, 1], [2, 3], [1, 1], [3, 0], [2, 1], [0, 3]]), torch.rand(6, 2)
     with torch.no_grad():
         torch.testing.assert_close(quant(x, weights, experts), dense(x, weights, experts), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_canvases_answer_alone_as_in_a_batch_in_bfloat16(deterministic: bool) -> None:
+    """`deterministic` (asked for: off by default here) computes every linear layer, the experts and the head
+    with rows padded to a whole tile, so a canvas's bits do not depend on its batch mates; without it, in
+    bfloat16, some answer does."""
+    bf16 = load_engine(FOLDER, device="cpu", dtype="bfloat16")
+    assert bf16.params({}).deterministic is False  # the family's default
+    params = bf16.params({"gen_length": 16, "seed": 0, "deterministic": deterministic})
+    prompts = ["The jury said it", "To be, or not", "春眠不觉晓，", "def add(a, b):", "红豆生南国，", "Once upon a"]
+    alone = [bf16.generate([p], params, batch_size=1)[0].text for p in prompts]
+    together = [r.text for r in bf16.generate(prompts, params, batch_size=len(prompts))]
+    assert (alone == together) is deterministic

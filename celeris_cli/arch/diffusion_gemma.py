@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
+from . import invariant
 from .diffusion_gemma_config import DiffusionGemmaConfig
 from .gemma4 import Layer, Mask, Norm, norm, rope_table
 
@@ -107,6 +108,7 @@ class DiffusionGemmaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = _Both(cfg)
+        self._routed = False
 
     def optional_tensors(self) -> frozenset[str]:
         return _Vision()
@@ -140,6 +142,9 @@ class DiffusionGemmaModel(nn.Module):
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """masks: the pass's (`encode`), or one a row with `cache` a list of each row's past a layer: each row
         then attends over its own past alone (`gemma4.Attention.forward`)."""
+        if not self._routed:  # every linear layer through `invariant.linear` (plain while the mode is off)
+            invariant.route_linears(self)
+            self._routed = True
         ropes = self._ropes(positions)
         fresh = []
         for i, layer in enumerate(self.model.decoder.layers):
@@ -205,7 +210,7 @@ class DiffusionGemmaModel(nn.Module):
         """Temperature-scaled logits (.., V) in the weights' dtype -> the self-conditioning input (.., d):
         softmax(scaled) @ E, scaled as the embedding is."""
         probs = scaled.softmax(-1, dtype=torch.float32).to(w.dtype)
-        return (probs @ w) * torch.tensor(self.cfg.hidden_size**0.5, dtype=w.dtype)
+        return invariant.linear(probs, w.t()) * torch.tensor(self.cfg.hidden_size**0.5, dtype=w.dtype)
 
     def hidden(
         self,
@@ -226,7 +231,7 @@ class DiffusionGemmaModel(nn.Module):
 
     def logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """Hidden states (.., d) -> soft-capped logits (.., V) in float32; head: `head_matrix`'s."""
-        logits = F.linear(h.float(), head) if head.dtype == torch.float32 else F.linear(h, head).float()
+        logits = invariant.linear(h.float(), head) if head.dtype == torch.float32 else invariant.linear(h, head).float()
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap and math.isfinite(cap) else logits
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import invariant
 from .diffusion_gemma_config import DiffusionGemmaConfig, Rope
 
 # A pass's attention mask for one layer type: a bool tensor (B, 1, T, keys), or, where nothing is hidden but
@@ -172,12 +173,17 @@ class Experts(nn.Module):
         otherwise one expert at a time."""
         stacked = getattr(self, name)
         grouped = getattr(F, "grouped_mm", None)
-        if grouped is not None and x.device.type == "cpu" and stacked.is_floating_point():
+        exact = invariant.active()  # each expert's rows as `invariant.linear` computes them: whatever their count
+        if not exact and grouped is not None and x.device.type == "cpu" and stacked.is_floating_point():
             return grouped(x.to(stacked.dtype), stacked.transpose(-2, -1), offs=offsets)
         out, start = None, 0
         for e, end in enumerate(offsets.tolist()):
             if end > start:
-                y = x[start:end] @ self.matrix(name, e).t()
+                y = (
+                    invariant.linear(x[start:end], self.matrix(name, e))
+                    if exact
+                    else x[start:end] @ self.matrix(name, e).t()
+                )
                 out = x.new_zeros(x.shape[0], y.shape[1], dtype=y.dtype) if out is None else out
                 out[start:end] = y
             start = end
