@@ -100,7 +100,7 @@ def test_auto_is_off_until_measured_and_on_needs_cuda() -> None:
 
 
 def _answers(engine: Any, settings: dict[str, Any]) -> list[tuple[str, int]]:
-    params = engine.params({**settings, "gen_length": 12, "seed": 3})
+    params = engine.params({**settings, "gen_length": 8, "seed": 3})
     return [(r.text, r.nfe) for r in engine.generate(PROMPTS, params, batch_size=2)]
 
 

@@ -4,6 +4,7 @@ lazy import that only hides a circle is still one), and the settings do not reac
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "celeris_cli"
@@ -18,7 +19,12 @@ def _modules() -> dict[str, Path]:
 
 
 def _graph() -> dict[str, set[str]]:
-    """Each module's imports of the package's modules, wherever in the module they are written."""
+    """Each module's imports of the package's modules, wherever in the module they are written (a copy)."""
+    return {name: set(targets) for name, targets in _read().items()}
+
+
+@functools.cache
+def _read() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
