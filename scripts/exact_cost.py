@@ -5,40 +5,26 @@ with plain kernels, with the batch-invariant linear layers (`arch.invariant`), w
     python scripts/exact_cost.py                       # widths 1, 16, 64; gen 128 after an 8-token prompt
     python scripts/exact_cost.py --widths 1 --repeats 3
 
-Prints one line per width and variant: ms per step and tokens/s (the median of --repeats decodes).
+Prints one line per width and variant: ms per step and tokens/s (the median of --repeats decodes), each
+decode `celeris bench`'s AR limit (its prompt's prefill included) under that variant's kernels.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
-
-import torch
 
 from celeris_cli.arch import exact, invariant
-from celeris_cli.arch.kv import KVCache
 from celeris_cli.engine import load_engine
+from celeris_cli.measure.bench import autoregressive_limit
 
 
-def decode(model: object, B: int, P: int, G: int, inv: bool, exact_keys: bool) -> float:
-    """Seconds per step of a greedy AR decode of B rows, G steps after a P-token prompt."""
-    L = P + G
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, model.cfg.vocab_size, (B, L), generator=g)  # type: ignore[attr-defined]
-    pos = torch.arange(L).expand(B, L)
-    keys = torch.ones(B, L, dtype=torch.bool)
-    with torch.no_grad(), invariant.enabled(inv), exact.enabled(exact_keys):
-        h, kv = model.hidden(ids[:, :P], pos[:, :P], keys[:, :P])  # type: ignore[attr-defined]
-        k0 = kv[0][0]
-        cache = KVCache.empty(len(kv), B, k0.shape[1], L, k0.shape[3], torch.float32, k0.device)
-        for (ck, cv), (k, v) in zip(cache.layers, kv):
-            ck[:, :, :P], cv[:, :, :P] = k, v
-        began = time.perf_counter()
-        for t in range(P, L - 1):
-            h, _ = model.hidden(ids[:, t : t + 1], pos[:, t : t + 1], keys[:, : t + 1], cache.view(length=t + 1), t)  # type: ignore[attr-defined]
-            ids[:, t + 1] = model.head(h[:, -1]).argmax(-1)  # type: ignore[attr-defined]
-        return (time.perf_counter() - began) / (L - 1 - P)
+def decode(engine: object, B: int, G: int, inv: bool, exact_keys: bool) -> float:
+    """Seconds per output token a row of `bench`'s AR limit (`measure.bench.autoregressive_limit`: an 8-token
+    prompt, then G greedy steps over a KV cache) takes with these kernels."""
+    with invariant.enabled(inv), exact.enabled(exact_keys):
+        limit = autoregressive_limit(engine, B, B, 8, G)  # type: ignore[arg-type]
+    return B / limit["tokens_per_s"]
 
 
 def main() -> None:
@@ -48,13 +34,13 @@ def main() -> None:
     ap.add_argument("--gen-length", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    model = load_engine(args.model, "cpu", "float32").model
+    engine = load_engine(args.model, "cpu", "float32")
     variants = {"plain": (False, False), "invariant": (True, False), "exact": (False, True), "both": (True, True)}
     for B in (int(w) for w in args.widths.split(",")):
         runs: dict[str, list[float]] = {name: [] for name in variants}
         for r in range(args.repeats):  # the order alternates, so neither side always runs on a warmer machine
             for name in list(variants) if r % 2 == 0 else list(reversed(variants)):
-                runs[name].append(decode(model, B, 8, args.gen_length, *variants[name]))
+                runs[name].append(decode(engine, B, args.gen_length, *variants[name]))
         plain = statistics.median(runs["plain"])
         for name, secs in runs.items():
             s = statistics.median(secs)

@@ -150,11 +150,12 @@ def _windows(mask: torch.Tensor | None, B: int, T: int, L: int, device: torch.de
     return out
 
 
-def _window_of(k: torch.Tensor, win: _Window, heads: torch.Tensor) -> torch.Tensor:
+def _window_of(k: torch.Tensor, win: _Window) -> torch.Tensor:
     """Each group's window of `k` (B, Hkv, L, D) -> (G, Hkv, w, D), contiguous. Past the last key a window
     holds values no query sees (their scores are -inf, their weights exactly 0): the last key again, or where
     the window is a slice, zeros."""
     if win.lo is None:
+        heads = torch.arange(k.shape[1], device=k.device)[None, :, None]
         return k[win.gb[:, None, None], heads, win.cols[:, None, :]]
     w = win.cols.shape[1]
     part = k[:, :, win.lo : win.lo + w]
@@ -171,10 +172,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     y = q.new_zeros(B, H, T, v.shape[-1])
     scale = 1.0 / math.sqrt(D)
     planned = _planned if torch.compiler.is_compiling() else None
-    heads = torch.arange(Hkv, device=q.device)[None, :, None]
     for win in planned if planned is not None else _windows(mask, B, T, k.shape[2], q.device):
         G = win.cols.shape[0]
-        ks, vs = _window_of(k, win, heads), _window_of(v, win, heads)
+        ks, vs = _window_of(k, win), _window_of(v, win)
         if Hkv != H:
             ks, vs = ks.repeat_interleave(H // Hkv, 1), vs.repeat_interleave(H // Hkv, 1)
         qs = q.new_zeros(G, H, win.rows, D, dtype=k.dtype)
