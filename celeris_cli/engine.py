@@ -33,6 +33,7 @@ from .decode.pace import ForwardCost, Learned
 from .decode.running import BlockRequest, BlockScheduler
 from .decode.runset import Occupancy, RunningSet
 from .decode.sampling import RowNoise, request_seed
+from .decode.seededrun import SeededScheduler
 from .decode.selfspec import SelfSpecPlan
 from .decode.specrun import SpecRequest, SpecScheduler
 from .decode.strategies import Net, OnBlock, SpecialTokens, fast_plan_of, get_strategy, plan_for, plan_of
@@ -328,6 +329,9 @@ class Engine:
             canvas = (net, special.stop_ids, special.pad_id, max_batch, self.device, refill, on_block, before_round)
             return CanvasScheduler(*canvas), net
         args = (net, special.mask_id, special.stop_ids, special.pad_id, max_batch, self.device, special.word_pieces)
+        if kinds == {"seeded"}:
+            assert on_block is None, "the diffusion mode streams no blocks"
+            return SeededScheduler(*args, refill=refill, before_round=before_round), net
         return BlockScheduler(*args, refill=refill, on_block=on_block, before_round=before_round), net
 
     @staticmethod
@@ -339,6 +343,8 @@ class Engine:
             return SpecRequest(key, list(ids), plan_for(params), request_seed(seed, ids), rule)
         if _running_kind(params) == "canvas":
             return CanvasRequest(key, list(ids), plan_for(params), request_seed(seed, ids), seed, rule)
+        if _running_kind(params) == "seeded":
+            return BlockRequest(key, list(ids), plan_for(params), request_seed(seed, ids), rule)
         return BlockRequest(key, list(ids), plan_of(params), request_seed(seed, ids), rule)
 
     def _account(self, scheduler: RunningSet[Any], net: Net) -> None:
@@ -600,7 +606,8 @@ class Engine:
     def continuous(self, params: GenerationParams) -> bool:
         """Whether rows with these settings decode through a running set: block diffusion's cached decoder
         (`decode.running`), the fast decoder (`decode.waves`), self-speculation (`decode.specrun`) or
-        DiffusionGemma's canvases (`decode.canvasrun`): its strategy's row kind (docs/scheduling.md). Other
+        DiffusionGemma's canvases (`decode.canvasrun`) or Nemotron's diffusion mode (`decode.seededrun`): its
+        strategy's row kind (docs/scheduling.md). Other
         strategies decode in static batches."""
         return _running_kind(params) is not None
 
@@ -839,7 +846,8 @@ def _lane_of(params: GenerationParams) -> tuple[Any, ...]:
 
 def _running_kind(params: GenerationParams) -> str | None:
     """Which running set decodes rows with these settings: "block" (`decode.running`), "waves"
-    (`decode.waves`), "spec" (`decode.specrun`), "canvas" (`decode.canvasrun`), or None (static batches): its
+    (`decode.waves`), "spec" (`decode.specrun`), "canvas" (`decode.canvasrun`), "seeded" (`decode.seededrun`),
+    or None (static batches): its
     strategy's row kind (`strategy.Strategy.running`).
     Under guidance a row's unconditional view takes a second slot in either."""
     return STRATEGIES[params.strategy].running

@@ -27,7 +27,7 @@ StepsRule = Literal["schedule", "block_steps", "seeded", "per_token", "denoise",
 # "causal": a causal cache over the canvas and a round of verified and drafted columns (block_length: the draft's;
 # Nemotron's diffusion mode runs one block of block_length over such a cache, so the round of two bounds it)
 MemoryRule = Literal["fast", "block-cached", "block", "canvas-block", "canvas-answer", "canvas-vocab", "causal"]
-RowKind = Literal["block", "waves", "spec", "canvas"]
+RowKind = Literal["block", "waves", "spec", "canvas", "seeded"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,9 @@ STRATEGIES: dict[str, Strategy] = {
     ),
     "block": Strategy(_BLOCK_PARTS, "block", "block_steps", "block", streams_blocks=True),
     "block-fast": Strategy(_BLOCK_PARTS, "block-cached", "block_steps", "block-cached", "block", streams_blocks=True),
-    "nemotron": Strategy(("blocks", "sampling", "ordering", "commit", "shaping"), "seeded", "seeded", "causal"),
+    "nemotron": Strategy(
+        ("blocks", "sampling", "ordering", "commit", "shaping"), "seeded", "seeded", "causal", "seeded"
+    ),
     "ar": Strategy(("length", "sampling", "shaping"), "ar", "per_token", None),
     "nemotron-spec": Strategy(("draft", "sampling"), "speculative", "per_token", None),
     "spec": Strategy(

@@ -86,8 +86,8 @@ def test_a_left_to_right_strategy_decodes_the_template_row_left_to_right(tmp_pat
 
 
 def test_a_default_strategy_without_structured_output_is_refused_with_the_way_out() -> None:
-    """The default model's diffusion mode (`nemotron`) has no running set and no structured output: the bench
-    says so and names `--set`, rather than measuring something else."""
+    """The default model's diffusion mode (`nemotron`) has no structured output: the bench says so and names
+    `--set`, rather than measuring something else."""
     r = runner.invoke(app, ["bench", "structured", "--requests", "2", "--dtype", "float32"], terminal_width=200)
     assert r.exit_code == 2 and "nemotron" in r.output and "--set" in r.output and "Traceback" not in r.output
 

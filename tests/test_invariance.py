@@ -123,19 +123,18 @@ MIXED_PROMPTS = mixed_prompts(48)[32:]
 @pytest.mark.parametrize("deterministic", [None, False])
 def test_the_default_model_as_shipped_answers_alone_as_in_a_batch(deterministic: bool | None) -> None:
     """Rule 2 on what users run: the embedded default with its shipped settings, in bfloat16 (what `auto`
-    picks on a CPU with bfloat16), nothing asked. With the mode turned off, the same batch answers some
-    request otherwise than alone: the check can fail."""
+    picks on a CPU with bfloat16), nothing asked, and with the batch-invariant mode turned off. When the
+    default decoded in static batches (left padding, one attention over the furthest row's keys) the mode off
+    answered two of the 16 otherwise in the batch; its running set computes each row's attention in the
+    shapes it has alone (`decode.seededrun`), and on this CPU the plain kernels then answer alone too."""
     e = load_engine(None, device="cpu", dtype="bfloat16")
     params = e.params({} if deterministic is None else {"deterministic": deterministic})
     assert params.deterministic is (deterministic is None)
-    for prompts in (QUEUE_PROMPTS, MIXED_PROMPTS) if deterministic is None else (QUEUE_PROMPTS,):
+    for prompts in (QUEUE_PROMPTS, MIXED_PROMPTS):
         seeds = list(range(len(prompts)))
         together = [r.text for r in e.generate(prompts, params, batch_size=16, seeds=seeds)]
         alone = [e.generate([p], params, batch_size=1, seeds=[s])[0].text for p, s in zip(prompts, seeds)]
-        if deterministic is None:
-            assert together == alone
-        else:
-            assert together != alone
+        assert together == alone
 
 
 class ModeProbe(LogitsFake):

@@ -20,10 +20,11 @@ cache, and its last position's logits choose the first answer token (the "seed")
   Then one causal pass over the block writes its keys and values into the cache, and its last position's
   logits choose the next block's seed. With block_length 1 a block is its seed alone: the AR mode.
 
-The family's code stops a block for the whole batch as soon as any row has finished; here each row stops
-for itself, so a row's answer does not depend on its batch mates. Its own code masks no padding; here left
-padding is masked and positions count from a row's first token, so a row answers in a batch as it does
-alone. Each row draws its sampling noise from its own stream (`RowNoise`).
+The diffusion mode decodes in a running set (`decode.seededrun`; a static batch is one admitted at once).
+The family's code stops a block for the whole batch as soon as any row has finished; there each row stops
+for itself, at its own place, so a row's answer does not depend on its batch mates. Each row draws its
+sampling noise from its own stream (`stream_seed`). This module keeps what the AR step and the
+speculative decoder share: the causal canvas, the AR step's shaping, and the stop rule.
 """
 
 from __future__ import annotations
@@ -37,8 +38,7 @@ from ..arch.kv import KVCache
 from ..params import NO_SHAPING, Blocks, Commit, Length, Ordering, Sampling, Shaping
 from .block import never_empty
 from .predict import Places, StepLogits, choose
-from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
-from .sampling import Draws, RowNoise, shaper
+from .sampling import Draws, shaper
 
 
 @dataclass(frozen=True)
@@ -155,62 +155,3 @@ def stop_after(x: torch.Tensor, start: int, stop: torch.Tensor) -> None:
     for b in hit.any(1).nonzero().flatten().tolist():
         first = int(hit[b].int().argmax())
         ans[b, first + 1 :] = ans[b, first]
-
-
-@torch.no_grad()
-def generate_seeded(
-    net: Any,
-    prompt: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    plan: SeededPlan,
-    mask_id: int,
-    stop_ids: frozenset[int],
-    noise: RowNoise,
-    word_pieces: frozenset[int] = frozenset(),
-) -> torch.Tensor:
-    """The diffusion mode (see the module's text): prompt (B, P) left-padded -> the canvas (B, P + gen_length).
-    The shaping (presence penalty, min_tokens, subword_min_p; `sampling.shape_masked`) shapes the seed's
-    logits and each step's, from the row's answer so far (its committed positions)."""
-    B, P = prompt.shape
-    blocks, sampling, threshold = plan.blocks, plan.sampling, plan.commit.threshold
-    G, W = blocks.gen_length, blocks.block_length
-    cv = CausalCanvas(net, prompt, prompt_mask, G, mask_id)
-    stop = torch.tensor(sorted(stop_ids), device=prompt.device, dtype=prompt.dtype)
-    pieces = torch.tensor(sorted(word_pieces), device=prompt.device, dtype=torch.long)
-    t = sampling.temperature
-    rows = list(range(B))
-    h = cv.forward(0, P, causal=True)[:, -1]
-    for j, steps in enumerate(blocks.seeded_steps()):
-        s = P + j * W
-        e = min(s + W, P + G)
-        at = torch.full((B,), s - P, device=prompt.device)  # the answer position of the block's first column
-        seed_shape = ar_shaping(plan.shaping, cv.x[:, P:], at, mask_id, stop, t, word_pieces)
-        cv.x[:, s] = cv.pick(h, sampling, noise.at(rows, j, 0), seed_shape)  # the seed
-        done = finished_rows(cv.x[:, P:e], mask_id, stop)[0]
-        schedule = num_transfer_tokens(torch.tensor([e - s - 1]), steps)[0].tolist() if steps else []
-        for i, k in enumerate(schedule):
-            block = cv.x[:, s:e]
-            masked = (block == mask_id) & ~done[:, None]  # a finished row commits no more
-            if not masked.any():
-                break
-            hs = cv.forward(s, e, causal=False)
-            draws = noise.at(rows, j, i + 1)  # the sampling's lane and the order's, from each row's stream
-            places = Places.counted(masked.sum(1).tolist(), block.device)
-            shape = shaper(plan.shaping, cv.x[:, P:e], at, mask_id, stop, t, pieces)
-            logits = StepLogits(net.step_head(), [hs[masked]], 0.0, shape, masked.nonzero() if shape else None)
-            x0, conf = choose(logits, places, sampling, None, draws, net.chunk)
-            confidence = torch.full(block.shape, float("-inf"), device=block.device).masked_scatter(masked, conf)
-            fade = masked.sum(1, keepdim=True) / max(e - s - 1, 1)  # the share of the block still masked
-            rank = torch.where(masked, commit_order(confidence, plan.ordering, fade, draws), float("-inf"))
-            # the schedule's share: the k first-ranked; with a threshold, also every position at least that sure
-            # (at one commit a step, the family's: always the first-ranked; with fewer steps the block still fills)
-            chosen = select_top_k(rank, torch.full((B,), k, device=block.device)) & masked
-            if threshold < 1:
-                chosen |= masked & (confidence >= threshold)
-            block[chosen] = x0[chosen[masked]]
-            done |= finished_rows(cv.x[:, P:e], mask_id, stop)[0]
-        if bool(done.all()) or e == P + G:
-            break
-        h = cv.forward(s, e, causal=True)[:, -1]  # the commit pass: the block's keys and values, causally
-    stop_after(cv.x, P, stop)
-    return cv.x

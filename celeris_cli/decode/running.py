@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -40,13 +40,23 @@ from .runset import Lane, RunningSet
 from .sampling import Draws, stream_seed
 
 
+class _Blocked(Protocol):
+    @property
+    def blocks(self) -> Blocks: ...
+
+
+PlanT = TypeVar("PlanT", bound=_Blocked)
+
+
 @dataclass(frozen=True)
-class BlockRequest:
-    """One request for the running set: its prompt ids, its settings and its row seed (`request_seed`)."""
+class BlockRequest(Generic[PlanT]):
+    """One request for a running set of lanes by block width: its prompt ids, its settings (block diffusion's
+    `BlockPlan`, or the Nemotron diffusion mode's `SeededPlan`, `decode.seededrun`) and its row seed
+    (`request_seed`)."""
 
     key: int  # the caller's name for it, handed back with the answer
     prompt: list[int]
-    plan: BlockPlan
+    plan: PlanT
     seed: int
     rule: Rule | None = field(default=None, compare=False)  # its constraint and log probabilities, if any
 
@@ -54,10 +64,14 @@ class BlockRequest:
     def gen_length(self) -> int:
         return self.plan.blocks.gen_length
 
+    @property
+    def blocks(self) -> Blocks:
+        return self.plan.blocks
+
 
 @dataclass
 class _Row:
-    req: BlockRequest
+    req: BlockRequest[BlockPlan]
     x: torch.Tensor  # (end,) the row's canvas in its own positions: prompt, then masks to its last block's end
     transfers: list[list[int]]  # tokens each step of each generated block commits
     first: int  # the row's first generated block (it may hold the prompt's tail)
@@ -103,11 +117,14 @@ class _Row:
         return self.x[self.gen : self.gen + self.req.plan.blocks.gen_length].tolist()
 
 
-class BlockScheduler(RunningSet[BlockRequest]):
-    """Decodes `BlockRequest`s with at most `width` rows in flight; `run` yields (key, generated ids,
-    forwards) as each row finishes, in the order they finish. `refill` False runs static batches instead:
-    up to `width` rows are admitted only once the running set is empty (the comparison `bench` makes).
-    on_block(key, generated ids so far): called as each row's block is committed (streaming).
+ReqT = TypeVar("ReqT", bound=BlockRequest[Any])
+
+
+class LaneSet(RunningSet[ReqT]):
+    """A running set whose rows share lanes by block width, each lane a cache of slots (`Lane`): the lanes,
+    their sizes, the loop, `add` and handing rows back. A kind says how a row joins (`_admit`), what one
+    round of a lane does (`_round`) and where a row's slot ends (`_end`); its rows have `req`, `width`,
+    `cached` and `answer()`.
 
     `add` gives it more requests while it runs, between the rows `run` yields (the queue's files arriving
     while others decode); they wait behind those already waiting, and a lane's cache grows (slots, length)
@@ -123,14 +140,12 @@ class BlockScheduler(RunningSet[BlockRequest]):
         device: torch.device,
         word_pieces: frozenset[int] = frozenset(),
         refill: bool = True,
-        on_block: OnBlock | None = None,
         before_round: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(width, device, word_pieces, refill, before_round)
-        self.net, self.mask_id, self.pad_id, self.on_block = net, mask_id, pad_id, on_block
+        self.net, self.mask_id, self.pad_id = net, mask_id, pad_id
         self.stop = torch.tensor(sorted(stop_ids), device=device)
         self.lanes: dict[int, Lane] = {}  # by block width
-        self.shadows: dict[int, Lane] = {}  # by block width: guided rows' unconditional views, their own cache
         self.sizes: dict[int, tuple[int, int]] = {}  # by block width: (slots, length) of its cache
 
     def in_flight_keys(self) -> list[int]:
@@ -141,14 +156,12 @@ class BlockScheduler(RunningSet[BlockRequest]):
             self._drop(W, {id(r) for r in lane.rows if r.req.key in keys})
 
     def _drop(self, W: int, gone: set[int]) -> None:
-        """Rows whose id() is in `gone` leave their lane of width W, and its shadow."""
+        """Rows whose id() is in `gone` leave their lane of width W."""
         self.lanes[W].drop(gone)
-        if W in self.shadows:
-            self.shadows[W].drop(gone)
 
     # -- the loop ------------------------------------------------------------------------------------
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
-    def run(self, requests: Iterable[BlockRequest] = ()) -> Iterator[tuple[int, list[int], int]]:
+    def run(self, requests: Iterable[ReqT] = ()) -> Iterator[tuple[int, list[int], int]]:
         self.add(requests)
         while self.waiting or self.in_flight:
             for req in self.admit():
@@ -157,20 +170,89 @@ class BlockScheduler(RunningSet[BlockRequest]):
                 if lane.rows:
                     yield from self._leave(lane, self._round(lane))
 
-    def add(self, requests: Iterable[BlockRequest]) -> None:
+    def add(self, requests: Iterable[ReqT]) -> None:
         new = list(requests)
         # each width's cache, allocated once: as many slots as rows can run at once, as long as the longest
         # canvas (growing it on the way would hold the old and the new at once, and double its length)
         for r in new:
-            W = r.plan.blocks.block_length
+            W = r.blocks.block_length
             rows, length = self.sizes.get(W, (0, 0))
-            self.sizes[W] = (min(rows + 1, self.width), max(length, _end(r)))
+            self.sizes[W] = (min(rows + 1, self.width), max(length, self._end(r)))
         super().add(new)
 
-    def _admit(self, req: BlockRequest) -> None:
+    def _lane(self, lanes: dict[int, Lane], W: int, end: int) -> Lane:
+        """The lane of width W in `lanes` (made with the size `add` worked out), long enough for `end`."""
+        if W not in lanes:
+            rows, length = self.sizes.get(W, (self.width, end))
+            lanes[W] = Lane(self._allocate(rows, max(length, end)))
+        lane = lanes[W]
+        lane.ensure(end, min(self.sizes.get(W, (0, 0))[0], self.width))
+        return lane
+
+    def _admit(self, req: ReqT) -> None:
+        raise NotImplementedError
+
+    def _round(self, lane: Lane) -> list[Any]:
+        """One round of a lane's rows; returns the rows that are done."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _end(req: ReqT) -> int:
+        """Where a request's slot ends."""
+        raise NotImplementedError
+
+    def _leave(self, lane: Lane, done: list[Any]) -> Iterator[tuple[int, list[int], int]]:
+        """Hand back finished rows and free their slots."""
+        for r in done:
+            yield r.req.key, r.answer(), r.forwards
+        if done:
+            self._drop(done[0].width, {id(r) for r in done})
+
+    def _allocate(self, rows: int, length: int) -> KVCache:
+        """The cache's layers, heads, head size and dtype, from a one-token forward of the model itself (not
+        counted); float32 where attention runs in float32 under low-precision weights (`Net.cache_of`)."""
+        one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        model: Any = getattr(self.net, "model", self.net)
+        _, kv = model.hidden(one, one, None, None, 0, True)
+        up = getattr(model, "upcast", False)
+        k = kv[0][0]
+        dtype = torch.float32 if up else k.dtype
+        return KVCache.empty(len(kv), rows, k.shape[1], length, k.shape[3], dtype, self.device)
+
+
+class BlockScheduler(LaneSet[BlockRequest[BlockPlan]]):
+    """Decodes `BlockRequest`s with at most `width` rows in flight; `run` yields (key, generated ids,
+    forwards) as each row finishes, in the order they finish. `refill` False runs static batches instead:
+    up to `width` rows are admitted only once the running set is empty (the comparison `bench` makes).
+    on_block(key, generated ids so far): called as each row's block is committed (streaming)."""
+
+    def __init__(
+        self,
+        net: BlockNet,
+        mask_id: int,
+        stop_ids: frozenset[int],
+        pad_id: int,
+        width: int,
+        device: torch.device,
+        word_pieces: frozenset[int] = frozenset(),
+        refill: bool = True,
+        on_block: OnBlock | None = None,
+        before_round: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(net, mask_id, stop_ids, pad_id, width, device, word_pieces, refill, before_round)
+        self.on_block = on_block
+        self.shadows: dict[int, Lane] = {}  # by block width: guided rows' unconditional views, their own cache
+
+    def _drop(self, W: int, gone: set[int]) -> None:
+        """Rows whose id() is in `gone` leave their lane of width W, and its shadow."""
+        self.lanes[W].drop(gone)
+        if W in self.shadows:
+            self.shadows[W].drop(gone)
+
+    def _admit(self, req: BlockRequest[BlockPlan]) -> None:
         blocks = req.plan.blocks
         P, W = len(req.prompt), blocks.block_length
-        end = _end(req)
+        end = self._end(req)
         x = torch.full((end,), self.mask_id, dtype=torch.long, device=self.device)
         x[:P] = torch.tensor(req.prompt, device=self.device)
         if req.rule is not None:
@@ -182,11 +264,7 @@ class BlockScheduler(RunningSet[BlockRequest]):
         if row.guided:  # its unconditional view: a slot of the lane's shadow, the prompt masked
             views.append((self.shadows, row.unconditional(0, end, self.mask_id)))
         for lanes, ids in views:
-            if W not in lanes:
-                rows, length = self.sizes.get(W, (self.width, end))
-                lanes[W] = Lane(self._allocate(rows, max(length, end)))
-            lane = lanes[W]
-            lane.ensure(end, min(self.sizes.get(W, (0, 0))[0], self.width))
+            lane = self._lane(lanes, W, end)
             slot = lane.join(row, end, self.width)
             s0 = row.first * W
             if s0 > 0:  # the prompt's whole blocks, into the row's slot
@@ -321,27 +399,14 @@ class BlockScheduler(RunningSet[BlockRequest]):
         done, _ = finished_rows(gen, self.mask_id, self.stop)
         return done.tolist()
 
-    def _leave(self, lane: Lane, done: list[_Row]) -> Iterator[tuple[int, list[int], int]]:
-        """Hand back finished rows and free their slots."""
-        for r in done:
-            yield r.req.key, r.answer(), r.forwards
-        if done:
-            self._drop(done[0].width, {id(r) for r in done})
-
     # -- bookkeeping ---------------------------------------------------------------------------------
-    def _allocate(self, rows: int, length: int) -> KVCache:
-        """The cache's layers, heads, head size and dtype, from a one-token forward of the model itself (not
-        counted); float32 where attention runs in float32 under low-precision weights (`Net.cache_of`)."""
-        one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        model: Any = getattr(self.net, "model", self.net)
-        _, kv = model.hidden(one, one, None, None, 0, True)
-        up = getattr(model, "upcast", False)
-        k = kv[0][0]
-        dtype = torch.float32 if up else k.dtype
-        return KVCache.empty(len(kv), rows, k.shape[1], length, k.shape[3], dtype, self.device)
+    @staticmethod
+    def _end(req: BlockRequest[BlockPlan]) -> int:
+        """The end of a request's slot: its last block's (`_aligned_end`)."""
+        return _aligned_end(req)
 
 
-def _end(req: BlockRequest) -> int:
+def _aligned_end(req: BlockRequest[BlockPlan]) -> int:
     """The end of a request's last block: its canvas, block-aligned."""
     W = req.plan.blocks.block_length
     return -(-(len(req.prompt) + req.plan.blocks.gen_length) // W) * W

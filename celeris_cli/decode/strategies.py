@@ -29,11 +29,12 @@ from .block import BlockPlan, OnBlock, generate_block, generate_block_cached
 from .diffusion_gemma import DiffusionGemmaPlan, generate_diffusion_gemma
 from .dream import DreamPlan, generate_dream
 from .fast import FastPlan, generate_fast
-from .nemotron import ARPlan, SeededPlan, generate_seeded
+from .nemotron import ARPlan, SeededPlan
 from .pace import ForwardCost, Learned
 from .reference import ReferencePlan, generate_reference
 from .rnd1 import RND1Plan, generate_rnd1
 from .sampling import RowNoise
+from .seededrun import generate_seeded
 from .selfspec import SelfSpecPlan, generate_self_spec
 from .speculative import SpecPlan, generate_speculative
 
@@ -254,7 +255,8 @@ def _seeded(
     noise: RowNoise,
 ) -> torch.Tensor:
     plan = _plan(SeededPlan, params)
-    return generate_seeded(net, prompt, prompt_mask, plan, tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces)
+    special = (tokens.mask_id, tokens.stop_ids, tokens.pad_id, tokens.word_pieces)
+    return generate_seeded(net, prompt, prompt_mask, plan, special, noise)
 
 
 def _ar(

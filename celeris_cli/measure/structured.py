@@ -156,6 +156,11 @@ def bench_structured(
     plain = engine.params({**base, "gen_length": gen_length})
     for ids in encoded:
         engine.check_fits(len(ids), plain)
+    if "structure" not in STRATEGIES[plain.strategy].parts:
+        raise UsageError(
+            f"the {plain.strategy} strategy has no structured output; give a strategy that has with "
+            """--set '{"strategy": ...}' (`celeris inspect` lists the model's)"""
+        )
     vocab = engine.vocabulary()
     # a strategy that decides left to right holds no template open: its template row decodes left to right
     templates = not STRATEGIES[plain.strategy].left_to_right
