@@ -167,12 +167,12 @@ def test_random_mixes_answer_as_each_request_alone(engine: Engine, seed: int) ->
 
 
 def test_a_row_whose_seed_ends_its_answer_leaves_without_a_step(engine: Engine) -> None:
-    """A one-token answer is its seed alone: the prefill, and nothing after it."""
+    """A one-token answer is its seed alone: the prefill (both rows' in one forward), nothing after it."""
     params = engine.params({"strategy": "nemotron", "gen_length": 1, "block_length": 1, "temperature": 0.0})
     ar = engine.params({"strategy": "ar", "gen_length": 1, "temperature": 0.0})
     prompts = [engine.encode_prompt(t) for t in ("hello", "the cat sat")]
     out, nfe = engine.decode_ids(prompts, params)
-    assert out == engine.decode_ids(prompts, ar)[0] and nfe == len(prompts)
+    assert out == engine.decode_ids(prompts, ar)[0] and nfe == 1
 
 
 def test_a_step_beside_a_commit_pass_of_the_same_span_runs_as_alone() -> None:
@@ -188,13 +188,15 @@ def test_a_step_beside_a_commit_pass_of_the_same_span_runs_as_alone() -> None:
 
 
 def test_the_running_set_pays_back_its_slots(engine: Engine) -> None:
-    """Rows leave their slots as they finish: nothing stays in a lane once every row is answered."""
+    """Rows leave their slots as they finish: nothing stays in a lane once every row is answered. Rows that
+    join run their prompts in the round's one forward, beside the others' windows: none takes a forward
+    of its own."""
     reqs = _requests(engine, 6, random.Random(7))
     scheduler = _scheduler(engine, 2)
     answered = [key for key, _, _ in scheduler.run(reqs)]
     assert sorted(answered) == list(range(6))
     assert all(not lane.rows for lane in scheduler.lanes.values())
-    assert scheduler.occupancy.prefills == 6
+    assert scheduler.occupancy.prefills == 0 and scheduler.occupancy.forwards == scheduler.occupancy.rounds
 
 
 def test_each_draw_is_keyed_by_its_rows_block_then_step(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:

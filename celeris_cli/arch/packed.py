@@ -37,7 +37,7 @@ class Segment:
     slot: int = 0
     at: int = 0
     keys: int = 0
-    causal: bool = False  # each query over the keys up to its own (a causal prefill: at 0, keys its own length)
+    causal: bool = False  # each query over the keys up to its own (a causal prefill, or a window after `at` keys)
 
 
 class PackedLayer:
@@ -83,6 +83,9 @@ class PackedLayer:
                 keys = ks.shape[2]
                 seen = torch.ones(width, keys, dtype=torch.bool, device=q.device)
                 out = exact.attention(qs, ks, vs, (seen.tril(keys - width) if first.causal else seen)[None, None])
+            elif first.causal and ks.shape[2] != width:  # a causal window past keys before it: bottom-right
+                seen = torch.ones(width, ks.shape[2], dtype=torch.bool, device=q.device).tril(ks.shape[2] - width)
+                out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen, enable_gqa=gqa)
             else:
                 out = F.scaled_dot_product_attention(
                     qs, ks, vs, is_causal=first.causal, enable_gqa=gqa

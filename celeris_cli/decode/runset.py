@@ -23,12 +23,12 @@ from ..arch.kv import KVCache
 @dataclass
 class Occupancy:
     """What the running set did: its decoding forwards (steps and stores), rows per such forward, and
-    prompt prefills (one row each, apart)."""
+    prompt prefills (forwards of their own)."""
 
     forwards: int = 0
     rows: int = 0  # summed over forwards
     positions: int = 0  # through the network, prefills included
-    prefills: int = 0
+    prefills: int = 0  # prefill forwards (a kind that packs its joining rows' prompts runs one a round)
     rounds: int = 0  # each running row advances once per round
     in_flight: int = 0  # summed over rounds
 
@@ -151,7 +151,12 @@ class RunningSet(Generic[R]):
     def add(self, requests: Iterable[R]) -> None:
         """Requests to decode, behind those waiting; among them the longest answers first (stable). Rows may
         be added while `run` goes on (between two of its answers)."""
-        self.waiting.extend(sorted(requests, key=lambda r: -r.gen_length))
+        self.waiting.extend(sorted(requests, key=lambda r: -self.rounds(r)))
+
+    def rounds(self, request: R) -> int:
+        """What admission sorts by, the most first: how many rounds the request is expected to take (here its
+        answer's length; a kind whose forwards are set otherwise says so)."""
+        return request.gen_length
 
     def admit(self) -> list[R]:
         """The requests that join this round: while fewer than `width` rows are in flight (static batches:

@@ -1,43 +1,42 @@
 """Nemotron's diffusion mode (`decode.nemotron`, the default model's strategy) as a running set: rows join as
 others finish, each at its own place, so a batch of answers of every length keeps its places busy.
 
-A row owns a slot of its lane's cache (rows of one block width share a lane, as block diffusion's do,
-`decode.running`). It joins with its prompt run causally into its slot (a forward of its own), and the last
-prompt position's logits choose its first block's seed. Each round is one forward per lane over every row's
-block-wide window at its own place, over its own slot; a row's window is one of
+A row owns a slot of its lane's cache (rows of one block width share a lane, `running.LaneSet`, as block
+diffusion's do). Each round is one packed forward (`arch.packed`: the rows end to end, no padding, each
+row's attention over exactly its own keys) in which every row in flight runs one window at its own place,
+over its own slot:
 
+- a joining row's prompt, causally from 0; its last position chooses the first block's seed;
 - a denoising step of its block: the seed and the rest of the block, bidirectional inside the block, over
-  the keys before it; its surest masked positions are committed (`commit_step`);
+  the keys before it; its surest masked positions are committed (`_commit`, the mode's one commit step);
 - the commit pass of a block just completed: the block causally (each position over those before it), which
-  writes the block's final keys and values into the slot, and whose last position chooses the next block's
-  seed.
+  writes the block's final keys and values into the slot; its last position chooses the next block's seed.
 
-So one forward holds both kinds of window: its mask is per row and per query, and each row's attention runs
-over exactly its own keys (`LayerKV.exact`), a step's with no mask at all, never beside a row of another
-mask (`invariant.plan`), as alone. A row's last block may be shorter than its lane's width: its window is
-padded with `pad_id` positions that no real position sees and that are never committed, so its forward has
-its lane's shape alone or beside anyone.
+A window is as wide as the row's block (a last block may be shorter), so a row's forward has the shapes it
+has alone, and steps and causal windows never share an attention call.
 
 A row's answer is what it is alone: its noise comes from its own stream at its own (block, step)
 (`stream_seed`; step 0 is the seed's draw), its schedule is its own (`Blocks.seeded_steps`), and the commit
-step and the seed choice run per group of rows sharing their settings. `generate_seeded` (a static batch) is
-this running set admitted at once; `tests/test_seeded_running.py` checks it against a plain loop that
-recomputes the whole sequence at every step, with no cache and no running set.
+step and the seed choice run per group of rows sharing their settings. Admission takes the requests with the
+most forwards first (`rounds`). `generate_seeded` (a static batch) is this running set admitted at once;
+`tests/test_seeded_running.py` checks it against a plain loop that recomputes the whole sequence at every
+step, with no cache and no running set.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from ..arch.packed import Segment, packed_layers
 from ..params import Blocks
 from .nemotron import Picks, SeededPlan
 from .predict import Places, StepLogits, choose
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
 from .running import BlockRequest, LaneSet
-from .runset import Lane
 from .sampling import Draws, RowNoise, shaper, stream_seed
 
 
@@ -53,6 +52,7 @@ class _Row:
     storing: bool = False  # the next window is the block's commit pass
     forwards: int = 0  # forwards the row took part in, its prefill included
     finished: bool = False
+    prefilled: bool = False  # its prompt's keys and values are in its slot, and its first seed chosen
 
     @property
     def plan(self) -> SeededPlan:
@@ -106,11 +106,24 @@ class SeededScheduler(LaneSet[BlockRequest[SeededPlan]]):
 
     @staticmethod
     def _end(req: BlockRequest[SeededPlan]) -> int:
-        """Its prompt, then its answer's blocks, the last one padded to a whole window."""
+        """Its prompt, then its answer's blocks, the last one padded to a whole window (never computed: the
+        commit step lays every row's block in one (rows, width) tensor)."""
         blocks = req.plan.blocks
         return len(req.prompt) + -(-blocks.gen_length // blocks.block_length) * blocks.block_length
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        model: Any = getattr(self.net, "model", self.net)
+        self.n_layers = len(model.parts()[1])  # what a packed forward passes, one per layer
+
+    def rounds(self, request: BlockRequest[SeededPlan]) -> int:
+        """Its forwards if no stop token ends it early: its steps, a commit pass between blocks, and its
+        prefill. (A total of steps spread over the blocks makes a short answer take as many as a long one.)"""
+        steps = request.plan.blocks.seeded_steps()
+        return sum(steps) + len(steps)
+
     def _admit(self, req: BlockRequest[SeededPlan]) -> None:
+        """A slot of its lane; its prompt is run in the round's forward (`_tick`)."""
         plan = req.plan
         P, G, W = len(req.prompt), plan.blocks.gen_length, plan.blocks.block_length
         end = self._end(req)
@@ -123,60 +136,72 @@ class SeededScheduler(LaneSet[BlockRequest[SeededPlan]]):
             for m, n in zip(masked, plan.blocks.seeded_steps())
         ]
         row = _Row(req, x, schedule, replace(plan, blocks=_NO_BLOCKS), self.stop)
-        lane = self._lane(self.lanes, W, end)
-        slot = lane.join(row, end, self.width)
-        # the prompt's causal pass, into the row's slot; its last position chooses the first seed
-        causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()[None, None]
-        pos = torch.arange(P, device=self.device)[None]
-        h, _ = self.net.hidden(x[None, :P], pos, causal, lane.cache.view(slot, P), 0, False)
-        row.forwards += 1
-        self.occupancy.prefills += 1
-        self.occupancy.positions += P
-        self._seed([row], h[:, -1])
+        self._lane(self.lanes, W, end).join(row, end, self.width)
 
-    def _round(self, lane: Lane) -> list[Any]:
-        """One forward over the lane's rows, each its own window (a step or a commit pass) at its own place;
-        then the stepping rows' commits and the committing rows' next seeds. Returns the rows that are done."""
-        rows: list[_Row] = lane.rows
-        ready = [r for r in rows if r.finished]  # done as it joined (its seed a stop token, or all its answer)
-        if ready:
-            return ready
-        W = rows[0].width
-        starts = torch.tensor([r.start for r in rows], device=self.device)
-        ends = torch.tensor([r.end for r in rows], device=self.device)
-        storing = torch.tensor([r.storing for r in rows], device=self.device)
-        L = int(starts.max()) + W
-        lane.ensure(L)
-        positions = starts[:, None] + torch.arange(W, device=self.device)[None, :]
-        keys = torch.arange(L, device=self.device)
-        # a key is seen when it is before the block's real end; in a commit pass, only up to the query
-        seen = (keys[None, None, :] < ends[:, None, None]) & (
-            ~storing[:, None, None] | (keys[None, None, :] <= positions[:, :, None])
-        )
-        windows = torch.stack([r.x[r.start : r.start + W] for r in rows])
-        cache = lane.cache.view(slice(0, len(rows)), L, exact=True)  # each row's attention over its own keys
-        h, _ = self.net.hidden(windows, positions, seen[:, None], cache, starts, False)
+    @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
+    def run(self, requests: Iterable[BlockRequest[SeededPlan]] = ()) -> Iterator[tuple[int, list[int], int]]:
+        self.add(requests)
+        while self.waiting or self.in_flight:
+            for req in self.admit():
+                self._admit(req)
+            done = self._tick()
+            for W in sorted({r.width for r in done}):
+                yield from self._leave(self.lanes[W], [r for r in done if r.width == W])
+
+    def _tick(self) -> list[_Row]:
+        """One round: one packed forward (`arch.packed`: rows end to end, no padding, each row's attention
+        over exactly its own keys) of every row in flight, each its own window at its own place over its own
+        slot: a joining row's prompt (causal, from 0), a denoising step of its block (bidirectional inside
+        the block), or a completed block's commit pass (causal). Then the stepping rows' commits, and the
+        next seed of each row that ran its prompt or a commit pass. Returns the rows that are done."""
+        done = [r for lane in self.lanes.values() for r in lane.rows if r.finished]
+        segments: list[Segment] = []
+        ids: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        rows: list[_Row] = []
+        for lane in self.lanes.values():
+            for slot, r in enumerate(lane.rows):
+                if r.finished:
+                    continue
+                s, e = (0, r.gen) if not r.prefilled else (r.start, r.end)
+                begin = segments[-1].end if segments else 0
+                causal = r.storing or not r.prefilled
+                segments.append(Segment(begin, begin + e - s, lane.cache, slot, s, e, causal=causal))
+                ids.append(r.x[s:e])
+                positions.append(torch.arange(s, e, device=self.device))
+                rows.append(r)
+        if not rows:
+            return done
+        cache = packed_layers(segments, self.n_layers, self.device)
+        net: Any = self.net  # a packed forward's layers stand in for its cache
+        h, _ = net.hidden(torch.cat(ids)[None], torch.cat(positions)[None], None, cache, 0, False)
+        h = h[0]
         self.occupancy.forwards += 1
         self.occupancy.rows += len(rows)
-        self.occupancy.positions += len(rows) * W
+        self.occupancy.positions += segments[-1].end
         for r in rows:
             r.forwards += 1
-        stepping = [b for b, r in enumerate(rows) if not r.storing]
-        committing = [b for b, r in enumerate(rows) if r.storing]
-        groups: dict[SeededPlan, list[int]] = {}
+        stepping = [b for b, r in enumerate(rows) if r.prefilled and not r.storing]
+        seeding = [b for b, r in enumerate(rows) if not r.prefilled or r.storing]  # its last position: a seed
+        groups: dict[tuple[SeededPlan, int], list[int]] = {}
         for b in stepping:
-            groups.setdefault(rows[b].commit, []).append(b)
-        for plan, members in groups.items():
-            self._commit([rows[b] for b in members], h[members], plan)
+            groups.setdefault((rows[b].commit, rows[b].width), []).append(b)
+        for (plan, W), members in groups.items():
+            hs = h.new_zeros(len(members), W, h.shape[-1])  # each row's block, a short last one padded
+            for i, b in enumerate(members):
+                hs[i, : segments[b].end - segments[b].begin] = h[segments[b].begin : segments[b].end]
+            self._commit([rows[b] for b in members], hs, plan)
         for b in stepping:
             rows[b].step += 1
             self._settle(rows[b])
-        if committing:
-            for b in committing:
-                rows[b].storing, rows[b].block, rows[b].step = False, rows[b].block + 1, 0
-            last = torch.tensor([rows[b].width - 1 for b in committing], device=self.device)
-            self._seed([rows[b] for b in committing], h[committing, last])
-        return [r for r in rows if r.finished]
+        for b in seeding:
+            r = rows[b]
+            if r.storing:  # its block's final keys and values are in place: on to the next block
+                r.storing, r.block, r.step = False, r.block + 1, 0
+            r.prefilled = True
+        if seeding:
+            self._seed([rows[b] for b in seeding], h[[segments[b].end - 1 for b in seeding]])
+        return done + [r for r in rows if r.finished]
 
     def _seed(self, rows: list[_Row], h: torch.Tensor) -> None:
         """Each row's block starts with the token its last decided position predicts (at its stream's
