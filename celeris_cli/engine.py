@@ -330,8 +330,7 @@ class Engine:
             return CanvasScheduler(*canvas), net
         args = (net, special.mask_id, special.stop_ids, special.pad_id, max_batch, self.device, special.word_pieces)
         if kinds == {"seeded"}:
-            assert on_block is None, "the diffusion mode streams no blocks"
-            return SeededScheduler(*args, refill=refill, before_round=before_round), net
+            return SeededScheduler(*args, refill=refill, before_round=before_round, on_block=on_block), net
         return BlockScheduler(*args, refill=refill, on_block=on_block, before_round=before_round), net
 
     @staticmethod

@@ -72,7 +72,12 @@ STRATEGIES: dict[str, Strategy] = {
     "block": Strategy(_BLOCK_PARTS, "block", "block_steps", "block", streams_blocks=True),
     "block-fast": Strategy(_BLOCK_PARTS, "block-cached", "block_steps", "block-cached", "block", streams_blocks=True),
     "nemotron": Strategy(
-        ("blocks", "sampling", "ordering", "commit", "shaping"), "seeded", "seeded", "causal", "seeded"
+        ("blocks", "sampling", "ordering", "commit", "shaping"),
+        "seeded",
+        "seeded",
+        "causal",
+        "seeded",
+        streams_blocks=True,
     ),
     "ar": Strategy(("length", "sampling", "shaping"), "ar", "per_token", None),
     "nemotron-spec": Strategy(("draft", "sampling"), "speculative", "per_token", None),

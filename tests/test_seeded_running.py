@@ -220,3 +220,22 @@ def test_each_draw_is_keyed_by_its_rows_block_then_step(engine: Engine, monkeypa
     [(_, answer, _)] = list(_scheduler(engine, 1).run([req]))
     assert 2 not in answer and 5 not in answer  # no early stop: every block decoded
     assert keys == [stream_seed(req.seed, j, i) for j in range(3) for i in range(3)]
+
+
+def test_each_completed_block_is_streamed_and_the_blocks_add_up_to_the_answer(default_engine: Engine) -> None:
+    """What `serve` streams (`LiveRun.on_block`): a row's ids so far as each of its blocks is complete, one
+    block longer each time, the last the answer itself (up to its stop)."""
+    e = default_engine
+    params = e.params({"gen_length": 40, "block_length": 8, "denoise_steps": 10, "min_tokens": 30})
+    live = e.live(max_batch=2)
+    streamed: dict[int, list[list[int]]] = {}
+    live.on_block = lambda key, ids: streamed.setdefault(key, []).append(ids)
+    prompts = ["床前明月光，", "The river runs", "春眠不觉晓，"]
+    for k, p in enumerate(prompts):
+        live.add(k, p, e.encode_prompt(p), params, k)
+    answers = dict(live.answers())
+    for k, chunks in streamed.items():
+        assert [len(c) for c in chunks] == [8 * (i + 1) for i in range(len(chunks) - 1)] + [len(chunks[-1])]
+        assert all(later[: len(earlier)] == earlier for earlier, later in zip(chunks, chunks[1:]))
+        assert e.finish(chunks[-1], prompt=e.encode_prompt(prompts[k]))[0] == answers[k].text
+    assert sorted(streamed) == [0, 1, 2] and all(len(c) >= 4 for c in streamed.values())
