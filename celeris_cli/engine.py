@@ -36,11 +36,11 @@ from .decode.sampling import RowNoise, request_seed
 from .decode.seededrun import SeededScheduler
 from .decode.selfspec import SelfSpecPlan
 from .decode.specrun import SpecRequest, SpecScheduler
-from .decode.strategies import Net, OnBlock, SpecialTokens, fast_plan_of, get_strategy, plan_for, plan_of
+from .decode.strategies import Net, OnBlock, SpecialTokens, get_strategy, plan_for
 from .device import resolve_device, resolve_dtype
 from .errors import ModelError, TooLarge, UsageError
 from .params import GenerationParams, check_fits, model_layer, script_layers, script_of
-from .strategy import STRATEGIES
+from .strategy import STRATEGIES, RowKind
 from .structured.commit import Record, Rule, Rules
 from .structured.grammar import Grammar, vocabulary
 from .structured.template import check_structure, template_for
@@ -313,38 +313,17 @@ class Engine:
         assert len(kinds) == 1 and None not in kinds, "one running set decodes rows of one kind"
         special = self._special(max(params, key=lambda p: p.subword_min_p))  # word pieces if any row needs them
         net = Net(self.model)
-        if kinds == {"waves"}:
-            assert on_block is None, "the fast strategy commits no blocks to report"
-            wave = (net, special.mask_id, special.stop_ids, max_batch, self.device, special.word_pieces)
-            return waves.WaveScheduler(*wave, refill=refill, before_round=before_round), net
-        if kinds == {"spec"}:
-            auto = any(p.drafting == "auto" for p in params)
-            spec = (net, special.mask_id, special.stop_ids, max_batch, self.device, special.word_pieces)
-            cost = self.forward_cost() if auto else None
-            return (
-                SpecScheduler(*spec, refill, before_round, cost=cost, on_block=on_block, learned=self.learned),
-                net,
-            )
-        if kinds == {"canvas"}:
-            canvas = (net, special.stop_ids, special.pad_id, max_batch, self.device, refill, on_block, before_round)
-            return CanvasScheduler(*canvas), net
-        args = (net, special.mask_id, special.stop_ids, special.pad_id, max_batch, self.device, special.word_pieces)
-        if kinds == {"seeded"}:
-            return SeededScheduler(*args, refill=refill, before_round=before_round, on_block=on_block), net
-        return BlockScheduler(*args, refill=refill, on_block=on_block, before_round=before_round), net
+        kind = kinds.pop()
+        assert kind is not None
+        make = _ROW_KINDS[kind][0]
+        return make(self, net, special, params, max_batch, refill, on_block, before_round), net
 
     @staticmethod
     def _request(key: int, ids: list[int], params: GenerationParams, seed: int, rule: Rule | None = None) -> Any:
         """A row for the running set of its kind, with its row seed (`request_seed`) and its rule."""
-        if _running_kind(params) == "waves":
-            return waves.FastRequest(key, list(ids), fast_plan_of(params), request_seed(seed, ids), rule)
-        if _running_kind(params) == "spec":
-            return SpecRequest(key, list(ids), plan_for(params), request_seed(seed, ids), rule)
-        if _running_kind(params) == "canvas":
-            return CanvasRequest(key, list(ids), plan_for(params), request_seed(seed, ids), seed, rule)
-        if _running_kind(params) == "seeded":
-            return BlockRequest(key, list(ids), plan_for(params), request_seed(seed, ids), rule)
-        return BlockRequest(key, list(ids), plan_of(params), request_seed(seed, ids), rule)
+        kind = _running_kind(params)
+        assert kind is not None, "a row the running set cannot decode"
+        return _ROW_KINDS[kind][1](key, list(ids), plan_for(params), request_seed(seed, ids), seed, rule)
 
     def _account(self, scheduler: RunningSet[Any], net: Net) -> None:
         self.positions_computed += net.positions_computed
@@ -843,13 +822,57 @@ def _lane_of(params: GenerationParams) -> tuple[Any, ...]:
     return kind, params.block_length, params.cache if kind == "waves" else None
 
 
-def _running_kind(params: GenerationParams) -> str | None:
+def _running_kind(params: GenerationParams) -> RowKind | None:
     """Which running set decodes rows with these settings: "block" (`decode.running`), "waves"
     (`decode.waves`), "spec" (`decode.specrun`), "canvas" (`decode.canvasrun`), "seeded" (`decode.seededrun`),
-    or None (static batches): its
-    strategy's row kind (`strategy.Strategy.running`).
-    Under guidance a row's unconditional view takes a second slot in either."""
+    or None (static batches): its strategy's row kind (`strategy.Strategy.running`), whose running set and
+    request `_ROW_KINDS` makes. Under guidance a row's unconditional view takes a second slot in block's or
+    waves'."""
     return STRATEGIES[params.strategy].running
+
+
+def _waves(e: Engine, net: Net, t: SpecialTokens, ps: Any, n: int, refill: bool, on_block: Any, hook: Any) -> Any:
+    assert on_block is None, "the fast strategy commits no blocks to report"
+    return waves.WaveScheduler(net, t.mask_id, t.stop_ids, n, e.device, t.word_pieces, refill=refill, before_round=hook)
+
+
+def _spec(e: Engine, net: Net, t: SpecialTokens, ps: Any, n: int, refill: bool, on_block: Any, hook: Any) -> Any:
+    cost = e.forward_cost() if any(p.drafting == "auto" for p in ps) else None
+    tokens = (net, t.mask_id, t.stop_ids, n, e.device, t.word_pieces)
+    return SpecScheduler(*tokens, refill, hook, cost=cost, on_block=on_block, learned=e.learned)
+
+
+def _canvas(e: Engine, net: Net, t: SpecialTokens, ps: Any, n: int, refill: bool, on_block: Any, hook: Any) -> Any:
+    return CanvasScheduler(net, t.stop_ids, t.pad_id, n, e.device, refill, on_block, hook)
+
+
+def _lanes(scheduler: type[Any]) -> Callable[..., Any]:
+    """A running set of lanes by block width (`decode.running.LaneSet`): block diffusion's, or the seeded one."""
+
+    def make(e: Engine, net: Net, t: SpecialTokens, ps: Any, n: int, refill: bool, on_block: Any, hook: Any) -> Any:
+        tokens = (net, t.mask_id, t.stop_ids, t.pad_id, n, e.device, t.word_pieces)
+        return scheduler(*tokens, refill=refill, on_block=on_block, before_round=hook)
+
+    return make
+
+
+def _canvas_request(key: int, ids: list[int], plan: Any, row_seed: int, seed: int, rule: Rule | None) -> Any:
+    return CanvasRequest(key, ids, plan, row_seed, seed, rule)
+
+
+def _row_request(cls: type[Any]) -> Callable[..., Any]:
+    """A request of the form (key, ids, plan, row seed, rule): the given seed is not its own."""
+    return lambda key, ids, plan, row_seed, seed, rule: cls(key, ids, plan, row_seed, rule)
+
+
+# each row kind (`strategy.Strategy.running`): how its running set is made, and how a row's request is made
+_ROW_KINDS: dict[RowKind, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "block": (_lanes(BlockScheduler), _row_request(BlockRequest)),
+    "seeded": (_lanes(SeededScheduler), _row_request(BlockRequest)),
+    "waves": (_waves, _row_request(waves.FastRequest)),
+    "spec": (_spec, _row_request(SpecRequest)),
+    "canvas": (_canvas, _canvas_request),
+}
 
 
 def _running(rows: Iterator[tuple[int, list[int], int]], deterministic: bool) -> Iterator[tuple[int, list[int], int]]:
