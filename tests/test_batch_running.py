@@ -140,3 +140,34 @@ def test_run_batches_halves_a_failing_batch_and_yields_each_batch_once_and_whole
     failed = [d for g in got for d in g if d.body is None]
     assert [d.item.request.prompt for d in failed] == ["poison"] and failed[0].code == "engine_error"
     assert bisects == [4, 2]  # halved, then halved again, until it fails alone
+
+
+def test_the_default_models_mixed_requests_answer_as_alone_with_no_fallback(caplog: pytest.LogCaptureFixture) -> None:
+    """The issue's reproduction on the default model (`nemotron` in its running set): a long prompt asking for
+    16 tokens beside short ones asking for 24 to 64, at temperatures 0.7 and 1: every answer is its answer alone,
+    and the pool never falls back to one batch at a time."""
+    long = "春眠不觉晓，处处闻啼鸟。夜来风雨声，花落知多少。床前明月光，疑是地上霜。" * 3
+    asks = [(long, 16, 1.0), ("床前明月光，", 24, 0.7), ("The river", 32, 1.0), ("白日依山尽，", 48, 0.7)]
+    asks += [("To be, or not", 64, 1.0), ("红豆生南国，", 40, 1.0), ("Once upon", 56, 0.7), ("It was late", 24, 1.0)]
+    requests = [
+        Request(f"r{i}", i + 1, p, params={"gen_length": g, "temperature": t, "seed": i})
+        for i, (p, g, t) in enumerate(asks)
+    ]
+    backend = EngineBackend(None, "cpu", "float32", 1, {})
+    executor = LocalExecutor(backend, batch_size=3)
+    assert isinstance(executor.pool, RunningPool)
+    got: dict[str, str] = {}
+    with caplog.at_level("WARNING"):
+        for outcomes in executor.run(requests):
+            for oc in outcomes:
+                assert oc.body is not None, oc.message
+                got[oc.request.custom_id] = oc.body["text"]
+    assert executor.pool.live.kind == "seeded"
+    assert "running set failed" not in caplog.text
+
+    def alone(r: Request) -> str:
+        [body] = backend.run([backend.prepare(r)])
+        return str(body["text"])
+
+    assert got == {r.custom_id: alone(r) for r in requests}
+    assert len(set(got.values())) > 4

@@ -124,7 +124,7 @@ class LaneSet(RunningSet[ReqT]):
     """A running set whose rows share lanes by block width, each lane a cache of slots (`Lane`): the lanes,
     their sizes, the loop, `add` and handing rows back. A kind says how a row joins (`_admit`), what one
     round of a lane does (`_round`) and where a row's slot ends (`_end`); its rows have `req`, `width`,
-    `cached` and `answer()`.
+    `cached` and `answer()`. on_block(key, generated ids so far): called as each row's block is complete.
 
     `add` gives it more requests while it runs, between the rows `run` yields (the queue's files arriving
     while others decode); they wait behind those already waiting, and a lane's cache grows (slots, length)
@@ -140,10 +140,11 @@ class LaneSet(RunningSet[ReqT]):
         device: torch.device,
         word_pieces: frozenset[int] = frozenset(),
         refill: bool = True,
+        on_block: OnBlock | None = None,
         before_round: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(width, device, word_pieces, refill, before_round)
-        self.net, self.mask_id, self.pad_id = net, mask_id, pad_id
+        self.net, self.mask_id, self.pad_id, self.on_block = net, mask_id, pad_id, on_block
         self.stop = torch.tensor(sorted(stop_ids), device=device)
         self.lanes: dict[int, Lane] = {}  # by block width
         self.sizes: dict[int, tuple[int, int]] = {}  # by block width: (slots, length) of its cache
@@ -226,21 +227,8 @@ class BlockScheduler(LaneSet[BlockRequest[BlockPlan]]):
     up to `width` rows are admitted only once the running set is empty (the comparison `bench` makes).
     on_block(key, generated ids so far): called as each row's block is committed (streaming)."""
 
-    def __init__(
-        self,
-        net: BlockNet,
-        mask_id: int,
-        stop_ids: frozenset[int],
-        pad_id: int,
-        width: int,
-        device: torch.device,
-        word_pieces: frozenset[int] = frozenset(),
-        refill: bool = True,
-        on_block: OnBlock | None = None,
-        before_round: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__(net, mask_id, stop_ids, pad_id, width, device, word_pieces, refill, before_round)
-        self.on_block = on_block
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.shadows: dict[int, Lane] = {}  # by block width: guided rows' unconditional views, their own cache
 
     def _drop(self, W: int, gone: set[int]) -> None:

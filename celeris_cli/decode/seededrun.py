@@ -33,7 +33,6 @@ import torch
 
 from ..arch.packed import Segment, packed_layers
 from ..params import Blocks
-from .block import OnBlock
 from .nemotron import Picks, SeededPlan
 from .predict import Places, StepLogits, choose
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
@@ -112,9 +111,8 @@ class SeededScheduler(LaneSet[BlockRequest[SeededPlan]]):
         blocks = req.plan.blocks
         return len(req.prompt) + -(-blocks.gen_length // blocks.block_length) * blocks.block_length
 
-    def __init__(self, *args: Any, on_block: OnBlock | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.on_block = on_block  # (key, generated ids so far) as each row's block is complete (streaming)
         model: Any = getattr(self.net, "model", self.net)
         self.n_layers = len(model.parts()[1])  # what a packed forward passes, one per layer
 
