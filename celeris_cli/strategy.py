@@ -39,6 +39,7 @@ class Strategy:
     steps: StepsRule
     memory: MemoryRule | None  # None: no memory plan (its batches are sized by the out-of-memory back-off)
     running: RowKind | None = None  # the running set its rows join (without guidance); None: static batches
+    static_because: str = ""  # with no running set: why its rows cannot decode row by row (docs/scheduling.md)
     streams_blocks: bool = False  # takes an `on_block` hook: a row's text as each of its blocks is committed
     uncapped: bool = False  # its family's own code allows more steps than tokens (a step may commit nothing)
     whole_draw: bool = False  # its family's sampler draws over the whole vocabulary in float64, filtered or not
@@ -46,6 +47,11 @@ class Strategy:
     left_to_right: bool = False  # decides an answer in order: no masked slots for a template to hold open
 
 
+# why Dream's and RND1's strategies decode in static batches
+_FAMILY_SAMPLER = (
+    "the family's own sampler runs over the whole answer at once (no blocks), on its own timeline; it is kept "
+    "token-exact against the family's code"
+)
 _BLOCK_PARTS = ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing", "structure")
 
 STRATEGIES: dict[str, Strategy] = {
@@ -56,9 +62,22 @@ STRATEGIES: dict[str, Strategy] = {
         "fast",
         "waves",
     ),
-    "reference": Strategy(("schedule", "sampling", "ordering", "guidance"), "reference", "schedule", "canvas-block"),
+    "reference": Strategy(
+        ("schedule", "sampling", "ordering", "guidance"),
+        "reference",
+        "schedule",
+        "canvas-block",
+        static_because="LLaDA's decoder recomputes the whole canvas every step, with no cache to give rows slots "
+        "in; its answers are pinned token for token to LLaDA's own `generate`",
+    ),
     "dream": Strategy(
-        ("timeline", "sampling", "unmasking"), "dream", "denoise", "canvas-answer", uncapped=True, whole_draw=True
+        ("timeline", "sampling", "unmasking"),
+        "dream",
+        "denoise",
+        "canvas-answer",
+        uncapped=True,
+        whole_draw=True,
+        static_because=_FAMILY_SAMPLER,
     ),
     "rnd1": Strategy(
         ("canvas", "filters", "entropy"),
@@ -68,8 +87,16 @@ STRATEGIES: dict[str, Strategy] = {
         uncapped=True,
         whole_draw=True,
         end_slot=True,
+        static_because=_FAMILY_SAMPLER,
     ),
-    "block": Strategy(_BLOCK_PARTS, "block", "block_steps", "block", streams_blocks=True),
+    "block": Strategy(
+        _BLOCK_PARTS,
+        "block",
+        "block_steps",
+        "block",
+        streams_blocks=True,
+        static_because="the reference block decoder, which recomputes its canvas; `block-fast` is its running form",
+    ),
     "block-fast": Strategy(_BLOCK_PARTS, "block-cached", "block_steps", "block-cached", "block", streams_blocks=True),
     "nemotron": Strategy(
         ("blocks", "sampling", "ordering", "commit", "shaping"),
@@ -79,8 +106,22 @@ STRATEGIES: dict[str, Strategy] = {
         "seeded",
         streams_blocks=True,
     ),
-    "ar": Strategy(("length", "sampling", "shaping"), "ar", "per_token", None),
-    "nemotron-spec": Strategy(("draft", "sampling"), "speculative", "per_token", None),
+    "ar": Strategy(
+        ("length", "sampling", "shaping"),
+        "ar",
+        "per_token",
+        None,
+        static_because="the AR yardstick `bench` measures against stays the plain static loop (the AR step `spec` "
+        "runs in its running set, as `spec` with `drafting: never`)",
+    ),
+    "nemotron-spec": Strategy(
+        ("draft", "sampling"),
+        "speculative",
+        "per_token",
+        None,
+        static_because="Nemotron's speculative verify pass has its own cache rule (a draft is appended only when "
+        "verified); `spec` is the running form of speculation on the same checkpoint",
+    ),
     "spec": Strategy(
         ("drafting", "sampling", "shaping", "structure"),
         "self-spec",

@@ -213,3 +213,20 @@ def test_serve_streams_each_row_a_canvas_at_a_time(engine: Engine) -> None:
         canvases = [engine.finish(out[: 8 * (j + 1)], (), ids)[0] for j in range(3)]
         assert texts[k] == canvases[: len(texts[k])] and len(texts[k]) >= 2
         assert answers[k].text == canvases[-1]
+
+
+def test_the_default_noise_is_keyed_by_canvas_then_step(engine, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """docs/determinism.md: (row seed, canvas, step). Two canvases of six steps each: every draw's key is a
+    canvas index first (0 or 1), then a step (up to 5), never the other way round."""
+    keys: list[tuple[int, int]] = []
+    at = RowNoise.at
+
+    def recording(self, rows, block, step):  # type: ignore[no-untyped-def]
+        keys.append((block, step))
+        return at(self, rows, block, step)
+
+    monkeypatch.setattr(RowNoise, "at", recording)
+    settings = {"gen_length": 8, "block_length": 4, "block_steps": 6, "confidence_threshold": None}
+    engine.decode_ids([engine.encode_prompt("hello there")], engine.params({**settings, "temperature": 1.0}))
+    assert {c for c, _ in keys} == {0, 1}
+    assert max(s for _, s in keys) >= 4

@@ -393,3 +393,15 @@ def test_the_default_models_answers_in_a_running_set_of_16_equal_each_alone() ->
     for i in (117, 0, 58, 194):
         alone = engine.finish(_alone(engine, prompts[i], params[i], i), (), encoded[i])[0]
         assert together[i].text == alone, i
+
+
+def test_a_threshold_below_one_commits_every_sure_position_and_takes_fewer_forwards() -> None:
+    """celeris-block's `block-fast` in the running set: a threshold commits beside the schedule's share every
+    position at least that sure, so blocks fill in fewer steps (the small model is rarely sure: 0.1); at 1 it
+    is off."""
+    engine = load_engine("celeris-block", device="cpu", dtype="float32")
+    base = {"strategy": "block-fast", "gen_length": 32, "block_length": 8, "block_steps": 8, "temperature": 0.0}
+    prompts = [engine.encode_prompt(p) for p in ("The river", "床前明月光，", "It was late")]
+    strict, strict_nfe = engine.decode_ids(prompts, engine.params({**base, "threshold": 1.0}))
+    loose, loose_nfe = engine.decode_ids(prompts, engine.params({**base, "threshold": 0.1}))
+    assert loose_nfe < strict_nfe and loose != strict

@@ -64,3 +64,14 @@ def test_pairs_alternate_which_mode_goes_first_and_the_speedup_is_their_median(e
     for mode in ("static", "continuous"):
         assert report["scheduling"][mode]["tokens_per_s"] == sorted(p[mode] for p in report["pairs"])[1]
     assert report["identical_answers"] == 4  # the same text in all six runs
+
+
+def test_every_strategy_runs_in_a_running_set_or_says_why_not_and_the_docs_table_follows() -> None:
+    from celeris_cli.strategy import STRATEGIES
+
+    table = (Path(__file__).parent.parent / "docs" / "scheduling.md").read_text(encoding="utf-8")
+    for name, s in STRATEGIES.items():
+        assert (s.running is None) == bool(s.static_because), name
+        if s.running is None:
+            assert f"| `{name}` | {s.static_because} |" in table, name
+    assert STRATEGIES["nemotron"].running == "seeded"

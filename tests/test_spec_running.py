@@ -156,3 +156,17 @@ def test_a_live_run_streams_spec_rows_as_serve_reads_them(engine) -> None:  # ty
     for key, grown in seen.items():
         assert all(a == c[: len(a)] and len(a) < len(c) for a, c in zip(grown, grown[1:]))
         assert engine.finish(grown[-1], (), engine.encode_prompt(prompts[key]))[0] == got[key].text
+
+
+def test_rows_give_their_slots_back_and_every_lane_its_cache(engine) -> None:  # type: ignore[no-untyped-def]
+    """Ten rows through a set of three: no forward holds more rows than the set is wide (a row that left gave
+    its slot back), and once every row is answered no lane is left holding a cache."""
+    prompts, params, seeds = _rows(engine, "never")
+    live = engine.live(max_batch=3)
+    for i, (p, q, s) in enumerate(zip(prompts, params, seeds)):
+        live.add(i, p, engine.encode_prompt(p), q, s)
+    assert sorted(key for key, _ in live.answers()) == list(range(10))
+    scheduler = live.scheduler
+    assert scheduler is not None and not scheduler.lanes
+    occupancy = scheduler.occupancy
+    assert occupancy.forwards > 0 and occupancy.rows <= 3 * occupancy.forwards
