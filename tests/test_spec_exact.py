@@ -13,7 +13,6 @@ none of its code, and against itself under schedules a test forces (`drafting: r
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import subprocess
@@ -111,8 +110,8 @@ def test_log_probabilities_are_a_softmax_of_the_ar_modes_logits(engine) -> None:
             tokens, logits = _plain_loop(engine.model, prompt, n, stops)
         assert _cut(ids, stops) == tokens
         for t, (token, scores) in enumerate(zip(tokens, logits)):
-            z = [math.exp(v - float(scores.max())) for v in scores.tolist()]
-            logp = [math.log(v / sum(z)) for v in z]  # the softmax, by hand
+            z = scores.double()
+            logp = (z - z.max() - (z - z.max()).exp().sum().log()).tolist()  # the softmax, written out here
             best = sorted(range(len(logp)), key=lambda i: -logp[i])[:2]
             got_token, got_logp, top = rule.record.at[t]
             assert got_token == token
@@ -180,19 +179,19 @@ def test_mixed_answer_lengths_and_draft_widths_through_one_running_set(engine) -
     row to the widest row's columns, which must fit the long row's canvas near its end."""
     short = (("The old man", 24, 3), ("It was late", 40, 5), ("The river", 64, 8), ("At night", 32, 4))
     layers = [(LONG * 3, 16, 16), *short]
-    for sampler in ({"temperature": 0.0}, {"temperature": 0.9, "min_tokens": 20}):
-        for drafting in ("always", "random:11"):
-            settings = [engine.params({**sampler, "gen_length": g, "denoise_steps": s, "drafting": drafting})
-                        for _, g, s in layers]  # fmt: skip
-            requests = [(p, q, 7 + i) for i, ((p, _, _), q) in enumerate(zip(layers, settings))]
-            got = engine.decode_running(
-                [p for p, _, _ in requests], [engine.encode_prompt(p) for p, _, _ in requests],
-                [q for _, q, _ in requests], [s for _, _, s in requests], 5,
-            )  # fmt: skip
-            assert engine.last_occupancy is not None and engine.last_occupancy.forwards == engine.last_occupancy.rounds
-            want = _never_alone(engine, requests)
-            for r, (prompt, params, _), ids in zip(got, requests, want):
-                assert r.text == engine.finish(ids, params.stop, engine.encode_prompt(prompt))[0]
+    # each sampler beside one schedule (all four pairs took 15 s)
+    for sampler, drafting in (({"temperature": 0.0}, "always"), ({"temperature": 0.9, "min_tokens": 20}, "random:11")):
+        settings = [engine.params({**sampler, "gen_length": g, "denoise_steps": s, "drafting": drafting})
+                    for _, g, s in layers]  # fmt: skip
+        requests = [(p, q, 7 + i) for i, ((p, _, _), q) in enumerate(zip(layers, settings))]
+        got = engine.decode_running(
+            [p for p, _, _ in requests], [engine.encode_prompt(p) for p, _, _ in requests],
+            [q for _, q, _ in requests], [s for _, _, s in requests], 5,
+        )  # fmt: skip
+        assert engine.last_occupancy is not None and engine.last_occupancy.forwards == engine.last_occupancy.rounds
+        want = _never_alone(engine, requests)
+        for r, (prompt, params, _), ids in zip(got, requests, want):
+            assert r.text == engine.finish(ids, params.stop, engine.encode_prompt(prompt))[0]
 
 
 @pytest.mark.parametrize("bad", ["random", "random:", "random:x", "random:-1", "Random:1", "random:1.5", "sometimes"])
@@ -280,10 +279,10 @@ def test_rows_that_differ_in_sampler_share_a_forward_and_an_empty_lane_is_given_
 
 
 def test_batch_files_under_different_schedules_and_batch_sizes_are_the_same_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """`celeris batch` over 60 requests (the default model and dtype), twice with different drafting schedules
+    """`celeris batch` over 36 requests (the default model and dtype), twice with different drafting schedules
     and batch sizes, and once with `never` three at a time: the same answers, request for request."""
     scripts = ["床前明月光，", "春眠不觉晓，", "白日依山尽，", "The jury said it", "To be, or not", "红豆生南国，"]
-    lines = [{"custom_id": f"r{i}", "prompt": scripts[i % 6] + str(i), "seed": i % 3} for i in range(60)]
+    lines = [{"custom_id": f"r{i}", "prompt": scripts[i % 6] + str(i), "seed": i % 3} for i in range(36)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines), "utf-8")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
     answers = []
@@ -297,5 +296,5 @@ def test_batch_files_under_different_schedules_and_batch_sizes_are_the_same_file
         rows = [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text("utf-8").splitlines()]
         answers.append({r["custom_id"]: (r["response"]["body"]["text"], r["response"]["body"]["finish_reason"])
                         for r in rows})  # fmt: skip
-    assert len(answers[0]) == 60
+    assert len(answers[0]) == 36
     assert answers[0] == answers[1] == answers[2]
