@@ -51,7 +51,7 @@ def test_gpu_check_runs_end_to_end_on_cpu_at_a_tiny_shape(tmp_path: Path) -> Non
     assert {r["dtype"] for r in models if r["quantize"] == "int4"} == {"bfloat16"}  # CUDA's int4 kernel's dtype
     sched = report["scheduling"]
     assert [r["model"] for r in sched] == ["celeris-block", "llada-8b-shape"]
-    assert [r["answers"] for r in sched] == [8, 4]
+    assert [r["answers"] for r in sched] == [4, 4]
     for r in sched:  # static against continuous: the same answers (bfloat16 allows a near tie to flip)
         assert set(r["scheduling"]) == {"static", "continuous"}
         assert r["identical_answers"] >= r["answers"] - 2
