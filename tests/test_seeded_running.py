@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from celeris_cli import load_engine
-from celeris_cli.arch import invariant
 from celeris_cli.decode.running import BlockRequest
 from celeris_cli.decode.sampling import request_seed
 from celeris_cli.decode.seededrun import SeededScheduler
@@ -173,18 +172,6 @@ def test_a_row_whose_seed_ends_its_answer_leaves_without_a_step(engine: Engine) 
     prompts = [engine.encode_prompt(t) for t in ("hello", "the cat sat")]
     out, nfe = engine.decode_ids(prompts, params)
     assert out == engine.decode_ids(prompts, ar)[0] and nfe == 1
-
-
-def test_a_step_beside_a_commit_pass_of_the_same_span_runs_as_alone() -> None:
-    """Two rows that see keys [0, 6): one a step (every key seen), one a commit pass (causal). They take
-    two attention calls, the step's with no mask, as alone."""
-    keys = torch.arange(8)
-    step = (keys < 6)[None, :].expand(4, 8)
-    q = torch.arange(2, 6)[:, None]
-    commit = (keys[None, :] <= q) & (keys[None, :] < 6)
-    mask = torch.stack([step, commit])[:, None]
-    spans = invariant.plan(mask, torch.tensor([2, 2]), 2, 4, 8)
-    assert sorted((rows, masked) for rows, _, _, _, masked in spans) == [((0,), False), ((1,), True)]
 
 
 def test_the_running_set_pays_back_its_slots(engine: Engine) -> None:

@@ -120,19 +120,14 @@ def plan(mask: torch.Tensor | None, start: int | torch.Tensor, B: int, T: int, L
     full = _full(mask, B, L)
     seen = full.reshape(B, -1, L).any(1)  # (B, L): keys some query of the row may attend to
     anything = seen.any(1)
-    lead_t = torch.where(anything, seen.int().argmax(1), 0)  # leading keys no query sees
-    last_t = torch.where(anything, L - seen.flip(1).int().argmax(1), L)  # one past the last seen key
-    # whether every query of the row sees every key of its span: such a row runs with no mask, as it does
-    # alone, and never beside a row with a mask of the same span (a causal pass beside a block's step)
-    k_idx = torch.arange(L, device=full.device)
-    outside = (k_idx[None] < lead_t[:, None]) | (k_idx[None] >= last_t[:, None])  # (B, L)
-    whole = (full.reshape(B, -1, L) | outside[:, None, :]).all(-1).all(-1).tolist()
-    groups: dict[tuple[int, int, bool], list[int]] = {}
-    for b, span in enumerate(zip(lead_t.tolist(), last_t.tolist(), whole)):
+    lead = torch.where(anything, seen.int().argmax(1), 0).tolist()  # leading keys no query sees
+    last = torch.where(anything, L - seen.flip(1).int().argmax(1), L).tolist()  # one past the last seen key
+    groups: dict[tuple[int, int], list[int]] = {}
+    for b, span in enumerate(zip(lead, last)):
         groups.setdefault(span, []).append(b)
     spans: list[Span] = []
     built: list[tuple[Any, torch.Tensor | None]] = []
-    for (off, end, _), rows in groups.items():
+    for (off, end), rows in groups.items():
         q_off = max(0, off - start) if isinstance(start, int) else 0
         if q_off >= T:
             continue

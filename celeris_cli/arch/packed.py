@@ -43,11 +43,14 @@ class Segment:
 class PackedLayer:
     """What one layer of a packed forward is given in place of its cache (`layers.attend` asks it)."""
 
-    def __init__(self, segments: list[Segment], layer: int, writes: list[_Writes], n_layers: int) -> None:
-        self.segments = segments
+    def __init__(self, plan: _Plan, layer: int, n_layers: int) -> None:
+        self.plan = plan  # the forward's writes, groups and causal masks: one for all its layers
         self.layer = layer
-        self.writes = writes
         self.n_layers = n_layers
+
+    @property
+    def segments(self) -> list[Segment]:
+        return self.plan.segments
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, upcast: bool) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, Hkv, N, D) -> (1, N, H * D), each segment's queries over its keys."""
@@ -55,7 +58,7 @@ class PackedLayer:
         gqa = H != k.shape[1]
         dtype = q.dtype
         up = dtype != torch.float32 and upcast  # low-precision rounding would depend on the shapes
-        for w in self.writes:  # every segment's fresh keys and values into its slot, one write per cache
+        for w in self.plan.writes:  # every segment's fresh keys and values into its slot, one write per cache
             if isinstance(w.cache, DeferredKVCache) and not w.cache.layers:  # float32 under upcast, as attention
                 w.cache.materialize(
                     self.n_layers, k.shape[1], k.shape[3], torch.float32 if upcast else k.dtype, k.device
@@ -64,7 +67,7 @@ class PackedLayer:
             ck[w.slots, :, w.at] = k[0, :, w.tokens].transpose(0, 1).to(ck.dtype)
             cv[w.slots, :, w.at] = v[0, :, w.tokens].transpose(0, 1).to(cv.dtype)
         y = q.new_empty(1, H, N, v.shape[-1], dtype=torch.float32 if up else dtype)
-        for group in _groups(self.segments):  # one call per run of rows of one shape, each over its own keys
+        for group, seen in zip(self.plan.groups, self.plan.seen):  # one call per run of rows of one shape
             first, n = group[0], len(group)
             lo, hi, width = first.begin, group[-1].end, first.end - first.begin
             qs = q[0, :, lo:hi].unflatten(1, (n, width)).transpose(0, 1)  # (n, H, width, D)
@@ -80,11 +83,8 @@ class PackedLayer:
             if up:
                 qs, ks, vs = qs.float(), ks.float(), vs.float()
             if exact.active():  # each query's numbers its own (`arch.exact`)
-                keys = ks.shape[2]
-                seen = torch.ones(width, keys, dtype=torch.bool, device=q.device)
-                out = exact.attention(qs, ks, vs, (seen.tril(keys - width) if first.causal else seen)[None, None])
+                out = exact.attention(qs, ks, vs, seen[None, None])
             elif first.causal and ks.shape[2] != width:  # a causal window past keys before it: bottom-right
-                seen = torch.ones(width, ks.shape[2], dtype=torch.bool, device=q.device).tril(ks.shape[2] - width)
                 out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen, enable_gqa=gqa)
             else:
                 out = F.scaled_dot_product_attention(
@@ -126,6 +126,17 @@ class _Writes:
     tokens: torch.Tensor
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What every layer of one packed forward shares, worked out once: the segments, where they write, their
+    attention groups (`_groups`) and each group's query-by-key mask (bottom-right causal or all seen)."""
+
+    segments: list[Segment]
+    writes: list[_Writes]
+    groups: list[list[Segment]]
+    seen: list[torch.Tensor]
+
+
 def packed_layers(segments: list[Segment], n_layers: int, device: torch.device | None = None) -> list[PackedLayer]:
     """The per-layer objects a packed forward passes as its cache (`device`: where its caches are, needed
     when one is a `DeferredKVCache` not yet written)."""
@@ -140,4 +151,14 @@ def packed_layers(segments: list[Segment], n_layers: int, device: torch.device |
         at = torch.cat([torch.arange(s.at, s.at + s.end - s.begin) for s in segs])
         tokens = torch.cat([torch.arange(s.begin, s.end) for s in segs])
         writes.append(_Writes(cache, slots.to(dev), at.to(dev), tokens.to(dev)))
-    return [PackedLayer(segments, i, writes, n_layers) for i in range(n_layers)]
+    groups = _groups(segments)
+    seen = []
+    for group in groups:
+        first = group[0]
+        width = first.end - first.begin
+        keys = first.keys if first.cache is not None else width
+        where = device if device is not None or first.cache is None else first.cache.layers[0][0].device
+        ones = torch.ones(width, keys, dtype=torch.bool, device=where)
+        seen.append(ones.tril(keys - width) if first.causal else ones)
+    plan = _Plan(segments, writes, groups, seen)
+    return [PackedLayer(plan, i, n_layers) for i in range(n_layers)]

@@ -131,13 +131,12 @@ def ar_shaping(
     mask_id: int,
     stop: torch.Tensor,
     temperature: float,
-    word_pieces: frozenset[int],
+    pieces: torch.Tensor,
 ) -> Shaped | None:
     """The logit shaping (`sampling.shape_masked`) of N positions decided left to right: position n is answer
     position at[n], after the answer history[n] (N, A; mask_id past what precedes it): the presence penalty
-    on the tokens before it, no stop token below min_tokens, subword_min_p when sampling. None where the
-    shaping changes nothing."""
-    pieces = torch.tensor(sorted(word_pieces), device=history.device, dtype=torch.long)
+    on the tokens before it, no stop token below min_tokens, subword_min_p when sampling (`pieces`: the
+    word-continuing pieces, a tensor). None where the shaping changes nothing."""
     shape = shaper(s, history, at, mask_id, stop, temperature, pieces)
     if shape is None:
         return None

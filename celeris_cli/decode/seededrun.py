@@ -33,7 +33,7 @@ import torch
 
 from ..arch.packed import Segment, packed_layers
 from ..params import Blocks
-from .nemotron import Picks, SeededPlan
+from .nemotron import Picks, SeededPlan, ar_shaping, stop_after
 from .predict import Places, StepLogits, choose
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
 from .running import BlockRequest, LaneSet
@@ -85,17 +85,11 @@ class _Row:
     def last(self) -> bool:
         return self.end == self.gen + self.plan.blocks.gen_length
 
-    def masked(self, mask_id: int) -> bool:
-        return bool((self.x[self.start : self.end] == mask_id).any())
-
     def answer(self) -> list[int]:
         """Its gen_length ids, each after its first stop token that token again (what the engine cuts)."""
-        ans = self.x[self.gen : self.gen + self.plan.blocks.gen_length].clone()
-        hit = torch.isin(ans, self.stop)
-        if bool(hit.any()):
-            first = int(hit.int().argmax())
-            ans[first + 1 :] = ans[first]
-        return ans.tolist()
+        ans = self.x[None, self.gen : self.gen + self.plan.blocks.gen_length].clone()
+        stop_after(ans, 0, self.stop)
+        return ans[0].tolist()
 
 
 class SeededScheduler(LaneSet[BlockRequest[SeededPlan]]):
@@ -193,7 +187,7 @@ class SeededScheduler(LaneSet[BlockRequest[SeededPlan]]):
             self._commit([rows[b] for b in members], hs, plan)
         for b in stepping:
             rows[b].step += 1
-            self._settle(rows[b])
+        self._settle([rows[b] for b in stepping])
         for b in seeding:
             r = rows[b]
             if r.storing:  # its block's final keys and values are in place: on to the next block
@@ -211,42 +205,48 @@ class SeededScheduler(LaneSet[BlockRequest[SeededPlan]]):
             groups.setdefault(r.commit, []).append(b)
         for plan, members in groups.items():
             group = [rows[b] for b in members]
-            n = len(group)
-            shape = self._shaper(group, plan, [r.start for r in group])
-            where = None
-            if shape is not None:
-                where = torch.stack([torch.arange(n), torch.zeros(n, dtype=torch.long)], 1).to(self.device)
+            t = plan.sampling.temperature
+            shaped = None
+            if plan.shaping.active:
+                history, at = self._answers(group)
+                shaped = ar_shaping(plan.shaping, history, at, self.mask_id, self.stop, t, self.pieces)
             draws = Draws([stream_seed(r.req.seed, r.block, 0) for r in group], self.device)
-            logits = StepLogits(self.net.step_head(), [h[members]], 0.0, shape, where)
-            picked = Picks(logits, n).pick(plan.sampling, draws, self.net.chunk)
-            for r, t in zip(group, picked):
-                r.x[r.start] = t
-        for r in rows:
-            self._settle(r)
+            picked = self._picks(h[members], shaped).pick(plan.sampling, draws, self.net.chunk)
+            for r, token in zip(group, picked):
+                r.x[r.start] = token
+        self._settle(rows)
 
-    def _settle(self, r: _Row) -> None:
-        """After a seed or a step: done (a stop token with nothing masked before it, or its last block
-        complete), on to its block's commit pass (the block complete), or on with its steps."""
-        stopped = finished_rows(r.x[None, r.gen : r.end], self.mask_id, self.stop)[0]
-        complete = r.step >= len(r.schedule[r.block]) or not r.masked(self.mask_id)
-        if bool(stopped) or (complete and r.last):
-            r.finished = True
-        elif complete:
-            r.storing = True
-        if self.on_block is not None and (r.finished or r.storing):
-            self.on_block(r.req.key, r.x[r.gen : r.end].tolist())
+    def _picks(self, h: torch.Tensor, shaped: Any) -> Picks:
+        shape, where = shaped if shaped is not None else (None, None)
+        return Picks(StepLogits(self.net.step_head(), [h], 0.0, shape, where), h.shape[0])
 
-    def _shaper(self, rows: list[_Row], plan: SeededPlan, at: list[int]) -> Any:
-        """The logit shaping of positions after each row's answer so far (masks where undecided, padded with
-        masks to the longest), the answer position of column 0 at each row's `at`."""
-        if not plan.shaping.active:
-            return None
-        history = torch.full((len(rows), max(r.end - r.gen for r in rows)), self.mask_id, device=self.device)
+    def _settle(self, rows: list[_Row]) -> None:
+        """After a seed or a step, for each row: done (a stop token with nothing masked before it, or its
+        last block complete), on to its block's commit pass (the block complete), or on with its steps.
+        One read of the host for all of them."""
+        if not rows:
+            return
+        answers, at = self._answers(rows)
+        stopped = finished_rows(answers, self.mask_id, self.stop)[0]
+        cols = torch.arange(answers.shape[1], device=self.device)[None, :]
+        ends = torch.tensor([r.end - r.gen for r in rows], device=self.device)[:, None]
+        masked = ((answers == self.mask_id) & (cols >= at[:, None]) & (cols < ends)).any(1)
+        for r, (stop, left) in zip(rows, torch.stack([stopped, masked], 1).tolist()):
+            complete = r.step >= len(r.schedule[r.block]) or not left
+            if stop or (complete and r.last):
+                r.finished = True
+            elif complete:
+                r.storing = True
+            if self.on_block is not None and (r.finished or r.storing):
+                self.on_block(r.req.key, r.x[r.gen : r.end].tolist())
+
+    def _answers(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's answer up to its block's end (masks where undecided, padded with masks to the longest),
+        and the answer position of its block's first column."""
+        answers = torch.full((len(rows), max(r.end - r.gen for r in rows)), self.mask_id, device=self.device)
         for b, r in enumerate(rows):
-            history[b, : r.end - r.gen] = r.x[r.gen : r.end]
-        offset = torch.tensor([a - r.gen for a, r in zip(at, rows)], device=self.device)
-        t = plan.sampling.temperature
-        return shaper(plan.shaping, history, offset, self.mask_id, self.stop, t, self.pieces)
+            answers[b, : r.end - r.gen] = r.x[r.gen : r.end]
+        return answers, torch.tensor([r.start - r.gen for r in rows], device=self.device)
 
     def _commit(self, rows: list[_Row], h: torch.Tensor, plan: SeededPlan) -> None:
         """One denoising step for rows sharing their settings: their masked positions' tokens and confidences,
@@ -259,7 +259,10 @@ class SeededScheduler(LaneSet[BlockRequest[SeededPlan]]):
         k = torch.tensor([r.schedule[r.block][r.step] for r in rows], device=self.device)
         draws = Draws([stream_seed(r.req.seed, r.block, r.step + 1) for r in rows], self.device)
         places = Places.counted(masked.sum(1).tolist(), self.device)
-        shape = self._shaper(rows, plan, [r.start for r in rows])
+        shape = None
+        if plan.shaping.active:
+            history, at = self._answers(rows)
+            shape = shaper(plan.shaping, history, at, self.mask_id, self.stop, plan.sampling.temperature, self.pieces)
         where = masked.nonzero() if shape is not None else None
         x0, conf = choose(StepLogits(self.net.step_head(), [h[masked]], 0.0, shape, where), places, plan.sampling,
                           None, draws, self.net.chunk)  # fmt: skip

@@ -102,7 +102,7 @@ class SpecRows:
         word_pieces: frozenset[int] = frozenset(),
     ) -> None:
         self.net, self.plan, self.mask_id, self.stop, self.noise, self.pace = net, plan, mask_id, stop, noise, pace
-        self.pieces = word_pieces
+        self.pieces = torch.tensor(sorted(word_pieces), device=noise.device, dtype=torch.long)
         self.W = plan.drafting.width  # a static batch's draft width; running rows bring their own (`widths`)
         self.rules: dict[int, Rule] = {}
         self.settings: dict[int, tuple[Sampling, Shaping]] = {}  # by stream: each row's sampler and shaping

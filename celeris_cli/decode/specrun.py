@@ -149,7 +149,7 @@ class SpecScheduler(RunningSet[SpecRequest]):
             pace = Pace(policy, plan.drafting.width, self.cost if policy == "auto" else None, self.net, learned)
             self.lanes[key] = SpecRows(self.net, plan, self.mask_id, self.stop, self.noise, pace)
         lane = self.lanes[key]
-        lane.pieces = frozenset(self.pieces.tolist())
+        lane.pieces = self.pieces
         joining = []
         for req in reqs:
             stream = self.admitted
