@@ -123,7 +123,8 @@ ReqT = TypeVar("ReqT", bound=BlockRequest[Any])
 class LaneSet(RunningSet[ReqT]):
     """A running set whose rows share lanes by block width, each lane a cache of slots (`Lane`): the lanes,
     their sizes, the loop, `add` and handing rows back. A kind says how a row joins (`_admit`), what one
-    round of a lane does (`_round`) and where a row's slot ends (`_end`); its rows have `req`, `width`,
+    round of a lane does (`_round`; the seeded set runs all its lanes in one forward, its own `run`) and
+    where a row's slot ends (`_end`); its rows have `req`, `width`,
     `cached` and `answer()`. on_block(key, generated ids so far): called as each row's block is complete.
 
     `add` gives it more requests while it runs, between the rows `run` yields (the queue's files arriving
