@@ -37,6 +37,7 @@ from .decode.seededrun import SeededScheduler
 from .decode.selfspec import SelfSpecPlan
 from .decode.specrun import SpecRequest, SpecScheduler
 from .decode.strategies import Net, OnBlock, SpecialTokens, get_strategy, plan_for
+from .decode.wholerun import WholeRequest, WholeScheduler
 from .device import resolve_device, resolve_dtype
 from .errors import ModelError, TooLarge, UsageError
 from .params import GenerationParams, check_fits, model_layer, script_layers, script_of
@@ -584,8 +585,8 @@ class Engine:
     def continuous(self, params: GenerationParams) -> bool:
         """Whether rows with these settings decode through a running set: block diffusion's cached decoder
         (`decode.running`), the fast decoder (`decode.waves`), self-speculation (`decode.specrun`) or
-        DiffusionGemma's canvases (`decode.canvasrun`) or Nemotron's diffusion mode (`decode.seededrun`): its
-        strategy's row kind (docs/scheduling.md). Other
+        DiffusionGemma's canvases (`decode.canvasrun`), Nemotron's diffusion mode (`decode.seededrun`) or the
+        whole-canvas samplers (`decode.wholerun`): its strategy's row kind (docs/scheduling.md). Other
         strategies decode in static batches."""
         return _running_kind(params) is not None
 
@@ -825,9 +826,9 @@ def _lane_of(params: GenerationParams) -> tuple[Any, ...]:
 def _running_kind(params: GenerationParams) -> RowKind | None:
     """Which running set decodes rows with these settings: "block" (`decode.running`), "waves"
     (`decode.waves`), "spec" (`decode.specrun`), "canvas" (`decode.canvasrun`), "seeded" (`decode.seededrun`),
-    or None (static batches): its strategy's row kind (`strategy.Strategy.running`), whose running set and
-    request `_ROW_KINDS` makes. Under guidance a row's unconditional view takes a second slot in block's or
-    waves'."""
+    "whole" (`decode.wholerun`), or None (static batches): its strategy's row kind
+    (`strategy.Strategy.running`), whose running set and request `_ROW_KINDS` makes. Under guidance a row's
+    unconditional view takes a second slot in block's or waves', a second forward in whole's."""
     return STRATEGIES[params.strategy].running
 
 
@@ -844,6 +845,11 @@ def _spec(e: Engine, net: Net, t: SpecialTokens, ps: Any, n: int, refill: bool, 
 
 def _canvas(e: Engine, net: Net, t: SpecialTokens, ps: Any, n: int, refill: bool, on_block: Any, hook: Any) -> Any:
     return CanvasScheduler(net, t.stop_ids, t.pad_id, n, e.device, refill, on_block, hook)
+
+
+def _whole(e: Engine, net: Net, t: SpecialTokens, ps: Any, n: int, refill: bool, on_block: Any, hook: Any) -> Any:
+    assert on_block is None, "the whole-canvas samplers commit no blocks to report"
+    return WholeScheduler(net, t.mask_id, t.pad_id, n, e.device, refill, hook)
 
 
 def _lanes(scheduler: type[Any]) -> Callable[..., Any]:
@@ -872,6 +878,7 @@ _ROW_KINDS: dict[RowKind, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "waves": (_waves, _row_request(waves.FastRequest)),
     "spec": (_spec, _row_request(SpecRequest)),
     "canvas": (_canvas, _canvas_request),
+    "whole": (_whole, _row_request(WholeRequest)),
 }
 
 

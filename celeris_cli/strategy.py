@@ -27,7 +27,7 @@ StepsRule = Literal["schedule", "block_steps", "seeded", "per_token", "denoise",
 # "causal": a causal cache over the canvas and a round of verified and drafted columns (block_length: the draft's;
 # Nemotron's diffusion mode runs one block of block_length over such a cache, so the round of two bounds it)
 MemoryRule = Literal["fast", "block-cached", "block", "canvas-block", "canvas-answer", "canvas-vocab", "causal"]
-RowKind = Literal["block", "waves", "spec", "canvas", "seeded"]
+RowKind = Literal["block", "waves", "spec", "canvas", "seeded", "whole"]
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,6 @@ class Strategy:
     left_to_right: bool = False  # decides an answer in order: no masked slots for a template to hold open
 
 
-# why Dream's and RND1's strategies decode in static batches
-_FAMILY_SAMPLER = (
-    "the family's own sampler runs over the whole answer at once (no blocks), on its own timeline; it is kept "
-    "token-exact against the family's code"
-)
 _BLOCK_PARTS = ("blocks", "sampling", "ordering", "guidance", "commit", "shaping", "editing", "structure")
 
 STRATEGIES: dict[str, Strategy] = {
@@ -67,27 +62,26 @@ STRATEGIES: dict[str, Strategy] = {
         "reference",
         "schedule",
         "canvas-block",
-        static_because="LLaDA's decoder recomputes the whole canvas every step, with no cache to give rows slots "
-        "in; its answers are pinned token for token to LLaDA's own `generate`",
+        "whole",
     ),
     "dream": Strategy(
         ("timeline", "sampling", "unmasking"),
         "dream",
         "denoise",
         "canvas-answer",
+        "whole",
         uncapped=True,
         whole_draw=True,
-        static_because=_FAMILY_SAMPLER,
     ),
     "rnd1": Strategy(
         ("canvas", "filters", "entropy"),
         "rnd1",
         "denoise",
         "canvas-answer",
+        "whole",
         uncapped=True,
         whole_draw=True,
         end_slot=True,
-        static_because=_FAMILY_SAMPLER,
     ),
     "block": Strategy(
         _BLOCK_PARTS,

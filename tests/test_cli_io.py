@@ -129,8 +129,8 @@ def test_each_batch_is_written_before_the_next_is_decoded(tiny_model: Path, monk
         return decode(self, *args, **kwargs)
 
     monkeypatch.setattr(Engine, "decode_batch", spy)
-    # the reference strategy decodes in static batches (the fast one through the running set)
-    r = gen(tiny_model, "a", "b", "c", "d", "e", "--jsonl", "--batch-size", "2", "--strategy", "reference")
+    monkeypatch.setattr(Engine, "continuous", lambda self, params: False)  # as for a static-only strategy
+    r = gen(tiny_model, "a", "b", "c", "d", "e", "--jsonl", "--batch-size", "2")
     assert r.exit_code == 0, r.output
     assert seen == [0, 2, 4]  # lines already on stdout when each batch starts
     assert [x["prompt"] for x in records(r.stdout)] == ["a", "b", "c", "d", "e"]  # input order
@@ -150,7 +150,8 @@ def test_an_error_mid_run_keeps_the_finished_batches(tiny_model: Path, monkeypat
         return decode(self, *args, **kwargs)
 
     monkeypatch.setattr(Engine, "decode_batch", second_fails)
-    r = gen(tiny_model, "a", "b", "c", "--jsonl", "--batch-size", "1", "--strategy", "reference")  # static batches
+    monkeypatch.setattr(Engine, "continuous", lambda self, params: False)  # static batches
+    r = gen(tiny_model, "a", "b", "c", "--jsonl", "--batch-size", "1")
     assert r.exit_code == 1 and r.stderr.strip().endswith("Error: the device went away")
     assert [x["prompt"] for x in records(r.stdout)] == ["a"]
 

@@ -24,6 +24,7 @@ KINDS = {  # the settings of each kind of row (`engine._running_kind`), with eve
     "waves": {"strategy": "fast", "gen_length": 16, "block_length": 8, "early_exit": False},
     "guided": {"strategy": "block-fast", "gen_length": 16, "block_length": 8, "cfg_scale": 1.5},  # two slots a row
     "seeded": {"strategy": "nemotron", "gen_length": 16, "block_length": 8},  # Nemotron's diffusion mode
+    "whole": {"strategy": "reference", "gen_length": 16, "block_length": 8, "denoise_steps": 8},  # no cache
 }
 NEMOTRON = Path(__file__).parent / "data" / "nemotron" / "nemotron_tiny"
 
@@ -33,7 +34,7 @@ def kind_engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     kind = request.param
     if kind == "seeded":
         return kind, load_engine(NEMOTRON, device="cpu", dtype="float32")
-    folder = make_model(tmp_path_factory.mktemp(kind) / "m", tiny_tokenizer, seed=5, block_causal=kind != "waves")
+    folder = make_model(tmp_path_factory.mktemp(kind) / "m", tiny_tokenizer, seed=5, block_causal=kind not in ("waves", "whole"))
     return kind, load_engine(folder, device="cpu", dtype="float32")
 
 

@@ -29,6 +29,7 @@ from ..params import Sampling, Timeline, Unmasking
 from .predict import Places, draw, in_chunks
 from .reference import CanvasNet, select_top_k
 from .sampling import ORDER, TRANSFER, Draws, RowNoise
+from .wholerun import Tokens, whole_batch
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,18 @@ class DreamPlan:
     timeline: Timeline
     sampling: Sampling
     unmasking: Unmasking
+
+    @property
+    def gen_length(self) -> int:
+        return self.timeline.gen_length
+
+    @property
+    def forwards(self) -> int:
+        """A forward a step, whatever it commits (Dream's loop)."""
+        return self.timeline.denoise_steps
+
+    def row(self, prompt: torch.Tensor, noise: RowNoise, tokens: Tokens) -> DreamRow:
+        return DreamRow(prompt, self, noise, tokens.mask_id)
 
 
 def dream_filter(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
@@ -104,6 +117,53 @@ def pick(confidence: torch.Tensor, k: torch.Tensor, alg_temp: float, draws: Draw
     return select_top_k(confidence, k)
 
 
+class DreamRow:
+    """One row of Dream's sampler (`decode.wholerun`): its canvas, its step on the timeline, its stream."""
+
+    def __init__(self, prompt: torch.Tensor, plan: DreamPlan, noise: RowNoise, mask_id: int) -> None:
+        tl = plan.timeline
+        self.plan, self.noise, self.mask_id = plan, noise, mask_id
+        self.prompt = len(prompt)
+        self.canvas = torch.cat([prompt, prompt.new_full((tl.gen_length,), mask_id)])
+        self.timesteps = torch.linspace(1, tl.eps, tl.denoise_steps + 1, device=prompt.device)  # float32, as Dream
+        self.i = 0
+
+    def views(self) -> list[torch.Tensor]:
+        return [self.canvas]
+
+    def wanted(self) -> torch.Tensor:
+        return self.canvas[self.prompt :] == self.mask_id
+
+    def step(self, hs: list[torch.Tensor], net: CanvasNet) -> bool:
+        """Step i (t -> s) from the hidden states at the answer's masked positions: each predicted, drawing by
+        its column in the answer, the most confident committed (Dream's `alg`)."""
+        plan, alg, i = self.plan, self.plan.unmasking.alg, self.i
+        self.i += 1
+        last = self.i == plan.timeline.denoise_steps
+        gen = self.canvas[None, self.prompt :]  # (1, N): the answer as a batch of one
+        masked = gen == self.mask_id
+        if not bool(masked.any()):
+            return last
+        places = Places.columns(masked.nonzero())
+        draws = self.noise.at([0], 0, i)
+        t, s = self.timesteps[i], self.timesteps[i + 1]
+        rule = "maskgit_plus" if alg == "origin" else alg
+        step = partial(_predict_part, net.step_head(), hs[0], plan.sampling, rule, places, draws)
+        picked, picked_conf = in_chunks(len(places), net.chunk, step)
+        x0 = gen.masked_scatter(masked, picked)
+        if alg == "origin":
+            p_transfer = 1.0 if last else float(1 - s / t)
+            draw = draws.uniform(tuple(gen.shape[1:]), torch.float32, TRANSFER)
+            self.canvas[self.prompt :] = torch.where(masked & (draw < p_transfer), x0, gen)[0]
+            return last
+        confidence = picked_conf.new_full(gen.shape, float("-inf")).masked_scatter(masked, picked_conf)
+        n = masked.sum(1)
+        k = n if last else (n.float() * (1 - s / t)).long()  # Dream's int(n * (1 - s/t)), in float32
+        chosen = pick(confidence, k, plan.unmasking.alg_temp, draws)
+        self.canvas[self.prompt :] = torch.where(chosen, x0, gen)[0]
+        return last
+
+
 @torch.no_grad()
 def generate_dream(
     net: CanvasNet,
@@ -113,35 +173,6 @@ def generate_dream(
     mask_id: int,
     noise: RowNoise,
 ) -> torch.Tensor:
-    """prompt: (B, P) left-padded ids; prompt_mask: (B, P). Returns the canvas (B, P + gen_length)."""
-    B, P = prompt.shape
-    tl, alg = plan.timeline, plan.unmasking.alg
-    x = torch.cat([prompt, prompt.new_full((B, tl.gen_length), mask_id)], dim=1)
-    key_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, tl.gen_length)], dim=1)
-    timesteps = torch.linspace(1, tl.eps, tl.denoise_steps + 1, device=x.device)  # float32, as Dream
-    rows = list(range(B))
-    for i in range(tl.denoise_steps):
-        # only the generated part's masked positions are predicted, each drawing by its column there, so a
-        # row's draws do not depend on how far its batch mates' padding pushes it right
-        gen = x[:, P:]
-        masked = gen == mask_id
-        h = net.canvas_hidden(x, key_mask, P, x.shape[1])[masked]  # (N, d)
-        places = Places.columns(masked.nonzero())
-        draws = noise.at(rows, 0, i)
-        t, s = timesteps[i], timesteps[i + 1]
-        last = i == tl.denoise_steps - 1
-        rule = "maskgit_plus" if alg == "origin" else alg
-        step = partial(_predict_part, net.step_head(), h, plan.sampling, rule, places, draws)
-        picked, picked_conf = in_chunks(len(places), net.chunk, step)
-        x0 = gen.masked_scatter(masked, picked)
-        if alg == "origin":
-            p_transfer = 1.0 if last else float(1 - s / t)
-            draw = draws.uniform(tuple(gen.shape[1:]), torch.float32, TRANSFER)
-            x[:, P:] = torch.where(masked & (draw < p_transfer), x0, gen)
-            continue
-        confidence = picked_conf.new_full(gen.shape, float("-inf")).masked_scatter(masked, picked_conf)
-        n = masked.sum(1)
-        k = n if last else (n.float() * (1 - s / t)).long()  # Dream's int(n * (1 - s/t)), in float32
-        chosen = pick(confidence, k, plan.unmasking.alg_temp, draws)
-        x[:, P:] = torch.where(chosen, x0, gen)
-    return x
+    """prompt: (B, P) left-padded ids; prompt_mask: (B, P). Returns the canvas (B, P + gen_length): the
+    running set (`decode.wholerun`) with every row admitted at once."""
+    return whole_batch(net, prompt, prompt_mask, plan, mask_id, mask_id, noise)

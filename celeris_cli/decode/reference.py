@@ -21,6 +21,7 @@ import torch
 from ..params import Guidance, Ordering, Sampling, Schedule
 from .predict import Places, StepLogits, choose
 from .sampling import ORDER, Draws, RowNoise, order_scores
+from .wholerun import Tokens, whole_batch
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids (B,L), key_mask (B,L)) -> (B,L,V)
 
@@ -66,6 +67,18 @@ class ReferencePlan:
     sampling: Sampling
     ordering: Ordering
     guidance: Guidance
+
+    @property
+    def gen_length(self) -> int:
+        return self.schedule.gen_length
+
+    @property
+    def forwards(self) -> int:
+        """A forward a step (steps spread over the blocks)."""
+        return sum(self.schedule.steps_per_block)
+
+    def row(self, prompt: torch.Tensor, noise: RowNoise, tokens: Tokens) -> ReferenceRow:
+        return ReferenceRow(prompt, self, noise, tokens)
 
 
 def num_transfer_tokens(mask_count: torch.Tensor, steps: int) -> torch.Tensor:
@@ -130,6 +143,65 @@ def commit_order(conf: torch.Tensor, ordering: Ordering, fade: float | torch.Ten
     return order_scores(conf, ordering.order_temperature, fade, draws).float()
 
 
+class ReferenceRow:
+    """One row of the reference decoder (`decode.wholerun`): its canvas, its block and step, that block's
+    schedule of commits, and its stream."""
+
+    def __init__(self, prompt: torch.Tensor, plan: ReferencePlan, noise: RowNoise, tokens: Tokens) -> None:
+        self.plan, self.noise, self.tokens = plan, noise, tokens
+        self.prompt = len(prompt)
+        self.canvas = torch.cat([prompt, prompt.new_full((plan.schedule.gen_length,), tokens.mask_id)])
+        self.block, self.i = 0, 0  # block j, step i of it
+        self.schedule = torch.zeros(1, 0, dtype=torch.long)
+
+    def _span(self) -> tuple[int, int]:
+        bs, be = self.plan.schedule.block_spans[self.block]
+        return self.prompt + bs, self.prompt + be
+
+    def views(self) -> list[torch.Tensor]:
+        """Its canvas, and under guidance the canvas with its prompt masked (a second forward, counted as one)."""
+        if self.plan.guidance.cfg_scale <= 0:
+            return [self.canvas]
+        ones = torch.ones(1, len(self.canvas), dtype=torch.bool, device=self.canvas.device)
+        return [self.canvas, unconditional(self.canvas[None], ones, self.prompt, self.tokens.mask_id)[0]]
+
+    def wanted(self) -> torch.Tensor:
+        """The masked positions of its block: only they can commit, so only they are predicted."""
+        s, e = self._span()
+        out = torch.zeros(len(self.canvas) - self.prompt, dtype=torch.bool, device=self.canvas.device)
+        out[s - self.prompt : e - self.prompt] = self.canvas[s:e] == self.tokens.mask_id
+        return out
+
+    def step(self, hs: list[torch.Tensor], net: CanvasNet) -> bool:
+        """Step i of block j: every masked position of the block predicted, the scheduled number of them
+        committed, the most confident first (`commit_order`). Done after the last block's last step, or with
+        stop ids once its answer is finished (`leave_when_finished`)."""
+        plan, mask_id, j, i = self.plan, self.tokens.mask_id, self.block, self.i
+        steps = plan.schedule.steps_per_block[j]
+        s, e = self._span()
+        block = self.canvas[None, s:e]
+        masked = block == mask_id
+        if i == 0:
+            self.schedule = num_transfer_tokens(masked.sum(1), steps)
+        draws = self.noise.at([0], j, i)
+        places = Places.counted([int(masked.sum())], block.device)
+        logits = StepLogits(net.step_head(), hs, plan.guidance.cfg_scale)
+        picked, picked_conf = choose(logits, places, plan.sampling, "prob", draws, net.chunk)
+        x0 = block.masked_scatter(masked, picked)
+        conf = torch.zeros(masked.shape, device=block.device).masked_scatter(masked, picked_conf)
+        rank = commit_order(conf, plan.ordering, 1 - i / steps, draws)
+        commit = select_top_k(torch.where(masked, rank, float("-inf")), self.schedule[:, i])
+        self.canvas[s:e] = torch.where(commit, x0, block)[0]
+        stop, row = self.tokens.stop, self.canvas[None]  # (the row's canvas as a batch of one, written through)
+        here = torch.zeros(1, dtype=torch.long, device=row.device)
+        if stop.numel() and leave_when_finished(row, row, here, self.prompt, s, e, mask_id, stop) is not None:
+            return True
+        self.i += 1
+        if self.i == steps:
+            self.block, self.i = j + 1, 0
+        return self.block == len(plan.schedule.block_spans)
+
+
 @torch.no_grad()
 def generate_reference(
     net: CanvasNet,
@@ -141,45 +213,11 @@ def generate_reference(
     stop_ids: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """LLaDA reference decoding. prompt: (B, P) left-padded ids; prompt_mask: (B, P) True on real tokens.
-    Returns the canvas (B, P + gen_length) with no mask left.
+    Returns the canvas (B, P + gen_length) with no mask left: the running set (`decode.wholerun`) with every
+    row admitted at once.
 
     stop_ids (for measurement, never a user's setting: `celeris bench` times the reference as LLaDA runs
     it): a row whose answer is finished leaves the batch at once, the rest of its canvas its stop token.
     Its answer up to that stop token is the one it would have had: nothing before it is masked any more,
     and every row draws from its own streams."""
-    B, P = prompt.shape
-    G = plan.schedule.gen_length
-    x = torch.cat([prompt, prompt.new_full((B, G), mask_id)], dim=1)
-    key_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, G)], dim=1)
-    stop = torch.tensor(sorted(stop_ids), device=x.device, dtype=x.dtype)
-    rows = list(range(B))  # rows still decoding (indices of x), on the host: their streams read no device tensor
-    xa, km = x, key_mask  # their canvas: x itself until a row leaves
-    for j, ((bs, be), steps) in enumerate(zip(plan.schedule.block_spans, plan.schedule.steps_per_block)):
-        if not rows:
-            break
-        s, e = P + bs, P + be
-        schedule = num_transfer_tokens((xa[:, s:e] == mask_id).sum(1), steps)
-        for i in range(steps):
-            masked = xa[:, s:e] == mask_id  # only masked positions can commit: only they are predicted
-            hs = [net.canvas_hidden(xa, km, s, e)[masked]]
-            if plan.guidance.cfg_scale > 0:  # a second forward pass, counted as one by the model boundary
-                hs.append(net.canvas_hidden(unconditional(xa, km, P, mask_id), km, s, e)[masked])
-            draws = noise.at(rows, j, i)
-            places = Places.counted(masked.sum(1).tolist(), x.device)
-            logits = StepLogits(net.step_head(), hs, plan.guidance.cfg_scale)
-            picked, picked_conf = choose(logits, places, plan.sampling, "prob", draws, net.chunk)  # (N,), row order
-            x0 = xa[:, s:e].masked_scatter(masked, picked)
-            conf = torch.zeros(masked.shape, device=x.device).masked_scatter(masked, picked_conf)
-            rank = commit_order(conf, plan.ordering, 1 - i / steps, draws)
-            commit = select_top_k(torch.where(masked, rank, float("-inf")), schedule[:, i])
-            xa[:, s:e] = torch.where(commit, x0, xa[:, s:e])
-            if stop.numel():
-                keep = leave_when_finished(x, xa, torch.tensor(rows, device=x.device), P, s, e, mask_id, stop)
-                if keep is not None:
-                    xa, km, schedule = xa[keep], km[keep], schedule[keep]
-                    rows = [r for r, stays in zip(rows, keep.tolist()) if stays]
-                    if not rows:
-                        break
-    if xa is not x:
-        x[rows] = xa
-    return x
+    return whole_batch(net, prompt, prompt_mask, plan, mask_id, mask_id, noise, stop_ids)

@@ -35,6 +35,7 @@ from ..params import Canvas, EntropyRanking, Filters
 from .predict import Places, draw, in_chunks
 from .reference import CanvasNet
 from .sampling import Draws, RowNoise
+from .wholerun import Tokens, whole_batch
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,18 @@ class RND1Plan:
     canvas: Canvas
     filters: Filters
     entropy: EntropyRanking
+
+    @property
+    def gen_length(self) -> int:
+        return self.canvas.gen_length
+
+    @property
+    def forwards(self) -> int:
+        """A forward a step at most (none once nothing is masked)."""
+        return self.canvas.denoise_steps
+
+    def row(self, prompt: torch.Tensor, noise: RowNoise, tokens: Tokens) -> RND1Row:
+        return RND1Row(prompt, self, noise, tokens.mask_id, tokens.pad_id)
 
 
 def rnd1_log_probs(logits: torch.Tensor, f: Filters) -> torch.Tensor:
@@ -113,6 +126,60 @@ def bounded(
     return chosen & maskable
 
 
+class RND1Row:
+    """One row of RND1's sampler (`decode.wholerun`): its canvas, the positions still masked, the step it
+    is at, its stream and its last forward's predictions."""
+
+    def __init__(self, prompt: torch.Tensor, plan: RND1Plan, noise: RowNoise, mask_id: int, pad_id: int) -> None:
+        N = plan.canvas.gen_length
+        self.plan, self.noise = plan, noise
+        self.prompt = len(prompt)
+        tail = prompt.new_full((N,), mask_id)
+        tail[-1] = pad_id  # kept for the end of text: attended, never predicted
+        self.canvas = torch.cat([prompt, tail])
+        self.maskable = torch.ones(1, N, dtype=torch.bool, device=prompt.device)
+        self.maskable[:, -1] = False
+        self.total = self.maskable.sum(1)  # (1,) long: n, as RND1 counts it
+        self.forwards = 0  # the forwards its scores came from: step S - 1 - forwards reads the latest
+
+    def views(self) -> list[torch.Tensor]:
+        return [self.canvas]
+
+    def wanted(self) -> torch.Tensor:
+        return self.maskable[0]
+
+    def step(self, hs: list[torch.Tensor], net: CanvasNet) -> bool:
+        """From the hidden states at the maskable positions, each position's (token, confidence, entropy),
+        drawing by its column; then the step counting down from S - 1 unmasks, or after the last step what is
+        still masked takes its prediction. Done when nothing is masked."""
+        S, f, rank = self.plan.canvas.denoise_steps, self.plan.filters, self.plan.entropy
+        maskable = self.maskable
+        places = Places.columns(maskable.nonzero())
+        draws = self.noise.at([0], 0, self.forwards)
+        self.forwards += 1
+        head = net.step_head()
+
+        def part(p: slice) -> tuple[torch.Tensor, ...]:
+            return predict(head(hs[0][p]), f, rank.greedy, places[p], draws)
+
+        flat = in_chunks(len(places), net.chunk, part)
+        tokens, confidence, entropy = (t.new_zeros(maskable.shape).masked_scatter(maskable, t) for t in flat)
+        answer = self.canvas[None, self.prompt :]
+        step = S - self.forwards  # the first forward is shared by step S - 1
+        if step < 1:
+            self.canvas[self.prompt :] = torch.where(maskable, tokens, answer)[0]
+            return True
+        lengths = [self.prompt]
+        if rank.bounded:
+            unmask = bounded(confidence, entropy, maskable, lengths, rank.eb_gamma)
+        else:
+            k = int((self.total * (step / S)).long())  # in float32, as RND1's (total * rate).long()
+            unmask = maskable & ~keep_masked(entropy, maskable, lengths, k) if k > 0 else maskable.clone()
+        self.canvas[self.prompt :] = torch.where(unmask, tokens, answer)[0]
+        self.maskable = maskable & ~unmask
+        return not bool(self.maskable.any())  # RND1's later steps find nothing to unmask and run no forward
+
+
 @torch.no_grad()
 def generate_rnd1(
     net: CanvasNet,
@@ -124,50 +191,6 @@ def generate_rnd1(
     noise: RowNoise,
 ) -> torch.Tensor:
     """prompt: (B, P) left-padded ids; prompt_mask: (B, P). Returns the canvas (B, P + gen_length), whose
-    last position is pad_id. The net's hidden state at position j predicts position j (`Net` shifts them)."""
-    B, P = prompt.shape
-    N, S = plan.canvas.gen_length, plan.canvas.denoise_steps
-    f, rank = plan.filters, plan.entropy
-    tail = prompt.new_full((B, N), mask_id)
-    tail[:, -1] = pad_id  # kept for the end of text: attended, never predicted
-    x = torch.cat([prompt, tail], dim=1)
-    key_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, N)], dim=1)
-    maskable = torch.zeros(B, N, dtype=torch.bool, device=x.device)
-    maskable[:, :-1] = True
-    lengths = prompt_mask.sum(1).tolist()
-    rows = list(range(B))
-    total = maskable[:1].sum(1)  # (1,) long: n, as RND1 counts it
-    forwards = 0
-
-    def scores() -> tuple[torch.Tensor, ...]:
-        """(tokens, confidence, entropy), each (B, N), at the maskable positions (0 elsewhere: unread)."""
-        nonlocal forwards
-        # only the canvas's maskable positions are predicted, each drawing by its column there, so a row's
-        # draws do not depend on its batch mates' padding
-        h = net.canvas_hidden(x, key_mask, P, x.shape[1])[maskable]  # (n, d)
-        places = Places.columns(maskable.nonzero())
-        draws = noise.at(rows, 0, forwards)
-        forwards += 1
-
-        head = net.step_head()
-
-        def step(part: slice) -> tuple[torch.Tensor, ...]:
-            return predict(head(h[part]), f, rank.greedy, places[part], draws)
-
-        flat = in_chunks(len(places), net.chunk, step)
-        return tuple(t.new_zeros(maskable.shape).masked_scatter(maskable, t) for t in flat)
-
-    tokens, confidence, entropy = scores()
-    for step in range(S - 1, 0, -1):
-        if rank.bounded:
-            unmask = bounded(confidence, entropy, maskable, lengths, rank.eb_gamma)
-        else:
-            k = int((total * (step / S)).long())  # in float32, as RND1's (total * rate).long()
-            unmask = maskable & ~keep_masked(entropy, maskable, lengths, k) if k > 0 else maskable.clone()
-        x[:, P:] = torch.where(unmask, tokens, x[:, P:])
-        maskable &= ~unmask
-        if not maskable.any():
-            break  # RND1's later steps find nothing to unmask and run no forward
-        tokens, confidence, entropy = scores()
-    x[:, P:] = torch.where(maskable, tokens, x[:, P:])
-    return x
+    last position is pad_id: the running set (`decode.wholerun`) with every row admitted at once. The net's
+    hidden state at position j predicts position j (`Net` shifts them)."""
+    return whole_batch(net, prompt, prompt_mask, plan, mask_id, pad_id, noise)
