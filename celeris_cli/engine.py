@@ -153,6 +153,7 @@ class Engine:
         if limit_head is not None:  # no id without text is ever drawn (a head padded past its tokenizer)
             limit_head(tokenizer.decodable_ids | extra_stops)
         self.positions_computed = 0  # positions through the network over every decode (for `bench`)
+        self.forwards_run = 0  # forward passes over every decode, each counted once whatever its rows (`bench`)
         self.drafted = self.accepted = 0  # self-speculation's draft tokens verified and confirmed (for `bench`)
         self._forward_cost: ForwardCost | None = None
         self._learned: dict[tuple[Any, ...], Learned] = {}  # self-speculation's drafting yield, kept (`learned`)
@@ -281,6 +282,7 @@ class Engine:
             else:
                 raise UsageError(f"the {params.strategy} strategy commits no blocks to report")
         self.positions_computed += net.positions_computed
+        self.forwards_run += net.nfe
         self.drafted, self.accepted = self.drafted + net.drafted, self.accepted + net.accepted
         return out[:, P:].tolist(), net.nfe
 
@@ -328,6 +330,7 @@ class Engine:
 
     def _account(self, scheduler: RunningSet[Any], net: Net) -> None:
         self.positions_computed += net.positions_computed
+        self.forwards_run += net.nfe
         self.drafted, self.accepted = self.drafted + net.drafted, self.accepted + net.accepted
         self.last_occupancy = scheduler.occupancy
 

@@ -186,13 +186,13 @@ def _upcast(model: Any, k: torch.Tensor) -> bool:
 
 
 def run_mode(engine: Engine, prompts: list[str], params: GenerationParams, batch_size: int) -> dict[str, Any]:
-    positions_before = engine.positions_computed
+    positions_before, forwards_before = engine.positions_computed, engine.forwards_run
     with PeakRSS(engine.device) as mem:
         t0 = time.perf_counter()
         results = engine.generate(prompts, params, batch_size=batch_size)
         _sync(engine.device)
         wall = time.perf_counter() - t0
-    nfe = round(sum(r.nfe / r.batch_size for r in results))  # each batch's NFE, shared by its rows
+    nfe = engine.forwards_run - forwards_before  # every forward once, in static batches or a running set
     out_tokens = sum(r.output_tokens for r in results)
     positions = engine.positions_computed - positions_before
     quality = poem_quality(prompts, [r.text for r in results], [r.finish_reason for r in results])
