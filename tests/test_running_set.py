@@ -34,7 +34,8 @@ def kind_engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     kind = request.param
     if kind == "seeded":
         return kind, load_engine(NEMOTRON, device="cpu", dtype="float32")
-    folder = make_model(tmp_path_factory.mktemp(kind) / "m", tiny_tokenizer, seed=5, block_causal=kind not in ("waves", "whole"))
+    bidirectional = kind in ("waves", "whole")
+    folder = make_model(tmp_path_factory.mktemp(kind) / "m", tiny_tokenizer, seed=5, block_causal=not bidirectional)
     return kind, load_engine(folder, device="cpu", dtype="float32")
 
 

@@ -160,7 +160,52 @@ class WholeScheduler(RunningSet[WholeRequest]):
             self.occupancy.forwards += 1
             self.occupancy.rows += len(batch)
             self.occupancy.positions += sum(len(c) for _, _, c in batch)
-        return {id(r): r for r, _ in wanted if r.row.step(hidden[id(r)], self.net)}
+        done: dict[int, _Running] = {}
+        for group in self._head_groups([(r, len(at)) for r, at in wanted]):
+            for r, hs, net in self._heads(group, hidden):
+                if r.row.step(hs, net):
+                    done[id(r)] = r
+        return done
+
+    def _head_groups(self, rows: list[tuple[_Running, int]]) -> Iterator[list[_Running]]:
+        """The rows in order, in groups of at most `net.chunk` predicted positions (a larger row alone): the
+        rows whose LM head one call computes, so a step's logits are never held for more than a chunk."""
+        chunk = getattr(self.net, "chunk", 0)
+        group: list[_Running] = []
+        held = 0
+        for r, n in rows:
+            if group and held + n > chunk:
+                yield group
+                group, held = [], 0
+            group.append(r)
+            held += n
+        if group:
+            yield group
+
+    def _heads(
+        self, group: list[_Running], hidden: dict[int, list[torch.Tensor]]
+    ) -> list[tuple[_Running, list[torch.Tensor], Any]]:
+        """Each row of `group` with what its step reads and the net it reads it through: the logits of its
+        predicted positions in each view from one head call for the whole group, through a head that takes
+        them as they are (`_Applied`); a row alone, or a net with no step head, reads its hidden states
+        through the net itself. One call for many rows instead of one each: a row's few last masked positions
+        no longer cost a head call of their own (under `deterministic`, each row's logits are the same bit for
+        bit in any group: `invariant.linear`)."""
+        if len(group) == 1 or not hasattr(self.net, "step_head"):
+            return [(r, hidden[id(r)], self.net) for r in group]
+        head = self.net.step_head()
+        views = max(len(hidden[id(r)]) for r in group)
+        logits: dict[int, list[torch.Tensor]] = {id(r): [] for r in group}
+        for v in range(views):
+            having = [r for r in group if len(hidden[id(r)]) > v]
+            out = head(torch.cat([hidden[id(r)][v] for r in having]))
+            begin = 0
+            for r in having:
+                n = len(hidden[id(r)][v])
+                logits[id(r)].append(out[begin : begin + n])
+                begin += n
+        applied = _Applied(self.net.chunk)
+        return [(r, logits[id(r)], applied) for r in group]
 
     def _packed(self, batch: list[tuple[_Running, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """One packed forward of the canvases (row, wanted positions, canvas) in `batch`, each over exactly its
@@ -192,6 +237,17 @@ class WholeScheduler(RunningSet[WholeRequest]):
         starts = [L - len(c) + r.row.prompt for r, _, c in batch]  # each answer's first column
         h = self.net.canvas_hidden(x, keys, min(starts), L)
         return [h[b, starts[b] - min(starts) + at] for b, (_, at, _) in enumerate(batch)]
+
+
+@dataclass(frozen=True)
+class _Applied:
+    """The net a row's step reads its logits through once the round has computed them (`_heads`): its head
+    takes them as they are, in parts of `chunk` as the net's would."""
+
+    chunk: int
+
+    def step_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda logits: logits
 
 
 def whole_batch(
