@@ -28,16 +28,16 @@ from .arch.tokenizer import Tokenizer
 from .backoff import is_out_of_memory, largest_fitting, run_backing_off
 from .backoff import too_large as too_large_error
 from .decode import waves
-from .decode.canvasrun import CanvasRequest, CanvasScheduler
+from .decode.canvasrun import CanvasScheduler
 from .decode.pace import ForwardCost, Learned
-from .decode.running import BlockRequest, BlockScheduler
-from .decode.runset import Occupancy, RunningSet
+from .decode.running import BlockScheduler
+from .decode.runset import Occupancy, RowRequest, RunningSet
 from .decode.sampling import RowNoise, request_seed
 from .decode.seededrun import SeededScheduler
 from .decode.selfspec import SelfSpecPlan
-from .decode.specrun import SpecRequest, SpecScheduler
+from .decode.specrun import SpecScheduler
 from .decode.strategies import Net, OnBlock, SpecialTokens, get_strategy, plan_for
-from .decode.wholerun import WholeRequest, WholeScheduler
+from .decode.wholerun import WholeScheduler
 from .device import resolve_device, resolve_dtype
 from .errors import ModelError, TooLarge, UsageError
 from .params import GenerationParams, check_fits, model_layer, script_layers, script_of
@@ -318,7 +318,7 @@ class Engine:
         net = Net(self.model)
         kind = kinds.pop()
         assert kind is not None
-        make = _ROW_KINDS[kind][0]
+        make = _ROW_KINDS[kind]
         return make(self, net, special, params, max_batch, refill, on_block, before_round), net
 
     @staticmethod
@@ -326,7 +326,7 @@ class Engine:
         """A row for the running set of its kind, with its row seed (`request_seed`) and its rule."""
         kind = _running_kind(params)
         assert kind is not None, "a row the running set cannot decode"
-        return _ROW_KINDS[kind][1](key, list(ids), plan_for(params), request_seed(seed, ids), seed, rule)
+        return RowRequest(key, list(ids), plan_for(params), request_seed(seed, ids), rule, seed)
 
     def _account(self, scheduler: RunningSet[Any], net: Net) -> None:
         self.positions_computed += net.positions_computed
@@ -535,7 +535,7 @@ class Engine:
         too_large: list[TooLarge] = []
         for idx in kinds.values():  # block diffusion's rows and the fast decoder's: a running set each
             live = LiveRun(self, max_batch, refill)
-            live.extend([(i, RowRequest(prompts[i], list(encoded[i]), params[i], seeds[i])) for i in idx])
+            live.extend([(i, Prompt(prompts[i], list(encoded[i]), params[i], seeds[i])) for i in idx])
             for i, r in live.answers():
                 if isinstance(r, TooLarge):
                     too_large.append(r)
@@ -642,7 +642,7 @@ class Engine:
 
 
 @dataclass(frozen=True)
-class RowRequest:
+class Prompt:
     """One prompt to decode in a running set: its text, its ids, its final settings and its seed."""
 
     prompt: str
@@ -653,7 +653,7 @@ class RowRequest:
 
 @dataclass(frozen=True)
 class _Pending:
-    row: RowRequest
+    row: Prompt
     added: float  # perf_counter() when it was added: its answer's wall_s runs from here
 
 
@@ -697,9 +697,9 @@ class LiveRun:
 
     def add(self, key: int, prompt: str, ids: list[int], params: GenerationParams, seed: int) -> None:
         """A row (its final settings, `accepts`) under the caller's `key`, behind those waiting."""
-        self.extend([(key, RowRequest(prompt, list(ids), params, seed))])
+        self.extend([(key, Prompt(prompt, list(ids), params, seed))])
 
-    def extend(self, rows: Sequence[tuple[int, RowRequest]]) -> None:
+    def extend(self, rows: Sequence[tuple[int, Prompt]]) -> None:
         """Rows under the caller's keys, behind those waiting (among them, the longest answers first)."""
         now = time.perf_counter()
         self.added += len(rows)
@@ -865,23 +865,14 @@ def _lanes(scheduler: type[Any]) -> Callable[..., Any]:
     return make
 
 
-def _canvas_request(key: int, ids: list[int], plan: Any, row_seed: int, seed: int, rule: Rule | None) -> Any:
-    return CanvasRequest(key, ids, plan, row_seed, seed, rule)
-
-
-def _row_request(cls: type[Any]) -> Callable[..., Any]:
-    """A request of the form (key, ids, plan, row seed, rule): the given seed is not its own."""
-    return lambda key, ids, plan, row_seed, seed, rule: cls(key, ids, plan, row_seed, rule)
-
-
-# each row kind (`strategy.Strategy.running`): how its running set is made, and how a row's request is made
-_ROW_KINDS: dict[RowKind, tuple[Callable[..., Any], Callable[..., Any]]] = {
-    "block": (_lanes(BlockScheduler), _row_request(BlockRequest)),
-    "seeded": (_lanes(SeededScheduler), _row_request(BlockRequest)),
-    "waves": (_waves, _row_request(waves.FastRequest)),
-    "spec": (_spec, _row_request(SpecRequest)),
-    "canvas": (_canvas, _canvas_request),
-    "whole": (_whole, _row_request(WholeRequest)),
+# each row kind (`strategy.Strategy.running`): how its running set is made
+_ROW_KINDS: dict[RowKind, Callable[..., Any]] = {
+    "block": _lanes(BlockScheduler),
+    "seeded": _lanes(SeededScheduler),
+    "waves": _waves,
+    "spec": _spec,
+    "canvas": _canvas,
+    "whole": _whole,
 }
 
 

@@ -225,7 +225,8 @@ def test_a_block_ends_after_its_steps_when_the_model_predicts_the_mask_itself(
 def test_the_running_set_builds_no_autograd_graph(block_engine: Engine) -> None:
     """The weights require grad; outside no_grad every forward's graph chained through the preallocated
     caches from round to round (memory grew with every step)."""
-    from celeris_cli.decode.running import BlockRequest, BlockScheduler
+    from celeris_cli.decode.running import BlockScheduler
+    from celeris_cli.decode.runset import RowRequest
     from celeris_cli.decode.sampling import request_seed
     from celeris_cli.decode.strategies import Net, plan_of
 
@@ -234,7 +235,7 @@ def test_the_running_set_builds_no_autograd_graph(block_engine: Engine) -> None:
     scheduler = BlockScheduler(Net(block_engine.model), sp.mask_id, sp.stop_ids, sp.pad_id, 2, torch.device("cpu"))
     plan = plan_of(block_engine.params({"gen_length": 16}))
     requests = [
-        BlockRequest(i, ids, plan, request_seed(i, ids))
+        RowRequest(i, ids, plan, request_seed(i, ids))
         for i, ids in enumerate(block_engine.encode_prompt(p) for p in PROMPTS[:3])
     ]
     for _ in scheduler.run(requests):
@@ -244,7 +245,8 @@ def test_the_running_set_builds_no_autograd_graph(block_engine: Engine) -> None:
 
 def test_each_widths_cache_is_allocated_once_for_the_longest_canvas(block_engine: Engine) -> None:
     """Growing it when a longer row joined held the old and the new cache at once and doubled its length."""
-    from celeris_cli.decode.running import BlockRequest, BlockScheduler
+    from celeris_cli.decode.running import BlockScheduler
+    from celeris_cli.decode.runset import RowRequest
     from celeris_cli.decode.sampling import request_seed
     from celeris_cli.decode.strategies import Net, plan_of
 
@@ -253,8 +255,7 @@ def test_each_widths_cache_is_allocated_once_for_the_longest_canvas(block_engine
     plan = plan_of(block_engine.params({"gen_length": 16, "block_length": 4}))
     prompts = ["a", "a", "春眠不觉晓，处处闻啼鸟。夜来风雨声"]  # the longest canvas joins last
     requests = [
-        BlockRequest(i, ids, plan, request_seed(i, ids))
-        for i, ids in enumerate(map(block_engine.encode_prompt, prompts))
+        RowRequest(i, ids, plan, request_seed(i, ids)) for i, ids in enumerate(map(block_engine.encode_prompt, prompts))
     ]
     longest = max(-(-(len(r.prompt) + 16) // 4) * 4 for r in requests)
     for _ in scheduler.run(requests):

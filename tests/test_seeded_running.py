@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from celeris_cli import load_engine
-from celeris_cli.decode.running import BlockRequest
+from celeris_cli.decode.runset import RowRequest
 from celeris_cli.decode.sampling import request_seed
 from celeris_cli.decode.seededrun import SeededScheduler
 from celeris_cli.decode.strategies import Net, plan_for
@@ -105,7 +105,7 @@ def test_the_default_models_greedy_answer_equals_the_plain_loop(default_engine: 
     assert together == [_plain_loop(default_engine, p, 20, 8, 4) for p in prompts]
 
 
-def _requests(engine: Engine, n: int, rng: random.Random) -> list[BlockRequest]:  # type: ignore[type-arg]
+def _requests(engine: Engine, n: int, rng: random.Random) -> list[RowRequest]:  # type: ignore[type-arg]
     """Random real-shaped requests: prompts, answer lengths, block widths, steps, samplers, orders,
     thresholds, shaping and seeds of their own."""
     texts = ["床前明月光，", "The quick brown fox", "Once upon a time", "hi", "春眠不觉晓，处处闻啼鸟。", "a b"]
@@ -129,7 +129,7 @@ def _requests(engine: Engine, n: int, rng: random.Random) -> list[BlockRequest]:
             settings.update(presence_penalty=1.3, min_tokens=3)
         ids = engine.encode_prompt(rng.choice(texts))
         seed = rng.randint(0, 1000)
-        out.append(BlockRequest(len(out), ids, plan_for(engine.params(settings)), request_seed(seed, ids)))
+        out.append(RowRequest(len(out), ids, plan_for(engine.params(settings)), request_seed(seed, ids)))
     return out
 
 
@@ -138,7 +138,7 @@ def _scheduler(engine: Engine, width: int, refill: bool = True) -> SeededSchedul
     return SeededScheduler(Net(engine.model), s.mask_id, s.stop_ids, s.pad_id, width, engine.device, refill=refill)
 
 
-def _alone(engine: Engine, req: BlockRequest) -> list[int]:  # type: ignore[type-arg]
+def _alone(engine: Engine, req: RowRequest) -> list[int]:  # type: ignore[type-arg]
     [(_, ids, _)] = list(_scheduler(engine, 1).run([req]))
     return ids
 
@@ -203,7 +203,7 @@ def test_each_draw_is_keyed_by_its_rows_block_then_step(engine: Engine, monkeypa
     params = engine.params(
         {"strategy": "nemotron", "gen_length": 12, "block_length": 4, "block_steps": 2, "temperature": 1.0}
     )
-    req = BlockRequest(0, ids, plan_for(params), request_seed(5, ids))
+    req = RowRequest(0, ids, plan_for(params), request_seed(5, ids))
     [(_, answer, _)] = list(_scheduler(engine, 1).run([req]))
     assert 2 not in answer and 5 not in answer  # no early stop: every block decoded
     assert keys == [stream_seed(req.seed, j, i) for j in range(3) for i in range(3)]

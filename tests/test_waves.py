@@ -12,6 +12,7 @@ import torch
 
 from celeris_cli.arch import invariant
 from celeris_cli.decode import waves
+from celeris_cli.decode.runset import RowRequest
 from celeris_cli.decode.sampling import RowNoise, request_seed
 from celeris_cli.decode.strategies import Net, fast_plan_of, get_strategy
 from celeris_cli.engine import Engine
@@ -53,7 +54,7 @@ def _running(engine: Engine, rows: list[tuple[str, Any, int]], max_batch: int, r
     admitted_beside: list[int] = []  # rows in flight when each row was admitted
     admit = scheduler._admit
 
-    def spy(req: waves.FastRequest) -> Any:
+    def spy(req: RowRequest[Any]) -> Any:
         admitted_beside.append(len(live))
         live.add(req.key)
         return admit(req)
@@ -64,7 +65,7 @@ def _running(engine: Engine, rows: list[tuple[str, Any, int]], max_batch: int, r
     requests = []
     for i, (p, s, seed) in enumerate(rows):
         ids = engine.encode_prompt(p)
-        requests.append(waves.FastRequest(i, ids, fast_plan_of(s), request_seed(seed, ids)))
+        requests.append(RowRequest(i, ids, fast_plan_of(s), request_seed(seed, ids)))
     for key, out, _ in scheduler.run(requests):
         got[key] = out
         live.discard(key)
@@ -176,9 +177,7 @@ def test_the_running_sets_build_no_autograd_graph(llada: Engine) -> None:
     scheduler = waves.WaveScheduler(
         Net(llada.model), llada.special.mask_id, llada.special.stop_ids, 3, torch.device("cpu")
     )
-    requests = [
-        waves.FastRequest(i, llada.encode_prompt(p), fast_plan_of(s), seed) for i, (p, s, seed) in enumerate(rows)
-    ]
+    requests = [RowRequest(i, llada.encode_prompt(p), fast_plan_of(s), seed) for i, (p, s, seed) in enumerate(rows)]
     for _ in scheduler.run(requests):
         pass
     assert scheduler.lanes and all(not lane.cache.layers[0][0].requires_grad for lane in scheduler.lanes.values())

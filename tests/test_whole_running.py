@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from celeris_cli import load_engine
+from celeris_cli.decode.runset import RowRequest
 from celeris_cli.decode.strategies import Net, plan_for
-from celeris_cli.decode.wholerun import WholeRequest, WholeScheduler
+from celeris_cli.decode.wholerun import WholeScheduler
 
 DATA = Path(__file__).parent / "data"
 PROMPTS = ["The cat", "a", "Once upon a time there was a small river", "hi there", "床前明月光，"]
@@ -50,12 +51,12 @@ def _settings(name: str, rng: random.Random) -> dict[str, Any]:
     return {"strategy": name, "gen_length": gen, "denoise_steps": steps, **sampler, **extra}
 
 
-def _request(engine: Any, key: int, settings: dict[str, Any], prompt: str, seed: int) -> WholeRequest:
+def _request(engine: Any, key: int, settings: dict[str, Any], prompt: str, seed: int) -> RowRequest[Any]:
     ids = engine.encode_prompt(prompt)
-    return WholeRequest(key, ids, plan_for(engine.params(settings)), seed)
+    return RowRequest(key, ids, plan_for(engine.params(settings)), seed)
 
 
-def _alone(engine: Any, req: WholeRequest) -> list[int]:
+def _alone(engine: Any, req: RowRequest[Any]) -> list[int]:
     special = engine.special
     rows = WholeScheduler(Net(engine.model), special.mask_id, special.pad_id, 1, engine.device)
     [(_, ids, _)] = list(rows.run([req]))

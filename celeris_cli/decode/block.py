@@ -55,6 +55,10 @@ class BlockPlan:
     editing: Editing = Editing(1.0, 0)  # the block strategy's alone (LLaDA2.1); off
     structure: Structure = NO_STRUCTURE  # the rows' rules come per row (`structured.commit`)
 
+    @property
+    def gen_length(self) -> int:
+        return self.blocks.gen_length
+
 
 # Called once a block is committed, for each row that decoded it: (row, the row's generated ids so far).
 # For streaming: a committed block never changes again.

@@ -20,7 +20,6 @@ other layers' products changes, which their per-row results do not depend on (th
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,29 +31,8 @@ from ..structured.commit import Rule
 from .block import OnBlock
 from .canvas_step import CanvasDraws, canvas_step
 from .diffusion_gemma import INIT, RENOISE, DiffusionGemmaPlan, Held, pass_masks, temperature
-from .runset import Lane, RunningSet
+from .runset import Lane, RowRequest, RunningSet
 from .sampling import RowNoise
-
-
-@dataclass(frozen=True)
-class CanvasRequest:
-    """One request for the running set: its prompt ids, its settings, its row seed (`request_seed`) and the
-    seed as given (what `noise: torch` seeds its generator with)."""
-
-    key: int  # the caller's name for it, handed back with the answer
-    prompt: list[int]
-    plan: DiffusionGemmaPlan
-    seed: int
-    given: int
-    rule: Rule | None = field(default=None, compare=False)  # its constraint, if any
-
-    @property
-    def gen_length(self) -> int:
-        return self.plan.blocks.gen_length
-
-    @property
-    def canvas(self) -> int:
-        return self.plan.blocks.block_length
 
 
 class _Canvas:
@@ -114,10 +92,12 @@ class _Canvas:
 class _Row:
     """A request in flight: its answer so far, how much of its slot is written, and its canvas in hand."""
 
-    def __init__(self, req: CanvasRequest, draws: CanvasDraws, stops: torch.Tensor, pad_id: int) -> None:
+    def __init__(
+        self, req: RowRequest[DiffusionGemmaPlan], draws: CanvasDraws, stops: torch.Tensor, pad_id: int
+    ) -> None:
         self.req, self.draws, self.stop, self.pad_id = req, draws, stops, pad_id
         self.schedule = req.plan.blocks.canvas_steps()
-        L = req.canvas
+        L = _width(req)
         self.out = torch.full((len(self.schedule) * L,), pad_id, dtype=torch.long, device=stops.device)
         self.cached = 0  # positions of its slot written: the prompt and the canvases committed
         self.j = 0  # the canvas in hand
@@ -128,7 +108,7 @@ class _Row:
 
     def start(self) -> None:
         """Canvas j's starting canvas: uniform draws (its randint, drawn even where it is pinned), or pinned."""
-        L, pinned = self.req.canvas, self.req.plan.noise.initial_canvases
+        L, pinned = _width(self.req), self.req.plan.noise.initial_canvases
         x = self.draws.tokens([0], self.j, 0, INIT, L)
         if self.j < len(pinned):
             x = torch.tensor([pinned[self.j]], dtype=x.dtype, device=x.device)
@@ -138,7 +118,7 @@ class _Row:
         """The canvas in hand has ended: into the answer, cut after its first stop id; then a commit pass or
         the end."""
         assert self.canvas is not None
-        L, j = self.req.canvas, self.j
+        L, j = _width(self.req), self.j
         canvas = self.canvas.kept()
         part = canvas[0].clone()
         hit = torch.isin(part, self.stop)
@@ -151,8 +131,8 @@ class _Row:
             self.committing = canvas
 
 
-class CanvasScheduler(RunningSet[CanvasRequest]):
-    """Decodes `CanvasRequest`s with at most `width` rows in flight; `run` yields (key, generated ids,
+class CanvasScheduler(RunningSet[RowRequest[DiffusionGemmaPlan]]):
+    """Decodes `RowRequest`s with at most `width` rows in flight; `run` yields (key, generated ids,
     forwards) as each row finishes. `refill` False runs static batches instead. on_block(key, generated ids so
     far): as each row's canvas is kept (streaming)."""
 
@@ -180,7 +160,7 @@ class CanvasScheduler(RunningSet[CanvasRequest]):
         for lane in self.lanes.values():
             lane.drop({id(r) for r in lane.rows if r.req.key in keys})
 
-    def add(self, requests: Iterable[CanvasRequest]) -> None:
+    def add(self, requests: Iterable[RowRequest[DiffusionGemmaPlan]]) -> None:
         new = list(requests)
         V = self.model.cfg.vocab_size
         for r in new:
@@ -188,12 +168,12 @@ class CanvasScheduler(RunningSet[CanvasRequest]):
             if bad:
                 raise UsageError(f"initial_canvases: token id {bad[0]} is outside the vocabulary of {V}")
         for r in new:  # each lane's cache, made once: a slot for each row that can run, as long as the longest
-            rows, length = self.sizes.get(r.canvas, (0, 0))
-            self.sizes[r.canvas] = (min(rows + 1, self.width), max(length, _length(r)))
+            rows, length = self.sizes.get(_width(r), (0, 0))
+            self.sizes[_width(r)] = (min(rows + 1, self.width), max(length, _length(r)))
         super().add(new)
 
     @torch.no_grad()
-    def run(self, requests: Iterable[CanvasRequest] = ()) -> Iterator[tuple[int, list[int], int]]:
+    def run(self, requests: Iterable[RowRequest[DiffusionGemmaPlan]] = ()) -> Iterator[tuple[int, list[int], int]]:
         self.add(requests)
         while self.waiting or self.in_flight:
             for req in self.admit():
@@ -202,7 +182,7 @@ class CanvasScheduler(RunningSet[CanvasRequest]):
                 if lane.rows:
                     yield from self._leave(lane, self._round(lane))
 
-    def _admit(self, req: CanvasRequest) -> None:
+    def _admit(self, req: RowRequest[DiffusionGemmaPlan]) -> None:
         """The row's prompt pass, into a slot of its lane (as alone: a batch of one over nothing cached)."""
         V, P = self.model.cfg.vocab_size, len(req.prompt)
         stops = req.plan.stops.stop_token_ids or tuple(sorted(self.stop_ids))
@@ -216,7 +196,7 @@ class CanvasScheduler(RunningSet[CanvasRequest]):
         self.occupancy.prefills += 1
         self.occupancy.positions += P
         row.forwards += 1
-        W = req.canvas
+        W = _width(req)
         if W not in self.lanes:
             slots, length = self.sizes.get(W, (self.width, _length(req)))
             self.lanes[W] = Lane(_allocate(fresh, slots, max(length, _length(req))))
@@ -317,9 +297,14 @@ class CanvasScheduler(RunningSet[CanvasRequest]):
             lane.drop({id(r) for r in done})
 
 
-def _length(req: CanvasRequest) -> int:
+def _width(req: RowRequest[DiffusionGemmaPlan]) -> int:
+    """Its canvas's length: one block."""
+    return req.plan.blocks.block_length
+
+
+def _length(req: RowRequest[DiffusionGemmaPlan]) -> int:
     """The positions a row's slot holds at most: its prompt and every canvas but the last (never committed)."""
-    return len(req.prompt) + (len(req.plan.blocks.canvas_steps()) - 1) * req.canvas
+    return len(req.prompt) + (len(req.plan.blocks.canvas_steps()) - 1) * _width(req)
 
 
 def _allocate(fresh: list[Any], rows: int, length: int) -> KVCache:

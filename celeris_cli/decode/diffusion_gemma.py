@@ -62,6 +62,10 @@ class DiffusionGemmaPlan:
     stops: StopIds
     structure: Structure = NO_STRUCTURE  # rules come per row (`structured.commit`)
 
+    @property
+    def gen_length(self) -> int:
+        return self.blocks.gen_length
+
 
 def pass_masks(model: Any, real: torch.Tensor, T: int, causal: bool) -> dict[bool, Mask]:
     """The masks of T new positions after the S cached ones (`real` (B, S + T): the keys that may be attended

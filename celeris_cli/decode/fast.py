@@ -50,6 +50,10 @@ class FastPlan:
     shaping: Shaping
     structure: Structure = NO_STRUCTURE  # the rows' rules come per row (`structured.commit`)
 
+    @property
+    def gen_length(self) -> int:
+        return self.schedule.gen_length
+
 
 class CachedNet(Protocol):
     chunk: int

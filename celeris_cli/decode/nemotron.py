@@ -60,6 +60,10 @@ class SeededPlan:
     commit: Commit
     shaping: Shaping = NO_SHAPING
 
+    @property
+    def gen_length(self) -> int:
+        return self.blocks.gen_length
+
 
 class CausalCanvas:
     """The rows' prompts (left-padded) and answers, their positions, and the cache the causal passes fill."""

@@ -26,52 +26,22 @@ prefilled and stepped in the same round as its first, as `generate_block_cached`
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
-from typing import Any, Generic, Protocol, TypeVar
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import torch
 
 from ..arch.kv import KVCache
 from ..params import NO_STRUCTURE, Blocks
-from ..structured.commit import Rule
 from .block import BlockNet, BlockPlan, OnBlock, block_mask, commit_step, top_choice
 from .reference import finished_rows
-from .runset import Lane, RunningSet
+from .runset import Lane, RowRequest, RunningSet
 from .sampling import Draws, stream_seed
-
-
-class _Blocked(Protocol):
-    @property
-    def blocks(self) -> Blocks: ...
-
-
-PlanT = TypeVar("PlanT", bound=_Blocked)
-
-
-@dataclass(frozen=True)
-class BlockRequest(Generic[PlanT]):
-    """One request for a running set of lanes by block width: its prompt ids, its settings (block diffusion's
-    `BlockPlan`, or the Nemotron diffusion mode's `SeededPlan`, `decode.seededrun`) and its row seed
-    (`request_seed`)."""
-
-    key: int  # the caller's name for it, handed back with the answer
-    prompt: list[int]
-    plan: PlanT
-    seed: int
-    rule: Rule | None = field(default=None, compare=False)  # its constraint and log probabilities, if any
-
-    @property
-    def gen_length(self) -> int:
-        return self.plan.blocks.gen_length
-
-    @property
-    def blocks(self) -> Blocks:
-        return self.plan.blocks
 
 
 @dataclass
 class _Row:
-    req: BlockRequest[BlockPlan]
+    req: RowRequest[BlockPlan]
     x: torch.Tensor  # (end,) the row's canvas in its own positions: prompt, then masks to its last block's end
     transfers: list[list[int]]  # tokens each step of each generated block commits
     first: int  # the row's first generated block (it may hold the prompt's tail)
@@ -117,7 +87,7 @@ class _Row:
         return self.x[self.gen : self.gen + self.req.plan.blocks.gen_length].tolist()
 
 
-ReqT = TypeVar("ReqT", bound=BlockRequest[Any])
+ReqT = TypeVar("ReqT", bound=RowRequest[Any])
 
 
 class LaneSet(RunningSet[ReqT]):
@@ -177,7 +147,7 @@ class LaneSet(RunningSet[ReqT]):
         # each width's cache, allocated once: as many slots as rows can run at once, as long as the longest
         # canvas (growing it on the way would hold the old and the new at once, and double its length)
         for r in new:
-            W = r.blocks.block_length
+            W = r.plan.blocks.block_length
             rows, length = self.sizes.get(W, (0, 0))
             self.sizes[W] = (min(rows + 1, self.width), max(length, self._end(r)))
         super().add(new)
@@ -222,8 +192,8 @@ class LaneSet(RunningSet[ReqT]):
         return KVCache.empty(len(kv), rows, k.shape[1], length, k.shape[3], dtype, self.device)
 
 
-class BlockScheduler(LaneSet[BlockRequest[BlockPlan]]):
-    """Decodes `BlockRequest`s with at most `width` rows in flight; `run` yields (key, generated ids,
+class BlockScheduler(LaneSet[RowRequest[BlockPlan]]):
+    """Decodes `RowRequest`s with at most `width` rows in flight; `run` yields (key, generated ids,
     forwards) as each row finishes, in the order they finish. `refill` False runs static batches instead:
     up to `width` rows are admitted only once the running set is empty (the comparison `bench` makes).
     on_block(key, generated ids so far): called as each row's block is committed (streaming)."""
@@ -238,7 +208,7 @@ class BlockScheduler(LaneSet[BlockRequest[BlockPlan]]):
         if W in self.shadows:
             self.shadows[W].drop(gone)
 
-    def _admit(self, req: BlockRequest[BlockPlan]) -> None:
+    def _admit(self, req: RowRequest[BlockPlan]) -> None:
         blocks = req.plan.blocks
         P, W = len(req.prompt), blocks.block_length
         end = self._end(req)
@@ -390,12 +360,12 @@ class BlockScheduler(LaneSet[BlockRequest[BlockPlan]]):
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     @staticmethod
-    def _end(req: BlockRequest[BlockPlan]) -> int:
+    def _end(req: RowRequest[BlockPlan]) -> int:
         """The end of a request's slot: its last block's (`_aligned_end`)."""
         return _aligned_end(req)
 
 
-def _aligned_end(req: BlockRequest[BlockPlan]) -> int:
+def _aligned_end(req: RowRequest[BlockPlan]) -> int:
     """The end of a request's last block: its canvas, block-aligned."""
     W = req.plan.blocks.block_length
     return -(-(len(req.prompt) + req.plan.blocks.gen_length) // W) * W

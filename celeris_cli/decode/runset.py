@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from ..arch.kv import KVCache
+from ..structured.commit import Rule
 
 
 @dataclass
@@ -88,6 +89,32 @@ class Request(Protocol):
 
 
 R = TypeVar("R", bound=Request)
+
+
+class Plan(Protocol):
+    @property
+    def gen_length(self) -> int: ...
+
+
+P = TypeVar("P", bound=Plan)
+
+
+@dataclass(frozen=True)
+class RowRequest(Generic[P]):
+    """One request for a running set of any kind (the kind is its plan's: `strategy.Strategy.running`): its
+    prompt ids, its settings, its row seed (`request_seed`), its constraint and log-probability record if
+    any, and the seed as given (what DiffusionGemma's `noise: torch` seeds its generator with)."""
+
+    key: int  # the caller's name for it, handed back with the answer
+    prompt: list[int]
+    plan: P
+    seed: int
+    rule: Rule | None = field(default=None, compare=False)
+    given: int = 0
+
+    @property
+    def gen_length(self) -> int:
+        return self.plan.gen_length
 
 
 class RunningSet(Generic[R]):

@@ -36,13 +36,14 @@ from ..params import Blocks
 from .nemotron import Picks, SeededPlan, ar_shaping, stop_after
 from .predict import Places, StepLogits, choose
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
-from .running import BlockRequest, LaneSet
+from .running import LaneSet
+from .runset import RowRequest
 from .sampling import Draws, RowNoise, shaper, stream_seed
 
 
 @dataclass
 class _Row:
-    req: BlockRequest[SeededPlan]
+    req: RowRequest[SeededPlan]
     x: torch.Tensor  # (end,) prompt, answer (masks until committed), pad_id to its last window's end
     schedule: list[list[int]]  # tokens each step of each block commits
     commit: SeededPlan  # the settings its commit step reads: rows sharing them commit together
@@ -92,14 +93,14 @@ class _Row:
         return ans[0].tolist()
 
 
-class SeededScheduler(LaneSet[BlockRequest[SeededPlan]]):
-    """Decodes `BlockRequest`s whose plan is a `SeededPlan` with at most `width` rows in flight; `run` yields
+class SeededScheduler(LaneSet[RowRequest[SeededPlan]]):
+    """Decodes `RowRequest`s whose plan is a `SeededPlan` with at most `width` rows in flight; `run` yields
     (key, generated ids, forwards) as each row finishes. `refill` False gives static batches through the same
     loop. The lanes, their slots, `add`, `drop` and `run` are block diffusion's (`LaneSet`); the rows, their
     windows and their commits are the diffusion mode's."""
 
     @staticmethod
-    def _end(req: BlockRequest[SeededPlan]) -> int:
+    def _end(req: RowRequest[SeededPlan]) -> int:
         """Its prompt, then its answer's blocks, the last one padded to a whole window (never computed: the
         commit step lays every row's block in one (rows, width) tensor)."""
         blocks = req.plan.blocks
@@ -110,13 +111,13 @@ class SeededScheduler(LaneSet[BlockRequest[SeededPlan]]):
         model: Any = getattr(self.net, "model", self.net)
         self.n_layers = len(model.parts()[1])  # what a packed forward passes, one per layer
 
-    def rounds(self, request: BlockRequest[SeededPlan]) -> int:
+    def rounds(self, request: RowRequest[SeededPlan]) -> int:
         """Its forwards if no stop token ends it early: its steps, a commit pass between blocks, and its
         prefill. (A total of steps spread over the blocks makes a short answer take as many as a long one.)"""
         steps = request.plan.blocks.seeded_steps()
         return sum(steps) + len(steps)
 
-    def _admit(self, req: BlockRequest[SeededPlan]) -> None:
+    def _admit(self, req: RowRequest[SeededPlan]) -> None:
         """A slot of its lane; its prompt is run in the round's forward (`_tick`)."""
         plan = req.plan
         P, G, W = len(req.prompt), plan.blocks.gen_length, plan.blocks.block_length
@@ -133,7 +134,7 @@ class SeededScheduler(LaneSet[BlockRequest[SeededPlan]]):
         self._lane(self.lanes, W, end).join(row, end, self.width)
 
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
-    def run(self, requests: Iterable[BlockRequest[SeededPlan]] = ()) -> Iterator[tuple[int, list[int], int]]:
+    def run(self, requests: Iterable[RowRequest[SeededPlan]] = ()) -> Iterator[tuple[int, list[int], int]]:
         self.add(requests)
         while self.waiting or self.in_flight:
             for req in self.admit():
@@ -295,7 +296,7 @@ def generate_seeded(
     mask_id, stop_ids, pad_id, word_pieces = tokens
     B, P = prompt.shape
     scheduler = SeededScheduler(net, mask_id, stop_ids, pad_id, B, prompt.device, word_pieces)
-    requests = [BlockRequest(b, prompt[b][prompt_mask[b]].tolist(), plan, noise.seeds[b]) for b in range(B)]
+    requests = [RowRequest(b, prompt[b][prompt_mask[b]].tolist(), plan, noise.seeds[b]) for b in range(B)]
     out = torch.cat([prompt, prompt.new_full((B, plan.blocks.gen_length), mask_id)], 1)
     for b, ids, _ in scheduler.run(requests):
         out[b, P:] = torch.tensor(ids, device=prompt.device)

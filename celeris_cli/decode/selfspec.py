@@ -79,6 +79,10 @@ class SelfSpecPlan:
     shaping: Shaping = NO_SHAPING
     structure: Structure = NO_STRUCTURE  # the rows' rules come per row (`structured.commit`)
 
+    @property
+    def gen_length(self) -> int:
+        return self.drafting.gen_length
+
 
 class SpecRows:
     """Rows decoding side by side under one drafting policy, each under its own sampler and shaping (`settings`,

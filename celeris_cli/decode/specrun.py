@@ -24,32 +24,15 @@ added to it (what `serve` sends as events), and its whole answer as it leaves.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..structured.commit import Rule
 from .block import OnBlock
 from .pace import ForwardCost, Learned, Pace
-from .runset import RunningSet
+from .runset import RowRequest, RunningSet
 from .sampling import RowNoise
 from .selfspec import Joining, SelfSpecPlan, SpecRows
-
-
-@dataclass(frozen=True)
-class SpecRequest:
-    """One request for the running set: its prompt ids, its settings and its row seed (`request_seed`)."""
-
-    key: int  # the caller's name for it, handed back with the answer
-    prompt: list[int]
-    plan: SelfSpecPlan
-    seed: int
-    rule: Rule | None = field(default=None, compare=False)  # its constraint and log probabilities, if any
-
-    @property
-    def gen_length(self) -> int:
-        return self.plan.drafting.gen_length
 
 
 def _lane_key(plan: SelfSpecPlan) -> tuple[Any, ...]:
@@ -58,8 +41,8 @@ def _lane_key(plan: SelfSpecPlan) -> tuple[Any, ...]:
     return (plan.drafting.drafting,)
 
 
-class SpecScheduler(RunningSet[SpecRequest]):
-    """Decodes `SpecRequest`s with at most `width` rows in flight; `run` yields (key, generated ids,
+class SpecScheduler(RunningSet[RowRequest[SelfSpecPlan]]):
+    """Decodes `RowRequest`s with at most `width` rows in flight; `run` yields (key, generated ids,
     forwards) as each row finishes. `refill` False runs static batches instead (rows admitted only when
     none is in flight). `cost`: the forward's cost model the lanes' "auto" choice weighs (calibrated from the
     network on a lane's first round if not given)."""
@@ -89,7 +72,7 @@ class SpecScheduler(RunningSet[SpecRequest]):
         # by lane: (slots, canvas length) its cache wants, and the longest prompt and answer and widest draft
         self.sizes: dict[tuple[Any, ...], tuple[int, int, int, int]] = {}
 
-    def add(self, requests: Iterable[SpecRequest]) -> None:
+    def add(self, requests: Iterable[RowRequest[SelfSpecPlan]]) -> None:
         new = list(requests)
         # each lane's cache, allocated at its first row: as many slots as rows can run at once, as long as the
         # longest canvas (growing it on the way would copy it, and hold the old and the new at once)
@@ -116,10 +99,10 @@ class SpecScheduler(RunningSet[SpecRequest]):
             del self.key_of[s]
 
     @torch.no_grad()  # the weights may require grad: no graph may chain through the cache
-    def run(self, requests: Iterable[SpecRequest] = ()) -> Iterator[tuple[int, list[int], int]]:
+    def run(self, requests: Iterable[RowRequest[SelfSpecPlan]] = ()) -> Iterator[tuple[int, list[int], int]]:
         self.add(requests)
         while self.waiting or self.in_flight:
-            joining: dict[tuple[Any, ...], list[SpecRequest]] = {}
+            joining: dict[tuple[Any, ...], list[RowRequest[SelfSpecPlan]]] = {}
             for req in self.admit():
                 joining.setdefault(_lane_key(req.plan), []).append(req)
             for key, reqs in joining.items():
@@ -140,7 +123,7 @@ class SpecScheduler(RunningSet[SpecRequest]):
             if not len(lane.idx):
                 del self.lanes[key]
 
-    def _admit(self, key: tuple[Any, ...], reqs: list[SpecRequest]) -> None:
+    def _admit(self, key: tuple[Any, ...], reqs: list[RowRequest[SelfSpecPlan]]) -> None:
         """Rows of one lane that join this round, prefilled together (`SpecRows.join`)."""
         if key not in self.lanes:
             plan = reqs[0].plan

@@ -38,32 +38,16 @@ import torch
 
 from ..arch.kv import DeferredKVCache, KVCache
 from ..arch.packed import Segment, packed_layers
-from ..structured.commit import Rule
 from .fast import FastPlan, commit_step
 from .reference import finished_rows, num_transfer_tokens
-from .runset import Lane, RunningSet
+from .runset import Lane, RowRequest, RunningSet
 from .sampling import Draws, shaper, stream_seed
 from .strategies import Net
 
 
-@dataclass(frozen=True)
-class FastRequest:
-    """One request: its prompt ids, its settings and its row seed (`request_seed`)."""
-
-    key: int
-    prompt: list[int]
-    plan: FastPlan
-    seed: int
-    rule: Rule | None = field(default=None, compare=False)  # its constraint and log probabilities, if any
-
-    @property
-    def gen_length(self) -> int:
-        return self.plan.schedule.gen_length
-
-
 @dataclass
 class _Row:
-    req: FastRequest
+    req: RowRequest[FastPlan]
     x: torch.Tensor  # (P + G,) the row's canvas: prompt, then its answer
     mask: int  # the mask token's id
     block: int = 0  # index into its schedule's blocks
@@ -140,8 +124,8 @@ class _Stepped:
     hidden: list[torch.Tensor]  # per view: (masked, d)
 
 
-class WaveScheduler(RunningSet[FastRequest]):
-    """Decodes `FastRequest`s with at most `width` rows in flight; `run` yields (key, generated ids,
+class WaveScheduler(RunningSet[RowRequest[FastPlan]]):
+    """Decodes `RowRequest`s with at most `width` rows in flight; `run` yields (key, generated ids,
     forwards taken part in) as each row finishes. `add` feeds it while it runs (`Engine.live`: the queue,
     `celeris batch` and serve)."""
 
@@ -176,7 +160,7 @@ class WaveScheduler(RunningSet[FastRequest]):
             lane.drop({id(r) for r in lane.rows if r.req.key in keys})
 
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
-    def run(self, requests: Iterable[FastRequest] = ()) -> Iterator[tuple[int, list[int], int]]:
+    def run(self, requests: Iterable[RowRequest[FastPlan]] = ()) -> Iterator[tuple[int, list[int], int]]:
         self.add(requests)
         while self.waiting or self.in_flight:
             joining = self.admit()  # (it may drop rows cancelled meanwhile: `fresh` is replaced then)
@@ -192,7 +176,7 @@ class WaveScheduler(RunningSet[FastRequest]):
                 else:
                     yield r.req.key, r.x[r.P :].tolist(), r.forwards
 
-    def _admit(self, req: FastRequest) -> _Row:
+    def _admit(self, req: RowRequest[FastPlan]) -> _Row:
         G = req.plan.schedule.gen_length
         x = torch.full((len(req.prompt) + G,), self.mask_id, dtype=torch.long, device=self.device)
         x[: len(req.prompt)] = torch.tensor(req.prompt, dtype=torch.long, device=self.device)

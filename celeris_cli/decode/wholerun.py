@@ -16,14 +16,13 @@ admitted at once: the samplers have this one copy.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from ..arch.packed import Segment, packed_layers
-from ..structured.commit import Rule
-from .runset import RunningSet
+from .runset import RowRequest, RunningSet
 from .sampling import RowNoise
 
 
@@ -72,21 +71,6 @@ class Tokens:
     stop: torch.Tensor
 
 
-@dataclass(frozen=True)
-class WholeRequest:
-    """One request for the running set: its prompt ids, its settings and its row seed (`request_seed`)."""
-
-    key: int  # the caller's name for it, handed back with the answer
-    prompt: list[int]
-    plan: WholePlan
-    seed: int
-    rule: Rule | None = field(default=None, compare=False)  # (these samplers take no constraint)
-
-    @property
-    def gen_length(self) -> int:
-        return self.plan.gen_length
-
-
 @dataclass
 class _Running:
     key: int
@@ -94,8 +78,8 @@ class _Running:
     forwards: int = 0
 
 
-class WholeScheduler(RunningSet[WholeRequest]):
-    """Decodes `WholeRequest`s with at most `width` rows in flight; `run` yields (key, answer ids, forwards)
+class WholeScheduler(RunningSet[RowRequest[WholePlan]]):
+    """Decodes `RowRequest`s with at most `width` rows in flight; `run` yields (key, answer ids, forwards)
     as each row finishes. `refill` False runs static batches instead (rows admitted only when none is in
     flight). `stop_ids`: a row whose answer holds a stop token with no mask before it leaves at once, the rest
     of its answer that token (only the reference decoder honours it: `generate_reference`'s measurement). A net
@@ -121,7 +105,7 @@ class WholeScheduler(RunningSet[WholeRequest]):
         self.n_layers = len(model.parts()[1]) if hasattr(model, "parts") else None
         self.rows: list[_Running] = []
 
-    def rounds(self, request: WholeRequest) -> int:
+    def rounds(self, request: RowRequest[WholePlan]) -> int:
         """Its forwards at most (its steps): what admission orders by."""
         return request.plan.forwards
 
@@ -132,7 +116,7 @@ class WholeScheduler(RunningSet[WholeRequest]):
         self.rows = [r for r in self.rows if r.key not in keys]
 
     @torch.no_grad()  # the weights may require grad
-    def run(self, requests: Iterable[WholeRequest] = ()) -> Iterator[tuple[int, list[int], int]]:
+    def run(self, requests: Iterable[RowRequest[WholePlan]] = ()) -> Iterator[tuple[int, list[int], int]]:
         self.add(requests)
         while self.waiting or self.rows:
             for req in self.admit():
@@ -263,7 +247,7 @@ def whole_batch(
     """A static batch through the running set, every row admitted at once: prompt (B, P) left-padded ->
     the canvas (B, P + gen_length), row b drawing from stream b of `noise` (`stop_ids`: `WholeScheduler`'s)."""
     B, P = prompt.shape
-    requests = [WholeRequest(b, prompt[b][prompt_mask[b]].tolist(), plan, noise.seeds[b]) for b in range(B)]
+    requests = [RowRequest(b, prompt[b][prompt_mask[b]].tolist(), plan, noise.seeds[b]) for b in range(B)]
     out = torch.cat([prompt, prompt.new_full((B, plan.gen_length), mask_id)], 1)
     rows = WholeScheduler(net, mask_id, pad_id, B, prompt.device, stop_ids=stop_ids)
     for key, ids, _ in rows.run(requests):

@@ -84,13 +84,14 @@ def child() -> None:
     t0 = time.perf_counter()
     spread = spec.get("prompt_spread", 0) + 1  # rows up to `spread` tokens shorter: they end at different blocks
     if STRATEGIES[params.strategy].running == "block":  # as the engine runs it: a running set, all rows at once
-        from ..decode.running import BlockRequest, BlockScheduler
+        from ..decode.running import BlockScheduler
+        from ..decode.runset import RowRequest
         from ..decode.strategies import plan_of
 
         plan = plan_of(params)
         net = Net(model)  # type: ignore[arg-type]
         running = BlockScheduler(net, special.mask_id, special.stop_ids, special.pad_id, B, prompt.device)
-        requests = [BlockRequest(b, prompt[b, b % spread :].tolist(), plan, b) for b in range(B)]
+        requests = [RowRequest(b, prompt[b, b % spread :].tolist(), plan, b) for b in range(B)]
         for _ in running.run(requests):
             pass
     else:
