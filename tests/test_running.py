@@ -238,9 +238,8 @@ def test_the_running_set_builds_no_autograd_graph(block_engine: Engine) -> None:
         RowRequest(i, ids, plan, request_seed(i, ids))
         for i, ids in enumerate(block_engine.encode_prompt(p) for p in PROMPTS[:3])
     ]
-    for _ in scheduler.run(requests):
-        pass
-    assert scheduler.lanes and all(not lane.cache.layers[0][0].requires_grad for lane in scheduler.lanes.values())
+    caches = [lane.cache for _ in scheduler.run(requests) for lane in scheduler.lanes.values()]
+    assert caches and all(not cache.layers[0][0].requires_grad for cache in caches)
 
 
 def test_each_widths_cache_is_allocated_once_for_the_longest_canvas(block_engine: Engine) -> None:
@@ -258,10 +257,32 @@ def test_each_widths_cache_is_allocated_once_for_the_longest_canvas(block_engine
         RowRequest(i, ids, plan, request_seed(i, ids)) for i, ids in enumerate(map(block_engine.encode_prompt, prompts))
     ]
     longest = max(-(-(len(r.prompt) + 16) // 4) * 4 for r in requests)
-    for _ in scheduler.run(requests):
-        pass
-    (lane,) = scheduler.lanes.values()
-    assert lane.cache.length == longest and lane.cache.rows == 2
+    shapes = {
+        (lane.cache.length, lane.cache.rows) for _ in scheduler.run(requests) for lane in scheduler.lanes.values()
+    }
+    assert shapes == {(longest, 2)}
+
+
+def test_a_lane_whose_rows_have_all_left_gives_its_cache_back(block_engine: Engine) -> None:
+    """Two block widths: once the short answers of one width are all handed back, the set holds only the
+    other width's lane and cache while its long row runs on; and none once the run is over."""
+    from celeris_cli.decode.running import BlockScheduler
+    from celeris_cli.decode.runset import RowRequest
+    from celeris_cli.decode.sampling import request_seed
+    from celeris_cli.decode.strategies import Net, plan_of
+
+    sp = block_engine.special
+    scheduler = BlockScheduler(Net(block_engine.model), sp.mask_id, sp.stop_ids, sp.pad_id, 3, torch.device("cpu"))
+    short = plan_of(block_engine.params({"gen_length": 4, "block_length": 4}))
+    long = plan_of(block_engine.params({"gen_length": 32, "block_length": 8}))
+    ids = block_engine.encode_prompt("a")
+    requests = [RowRequest(0, ids, long, request_seed(0, ids))]
+    requests += [RowRequest(k, ids, short, request_seed(k, ids)) for k in (1, 2)]
+    widths = [(key, sorted(scheduler.lanes)) for key, _, _ in scheduler.run(requests)]
+    assert [key for key, _ in widths] == [1, 2, 0]  # the short rows first
+    assert widths[0][1] == [4, 8]  # (handed back from the lane they were in)
+    assert widths[2][1] == [8]  # the width-4 lane went as soon as its rows had left
+    assert scheduler.lanes == {} and scheduler.shadows == {}
 
 
 def test_a_memory_budget_counts_a_cache_for_each_block_width(block_engine: Engine) -> None:

@@ -31,7 +31,7 @@ from ..structured.commit import Rule
 from .block import OnBlock
 from .canvas_step import CanvasDraws, canvas_step
 from .diffusion_gemma import INIT, RENOISE, DiffusionGemmaPlan, Held, pass_masks, temperature
-from .runset import Lane, RowRequest, RunningSet
+from .runset import Lane, RowRequest, RunningSet, give_back
 from .sampling import RowNoise
 
 
@@ -178,9 +178,11 @@ class CanvasScheduler(RunningSet[RowRequest[DiffusionGemmaPlan]]):
         while self.waiting or self.in_flight:
             for req in self.admit():
                 self._admit(req)
+            give_back(self.lanes)
             for lane in list(self.lanes.values()):
                 if lane.rows:
                     yield from self._leave(lane, self._round(lane))
+        give_back(self.lanes)
 
     def _admit(self, req: RowRequest[DiffusionGemmaPlan]) -> None:
         """The row's prompt pass, into a slot of its lane (as alone: a batch of one over nothing cached)."""

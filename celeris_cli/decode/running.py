@@ -35,7 +35,7 @@ from ..arch.kv import KVCache
 from ..params import NO_STRUCTURE, Blocks
 from .block import BlockNet, BlockPlan, OnBlock, block_mask, commit_step, top_choice
 from .reference import finished_rows
-from .runset import Lane, RowRequest, RunningSet
+from .runset import Lane, RowRequest, RunningSet, give_back
 from .sampling import Draws, stream_seed
 
 
@@ -124,7 +124,7 @@ class LaneSet(RunningSet[ReqT]):
         return [r.req.key for lane in self.lanes.values() for r in lane.rows]
 
     def _drop_in_flight(self, keys: set[int]) -> None:
-        for W, lane in self.lanes.items():
+        for W, lane in list(self.lanes.items()):
             self._drop(W, {id(r) for r in lane.rows if r.req.key in keys})
 
     def _drop(self, W: int, gone: set[int]) -> None:
@@ -138,9 +138,15 @@ class LaneSet(RunningSet[ReqT]):
         while self.waiting or self.in_flight:
             for req in self.admit():
                 self._admit(req)
+            self._give_back()
             for lane in list(self.lanes.values()):
                 if lane.rows:
                     yield from self._leave(lane, self._round(lane))
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """The caches of lanes whose rows have all left, once this round's rows have joined."""
+        give_back(self.lanes)
 
     def add(self, requests: Iterable[ReqT]) -> None:
         new = list(requests)
@@ -201,6 +207,10 @@ class BlockScheduler(LaneSet[RowRequest[BlockPlan]]):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.shadows: dict[int, Lane] = {}  # by block width: guided rows' unconditional views, their own cache
+
+    def _give_back(self) -> None:
+        give_back(self.lanes)
+        give_back(self.shadows)
 
     def _drop(self, W: int, gone: set[int]) -> None:
         """Rows whose id() is in `gone` leave their lane of width W, and its shadow."""

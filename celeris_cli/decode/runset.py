@@ -80,6 +80,13 @@ class Lane:
         self.rows = kept
 
 
+def give_back(lanes: dict[Any, Lane]) -> None:
+    """Every lane with no rows left gives its cache back at once: the running set holds the caches of the
+    lanes in use and no others (a later row of that shape makes its lane anew)."""
+    for key in [key for key, lane in lanes.items() if not lane.rows]:
+        del lanes[key]
+
+
 class Request(Protocol):
     @property
     def key(self) -> int: ...

@@ -40,7 +40,7 @@ from ..arch.kv import DeferredKVCache, KVCache
 from ..arch.packed import Segment, packed_layers
 from .fast import FastPlan, commit_step
 from .reference import finished_rows, num_transfer_tokens
-from .runset import Lane, RowRequest, RunningSet
+from .runset import Lane, RowRequest, RunningSet, give_back
 from .sampling import Draws, shaper, stream_seed
 from .strategies import Net
 
@@ -175,6 +175,9 @@ class WaveScheduler(RunningSet[RowRequest[FastPlan]]):
                     self.fresh.append(r)
                 else:
                     yield r.req.key, r.x[r.P :].tolist(), r.forwards
+        # every cache back once no row is in flight (not between rounds: a row moving to its next block leaves its
+        # lane and joins it again in the next forward, so a lane empty between rounds is about to be used)
+        give_back(self.lanes)
 
     def _admit(self, req: RowRequest[FastPlan]) -> _Row:
         G = req.plan.schedule.gen_length
