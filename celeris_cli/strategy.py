@@ -89,7 +89,11 @@ STRATEGIES: dict[str, Strategy] = {
         "block_steps",
         "block",
         streams_blocks=True,
-        static_because="the reference block decoder, which recomputes its canvas; `block-fast` is its running form",
+        static_because=(
+            "LLaDA2's reference block decoder recomputes its prefix under block-causal attention, which a "
+            "packed forward has no segment for yet; `block-fast` (the same rule over an exact cache) is its "
+            "running form"
+        ),
     ),
     "block-fast": Strategy(_BLOCK_PARTS, "block-cached", "block_steps", "block-cached", "block", streams_blocks=True),
     "nemotron": Strategy(

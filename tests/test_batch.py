@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -93,10 +94,22 @@ def test_failure_records_name_the_results_file_the_run_wrote(tmp_path: Path) -> 
     assert {r["output"] for r in records} == {str(out.resolve())}
 
 
+def in_process(*args: str) -> Any:
+    """`celeris ARGS` in this process (a usage error needs no process of its own): exit_code, stderr, and
+    `exception`, a SystemExit unless one escaped the CLI (what would print a traceback)."""
+    from typer.testing import CliRunner
+
+    from celeris_cli.cli import app
+    from celeris_cli.cli.batch import _optional_ray_address
+
+    return CliRunner().invoke(app, _optional_ray_address(list(args)))  # as `main` hands it the command line
+
+
 def test_unreadable_input_is_a_usage_error(tmp_path: Path, tiny_model: Path) -> None:
     (tmp_path / "in.csv").write_text("a,b\n")
-    p = celeris("batch", "-i", str(tmp_path / "in.csv"), "-o", str(tmp_path / "o.jsonl"), "--model", str(tiny_model))
-    assert p.returncode == 2 and "unsupported file type" in p.stderr and "Traceback" not in p.stderr
+    p = in_process("batch", "-i", str(tmp_path / "in.csv"), "-o", str(tmp_path / "o.jsonl"), "--model", str(tiny_model))
+    assert p.exit_code == 2 and "unsupported file type" in p.stderr
+    assert isinstance(p.exception, SystemExit)  # a clean exit, no exception escaping (no traceback)
     assert not (tmp_path / "o.jsonl").exists()
 
 
@@ -130,16 +143,16 @@ def test_a_missing_output_folder_or_model_is_a_usage_error_before_any_decoding(
     tmp_path: Path, tiny_model: Path
 ) -> None:
     (tmp_path / "in.txt").write_text("hello\n")
-    p = celeris("batch", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "nope" / "o.jsonl"), "--model",
+    p = in_process("batch", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "nope" / "o.jsonl"), "--model",
                 str(tiny_model))  # fmt: skip
-    assert p.returncode == 2 and "does not exist" in p.stderr and "Traceback" not in p.stderr
+    assert p.exit_code == 2 and "does not exist" in p.stderr and isinstance(p.exception, SystemExit)
     if importlib.util.find_spec("ray") is not None:  # the Ray path checks the model on the driver, before Ray
-        p = celeris("batch", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "o.jsonl"), "--ray", "--model",
+        p = in_process("batch", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "o.jsonl"), "--ray", "--model",
                     str(tmp_path / "no-model"))  # fmt: skip
-        assert p.returncode == 2 and "model folder not found" in p.stderr and "Traceback" not in p.stderr
-        p = celeris("batch", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "o.jsonl"), "--ray", "--model",
+        assert p.exit_code == 2 and "model folder not found" in p.stderr and isinstance(p.exception, SystemExit)
+        p = in_process("batch", "-i", str(tmp_path / "in.txt"), "-o", str(tmp_path / "o.jsonl"), "--ray", "--model",
                     str(tiny_model), "--set", '{"strategy": "reference", "threshold": 0.5}')  # fmt: skip
-        assert p.returncode == 2 and "threshold: not used by the reference strategy" in p.stderr
+        assert p.exit_code == 2 and "threshold: not used by the reference strategy" in p.stderr
 
 
 def test_ray_missing_is_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -165,8 +165,9 @@ TWENTY = [
 ]
 
 
-@pytest.mark.parametrize("strategy", ["fast", "reference"])
-@pytest.mark.parametrize("model", ["engine", "eos_prone"])
+@pytest.mark.parametrize(  # (the rows that end early and leave are the fast decoder's: reference runs every step)
+    ("model", "strategy"), [("engine", "fast"), ("eos_prone", "fast"), ("engine", "reference")]
+)
 def test_an_answer_does_not_depend_on_batch_mates_or_batch_size(
     request: pytest.FixtureRequest, model: str, strategy: str
 ) -> None:

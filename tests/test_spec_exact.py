@@ -279,14 +279,14 @@ def test_rows_that_differ_in_sampler_share_a_forward_and_an_empty_lane_is_given_
 
 
 def test_batch_files_under_different_schedules_and_batch_sizes_are_the_same_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """`celeris batch` over 36 requests (the default model and dtype), twice with different drafting schedules
-    and batch sizes, and once with `never` three at a time: the same answers, request for request."""
+    """`celeris batch` over 36 requests (the default model and dtype), drafting one token a round sixteen at a
+    time, and with `never` three at a time: the same answers, request for request."""
     scripts = ["床前明月光，", "春眠不觉晓，", "白日依山尽，", "The jury said it", "To be, or not", "红豆生南国，"]
     lines = [{"custom_id": f"r{i}", "prompt": scripts[i % 6] + str(i), "seed": i % 3} for i in range(36)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines), "utf-8")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
     answers = []
-    for name, drafting, batch in (("a", "random:1", 16), ("b", "random:2", 7), ("c", "never", 3)):
+    for name, drafting, batch in (("a", "random:1", 16), ("c", "never", 3)):
         settings = json.dumps({"strategy": "spec", "drafting": drafting, "gen_length": 16, "denoise_steps": 4})
         args = ["batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / f"{name}.jsonl"), "--device", "cpu"]
         args += ["--set", settings, "--batch-size", str(batch)]
@@ -297,4 +297,4 @@ def test_batch_files_under_different_schedules_and_batch_sizes_are_the_same_file
         answers.append({r["custom_id"]: (r["response"]["body"]["text"], r["response"]["body"]["finish_reason"])
                         for r in rows})  # fmt: skip
     assert len(answers[0]) == 36
-    assert answers[0] == answers[1] == answers[2]
+    assert answers[0] == answers[1]
