@@ -8,8 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
-from .test_families_cli import celeris, inspect_json
+from celeris_cli.cli import app
+
+from .test_families_cli import inspect_json
 
 DATA = Path(__file__).parent / "data"
 FOLDERS = {
@@ -46,10 +49,11 @@ def test_inspect_tells_each_familys_layout_attention_shift_block_and_experts(fam
 
 @pytest.mark.parametrize("family", FOLDERS)
 def test_generate_loads_each_folder_as_saved(family: str) -> None:
-    p = celeris(
+    """In process: the command line in a process of its own is `test_families_cli`'s, family by family."""
+    p = CliRunner().invoke(app, [
         "generate", "--model", str(FOLDERS[family]), "--prompt", "The apples", "--gen-length", "8",
         "--temperature", "0", "--json", "--quiet", "--dtype", "float32",
-    )  # fmt: skip
-    assert p.returncode == 0, p.stderr
+    ])  # fmt: skip
+    assert p.exit_code == 0, p.output
     r = json.loads(p.stdout)
     assert r["settings"]["strategy"] == inspect_json(FOLDERS[family])["strategies"].split(",")[0]
