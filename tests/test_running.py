@@ -257,10 +257,17 @@ def test_each_widths_cache_is_allocated_once_for_the_longest_canvas(block_engine
         RowRequest(i, ids, plan, request_seed(i, ids)) for i, ids in enumerate(map(block_engine.encode_prompt, prompts))
     ]
     longest = max(-(-(len(r.prompt) + 16) // 4) * 4 for r in requests)
+    allocate, made = scheduler._allocate, []
+
+    def counted(rows: int, length: int) -> Any:
+        made.append((length, rows))
+        return allocate(rows, length)
+
+    scheduler._allocate = counted  # type: ignore[method-assign]
     shapes = {
         (lane.cache.length, lane.cache.rows) for _ in scheduler.run(requests) for lane in scheduler.lanes.values()
     }
-    assert shapes == {(longest, 2)}
+    assert made == [(longest, 2)] and shapes == {(longest, 2)}  # one cache, made once, never grown
 
 
 def test_a_lane_whose_rows_have_all_left_gives_its_cache_back(block_engine: Engine) -> None:
@@ -274,14 +281,14 @@ def test_a_lane_whose_rows_have_all_left_gives_its_cache_back(block_engine: Engi
     sp = block_engine.special
     scheduler = BlockScheduler(Net(block_engine.model), sp.mask_id, sp.stop_ids, sp.pad_id, 3, torch.device("cpu"))
     short = plan_of(block_engine.params({"gen_length": 4, "block_length": 4}))
-    long = plan_of(block_engine.params({"gen_length": 32, "block_length": 8}))
+    long = plan_of(block_engine.params({"gen_length": 32, "block_length": 8, "cfg_scale": 1.5}))  # and its shadow
     ids = block_engine.encode_prompt("a")
     requests = [RowRequest(0, ids, long, request_seed(0, ids))]
     requests += [RowRequest(k, ids, short, request_seed(k, ids)) for k in (1, 2)]
-    widths = [(key, sorted(scheduler.lanes)) for key, _, _ in scheduler.run(requests)]
-    assert [key for key, _ in widths] == [1, 2, 0]  # the short rows first
-    assert widths[0][1] == [4, 8]  # (handed back from the lane they were in)
-    assert widths[2][1] == [8]  # the width-4 lane went as soon as its rows had left
+    widths = [(key, sorted(scheduler.lanes), sorted(scheduler.shadows)) for key, _, _ in scheduler.run(requests)]
+    assert [key for key, _, _ in widths] == [1, 2, 0]  # the short rows first
+    assert widths[0][1:] == ([4, 8], [8])  # (handed back from the lane they were in); the guided row's shadow
+    assert widths[2][1:] == ([8], [8])  # the width-4 lane went as soon as its rows had left
     assert scheduler.lanes == {} and scheduler.shadows == {}
 
 

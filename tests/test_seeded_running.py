@@ -226,3 +226,18 @@ def test_each_completed_block_is_streamed_and_the_blocks_add_up_to_the_answer(de
         assert all(later[: len(earlier)] == earlier for earlier, later in zip(chunks, chunks[1:]))
         assert e.finish(chunks[-1], prompt=e.encode_prompt(prompts[k]))[0] == answers[k].text
     assert sorted(streamed) == [0, 1, 2] and all(len(c) >= 4 for c in streamed.values())
+
+
+def test_a_lane_whose_rows_have_all_left_gives_its_cache_back(engine: Engine) -> None:
+    """Two block widths: once the short answers of width 2 are handed back, only the width-8 lane holds a
+    cache while its long row runs on; none once the run is over."""
+    ids = engine.encode_prompt("The cat")
+    long = plan_for(engine.params({"strategy": "nemotron", "gen_length": 32, "block_length": 8}))
+    short = plan_for(engine.params({"strategy": "nemotron", "gen_length": 2, "block_length": 2}))
+    reqs = [RowRequest(0, ids, long, request_seed(0, ids))]
+    reqs += [RowRequest(k, ids, short, request_seed(k, ids)) for k in (1, 2)]
+    scheduler = _scheduler(engine, 3)
+    seen = [(key, sorted(scheduler.lanes)) for key, _, _ in scheduler.run(reqs)]
+    assert [key for key, _ in seen][-1] == 0 and seen[0][1] == [2, 8]  # the long row last; both lanes at first
+    assert seen[-1][1] == [8]  # the width-2 lane went once its rows had left
+    assert scheduler.lanes == {}

@@ -142,8 +142,8 @@ class DreamRow:
         last = self.i == plan.timeline.denoise_steps
         gen = self.canvas[None, self.prompt :]  # (1, N): the answer as a batch of one
         masked = gen == self.mask_id
-        if not bool(masked.any()):
-            return last
+        if not bool(masked.any()):  # nothing left to unmask: its answer is final, and its place another's
+            return True
         places = Places.columns(masked.nonzero())
         draws = self.noise.at([0], 0, i)
         t, s = self.timesteps[i], self.timesteps[i + 1]

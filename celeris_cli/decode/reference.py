@@ -74,8 +74,8 @@ class ReferencePlan:
 
     @property
     def forwards(self) -> int:
-        """A forward a step (steps spread over the blocks)."""
-        return sum(self.schedule.steps_per_block)
+        """A forward a step (steps spread over the blocks), two under guidance (its unconditional view)."""
+        return sum(self.schedule.steps_per_block) * (2 if self.guidance.cfg_scale > 0 else 1)
 
     def row(self, prompt: torch.Tensor, noise: RowNoise, tokens: Tokens) -> ReferenceRow:
         return ReferenceRow(prompt, self, noise, tokens)
@@ -159,7 +159,8 @@ class ReferenceRow:
         return self.prompt + bs, self.prompt + be
 
     def views(self) -> list[torch.Tensor]:
-        """Its canvas, and under guidance the canvas with its prompt masked (a second forward, counted as one)."""
+        """Its canvas, and under guidance the canvas with its prompt masked (a second forward, counted as one
+        of its own)."""
         if self.plan.guidance.cfg_scale <= 0:
             return [self.canvas]
         ones = torch.ones(1, len(self.canvas), dtype=torch.bool, device=self.canvas.device)

@@ -139,9 +139,11 @@ class SeededScheduler(LaneSet[RowRequest[SeededPlan]]):
         while self.waiting or self.in_flight:
             for req in self.admit():
                 self._admit(req)
+            self._give_back()
             done = self._tick()
             for W in sorted({r.width for r in done}):
                 yield from self._leave(self.lanes[W], [r for r in done if r.width == W])
+        self._give_back()
 
     def _tick(self) -> list[_Row]:
         """One round: one packed forward (`arch.packed`: rows end to end, no padding, each row's attention

@@ -9,8 +9,9 @@ a second of the unconditional views) of every row in flight, each over exactly i
 0 (its attention over its own keys only, the shapes it has alone), followed by each row's own step
 (`WholeRow.step`: its family's rule, drawing from the row's own stream at its own step). Nothing is padded
 and no row reads another's numbers, so a row's answer is the one it gets alone, whoever runs beside it and
-whenever it joined. `generate_reference`, `generate_dream` and `generate_rnd1` are this set with every row
-admitted at once: the samplers have this one copy.
+whenever it joined (bit for bit under `deterministic`, whose linear layers tile their rows: otherwise a
+matmul's float32 rounding may change with its number of rows). `generate_reference`, `generate_dream` and
+`generate_rnd1` are this set with every row admitted at once: the samplers have this one copy.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class WholeScheduler(RunningSet[RowRequest[WholePlan]]):
     def _round(self) -> dict[int, _Running]:
         """Every row's step, after the forwards of the rows that read one: one packed forward of their
         canvases, and under guidance a second of their unconditional views (each view a forward of its own, as
-        the families' code counts them); returns the rows done (by id)."""
+        this project counts guidance: docs/settings.md); returns the rows done (by id)."""
         wanted = [(r, r.row.wanted().nonzero().flatten()) for r in self.rows]
         computed = [(r, at, r.row.views()) for r, at in wanted if len(at)]
         hidden: dict[int, list[torch.Tensor]] = {id(r): [] for r, _ in wanted}
@@ -207,6 +208,7 @@ class WholeScheduler(RunningSet[RowRequest[WholePlan]]):
         out: list[torch.Tensor] = [h] * len(batch)
         for i, s in zip(order, segments):
             r, at, _ = batch[i]
+            assert r.row.prompt >= self.net.shift, "a shifted model's row needs a prompt token to predict from"
             out[i] = h[0, s.begin + r.row.prompt + at - self.net.shift]  # shift: position j - 1 predicts j
         return out
 
