@@ -166,12 +166,16 @@ def test_ray_missing_is_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None
     assert "celeris[ray]" not in str(caught.value)
 
 
-def test_ray_comparison_bench_reports_identical_texts_and_prompts_per_s(tmp_path: Path, tiny_model: Path) -> None:
-    pytest.importorskip("ray")
+def test_the_batch_bench_reports_a_run_per_executor_with_its_prompts_per_s(tmp_path: Path, tiny_model: Path) -> None:
+    """`bench_batch`'s report from its local run. Its Ray runs are the executor the test above runs through
+    the CLI (byte-identical to local, an actor killed); a Ray start of its own here took 25 to 35 s of a CI
+    worker for the same property."""
     from celeris_cli.measure.bench import bench_batch
 
-    report = bench_batch(6, 4, tmp_path, {"model": str(tiny_model), "device": "cpu", "dtype": "float32"}, actors=(1,))
-    assert set(report["runs"]) == {"local", "ray-actors-1"}
-    for run in report["runs"].values():
-        assert run["results"] == 6 and run["prompts_per_s"] > 0 and run["identical_to_local"] is True
-    assert report["runs"]["local"]["overhead_vs_local"] == 0.0
+    report = bench_batch(6, 4, tmp_path, {"model": str(tiny_model), "device": "cpu", "dtype": "float32"}, actors=())
+    (name, run), *more = report["runs"].items()
+    assert name == "local" and more == [] and report["prompts"] == 6 and report["batch_size"] == 4
+    assert run["results"] == 6 and run["prompts_per_s"] > 0 and run["wall_s"] > 0
+    assert run["overhead_vs_local"] == 0.0
+    texts = [json.loads(x)["response"]["body"]["text"] for x in (tmp_path / "local.jsonl").read_text().splitlines()]
+    assert len(texts) == 6 and all(texts)  # the answers the comparison is made on

@@ -50,8 +50,8 @@ def test_gpu_check_runs_end_to_end_on_cpu_at_a_tiny_shape(tmp_path: Path) -> Non
     assert [r["quantize"] for r in models] == ["int8", "int4"] * 3 and all(r["row_alone_equal"] for r in models)
     assert {r["dtype"] for r in models if r["quantize"] == "int4"} == {"bfloat16"}  # CUDA's int4 kernel's dtype
     sched = report["scheduling"]
-    assert [r["model"] for r in sched] == ["celeris-block", "llada-8b-shape"]
-    assert [r["answers"] for r in sched] == [4, 4]
+    assert [r["model"] for r in sched] == ["llada-8b-shape"]  # (--tiny: celeris-block's runs on a card only)
+    assert [r["answers"] for r in sched] == [4]
     for r in sched:  # static against continuous: the same answers (bfloat16 allows a near tie to flip)
         assert set(r["scheduling"]) == {"static", "continuous"}
         assert r["identical_answers"] >= r["answers"] - 2

@@ -113,7 +113,7 @@ class ExplodingActor(EngineActor):
 
 
 def forget_earlier_ray_tokens(mp: pytest.MonkeyPatch) -> None:
-    """An earlier Ray session in this process (test_batch's bench) left token auth on and its token cached;
+    """An earlier Ray session in this process (any test's) left token auth on and its token cached;
     a new session would then skip writing a token to this HOME and its GCS would abort (`has_token`)."""
     for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         mp.delenv(key, raising=False)
