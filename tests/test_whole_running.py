@@ -116,3 +116,17 @@ def test_the_engine_decodes_its_rows_in_the_running_set(family: Any) -> None:
     results = engine.generate(PROMPTS[:3], params, batch_size=2)
     assert engine.last_occupancy is not None and engine.last_occupancy.forwards > 0
     assert len(results) == 3 and all(r.output_tokens <= 6 for r in results)
+
+
+def test_a_memory_budget_counts_whole_rows_as_one_working_state_whatever_their_blocks() -> None:
+    """The whole-canvas rows keep no cache, so rows of two block lengths are not two lanes' caches: under a
+    budget the set is as wide for them as for rows of one block length (the planner once halved it)."""
+    engine = load_engine(FOLDERS["reference"], device="cpu", dtype="float32", max_memory="1TiB")
+    eight, sixteen = (
+        engine.params({"strategy": "reference", "gen_length": 16, "block_length": w, "denoise_steps": 16})
+        for w in (8, 16)
+    )
+    encoded = [engine.encode_prompt(p) for p in PROMPTS * 2]
+    engine.memory.budget = engine.memory.need([max(encoded, key=len)] * 4, eight)  # about four rows
+    one = engine._running_width(encoded, [eight] * len(encoded), 8)
+    assert 1 < one < 8 and engine._running_width(encoded, [eight, sixteen] * (len(encoded) // 2), 8) == one
