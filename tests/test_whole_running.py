@@ -66,12 +66,21 @@ def _alone(engine: Any, req: RowRequest[Any]) -> list[int]:
 @pytest.mark.parametrize("trial", range(2))
 def test_random_mixes_answer_as_each_request_alone(family: Any, trial: int) -> None:
     """Trial 1 computes the LM head a few positions at a time (`Net.chunk` 3): the rows' head calls split
-    into groups (`WholeScheduler._head_groups`) where alone each row has one."""
+    into groups (`WholeScheduler._head_groups`) where alone each row has one, and a row of more positions
+    than that computes its own a chunk at a time."""
     name, engine = family
     rng = random.Random(f"{name}{trial}")
     reqs = [_request(engine, k, _settings(name, rng), rng.choice(PROMPTS), rng.randrange(1000)) for k in range(7)]
     special = engine.special
     net = Net(engine.model, chunk=3 if trial else None)
+    sizes: list[int] = []  # positions per LM head call
+    step_head = net.step_head
+
+    def counted() -> Any:
+        head = step_head()
+        return lambda h: sizes.append(len(h)) or head(h)
+
+    net.step_head = counted  # type: ignore[method-assign]
     rows = WholeScheduler(net, special.mask_id, special.pad_id, 3, engine.device)
     got, late, dropped = {}, reqs[5:], -1
     for key, ids, _ in rows.run(reqs[:5]):
@@ -82,6 +91,7 @@ def test_random_mixes_answer_as_each_request_alone(family: Any, trial: int) -> N
         if late:  # rows joining while others run
             rows.add([late.pop()])
     assert dropped not in got and sorted(got) == sorted(r.key for r in reqs if r.key != dropped)
+    assert sizes and max(sizes) <= net.chunk  # no head call holds the logits of more than a chunk
     for r in reqs:
         if r.key != dropped:
             assert got[r.key] == _alone(engine, r), r.plan

@@ -19,6 +19,7 @@ import torch
 
 from ..arch.kv import KVCache
 from ..structured.commit import Rule
+from .sampling import RowNoise
 
 
 @dataclass
@@ -214,3 +215,22 @@ class RunningSet(Generic[R]):
     def run(self, requests: Iterable[R] = ()) -> Iterator[tuple[int, list[int], int]]:
         """(key, generated ids, forwards taken part in) as each row finishes, until none waits or runs."""
         raise NotImplementedError
+
+
+def admitted_at_once(
+    scheduler: RunningSet[RowRequest[Any]],
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    plan: Plan,
+    fill: int,
+    noise: RowNoise,
+) -> torch.Tensor:
+    """A static batch as a running set of as many rows, all admitted at once: prompt (B, P) left-padded ->
+    the canvas (B, P + gen_length), row b's request its own prompt ids drawing from stream b of `noise`, its answer
+    written after the batch's prompt columns (`fill` where an answer is shorter than gen_length)."""
+    B, P = prompt.shape
+    requests = [RowRequest(b, prompt[b][prompt_mask[b]].tolist(), plan, noise.seeds[b]) for b in range(B)]
+    out = torch.cat([prompt, prompt.new_full((B, plan.gen_length), fill)], 1)
+    for b, ids, _ in scheduler.run(requests):
+        out[b, P : P + len(ids)] = torch.tensor(ids, dtype=out.dtype, device=out.device)
+    return out

@@ -37,7 +37,7 @@ from .nemotron import Picks, SeededPlan, ar_shaping, stop_after
 from .predict import Places, StepLogits, choose
 from .reference import commit_order, finished_rows, num_transfer_tokens, select_top_k
 from .running import LaneSet
-from .runset import RowRequest
+from .runset import RowRequest, admitted_at_once
 from .sampling import Draws, RowNoise, shaper, stream_seed
 
 
@@ -296,10 +296,5 @@ def generate_seeded(
     """A static batch: prompt (B, P) left-padded -> the canvas (B, P + gen_length), each row decoded in a
     running set of B rows admitted at once. tokens: (mask_id, stop_ids, pad_id, word_pieces)."""
     mask_id, stop_ids, pad_id, word_pieces = tokens
-    B, P = prompt.shape
-    scheduler = SeededScheduler(net, mask_id, stop_ids, pad_id, B, prompt.device, word_pieces)
-    requests = [RowRequest(b, prompt[b][prompt_mask[b]].tolist(), plan, noise.seeds[b]) for b in range(B)]
-    out = torch.cat([prompt, prompt.new_full((B, plan.blocks.gen_length), mask_id)], 1)
-    for b, ids, _ in scheduler.run(requests):
-        out[b, P:] = torch.tensor(ids, device=prompt.device)
-    return out
+    scheduler = SeededScheduler(net, mask_id, stop_ids, pad_id, len(prompt), prompt.device, word_pieces)
+    return admitted_at_once(scheduler, prompt, prompt_mask, plan, mask_id, noise)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from ..arch.packed import Segment, packed_layers
-from .runset import RowRequest, RunningSet
+from .runset import RowRequest, RunningSet, admitted_at_once
 from .sampling import RowNoise
 
 
@@ -146,42 +146,42 @@ class WholeScheduler(RunningSet[RowRequest[WholePlan]]):
             self.occupancy.rows += len(batch)
             self.occupancy.positions += sum(len(c) for _, _, c in batch)
         done: dict[int, _Running] = {}
-        for group in self._head_groups([(r, len(at)) for r, at in wanted]):
-            for r, hs, net in self._heads(group, hidden):
+        for group, positions in self._head_groups([(r, len(at)) for r, at in wanted]):
+            for r, hs, net in self._heads(group, positions, hidden):
                 if r.row.step(hs, net):
                     done[id(r)] = r
         return done
 
-    def _head_groups(self, rows: list[tuple[_Running, int]]) -> Iterator[list[_Running]]:
-        """The rows in order, in groups of at most `net.chunk` predicted positions (a larger row alone): the
-        rows whose LM head one call computes, so a step's logits are never held for more than a chunk."""
+    def _head_groups(self, rows: list[tuple[_Running, int]]) -> Iterator[tuple[list[_Running], int]]:
+        """The rows in order, in groups of at most `net.chunk` predicted positions (a larger row alone), each
+        with its positions: the rows whose LM head one call computes."""
         chunk = getattr(self.net, "chunk", 0)
         group: list[_Running] = []
         held = 0
         for r, n in rows:
             if group and held + n > chunk:
-                yield group
+                yield group, held
                 group, held = [], 0
             group.append(r)
             held += n
         if group:
-            yield group
+            yield group, held
 
     def _heads(
-        self, group: list[_Running], hidden: dict[int, list[torch.Tensor]]
+        self, group: list[_Running], positions: int, hidden: dict[int, list[torch.Tensor]]
     ) -> list[tuple[_Running, list[torch.Tensor], Any]]:
         """Each row of `group` with what its step reads and the net it reads it through: the logits of its
         predicted positions in each view from one head call for the whole group, through a head that takes
-        them as they are (`_Applied`); a row alone, or a net with no step head, reads its hidden states
-        through the net itself. One call for many rows instead of one each: a row's few last masked positions
-        no longer cost a head call of their own (under `deterministic`, each row's logits are the same bit for
-        bit in any group: `invariant.linear`)."""
-        if len(group) == 1 or not hasattr(self.net, "step_head"):
+        them as they are (`_Applied`). A row of more positions than a chunk (alone in its group), or a net
+        with no step head, reads its hidden states through the net itself, whose step computes the head a
+        chunk at a time: no step holds the logits of more than a chunk. One call for many rows instead of one
+        each: a row's few last masked positions no longer cost a head call of their own (under
+        `deterministic`, each row's logits are the same bit for bit in any group: `invariant.linear`)."""
+        if not hasattr(self.net, "step_head") or positions > self.net.chunk:
             return [(r, hidden[id(r)], self.net) for r in group]
         head = self.net.step_head()
-        views = max(len(hidden[id(r)]) for r in group)
         logits: dict[int, list[torch.Tensor]] = {id(r): [] for r in group}
-        for v in range(views):
+        for v in range(max(len(hidden[id(r)]) for r in group)):
             having = [r for r in group if len(hidden[id(r)]) > v]
             out = head(torch.cat([hidden[id(r)][v] for r in having]))
             begin = 0
@@ -248,10 +248,5 @@ def whole_batch(
 ) -> torch.Tensor:
     """A static batch through the running set, every row admitted at once: prompt (B, P) left-padded ->
     the canvas (B, P + gen_length), row b drawing from stream b of `noise` (`stop_ids`: `WholeScheduler`'s)."""
-    B, P = prompt.shape
-    requests = [RowRequest(b, prompt[b][prompt_mask[b]].tolist(), plan, noise.seeds[b]) for b in range(B)]
-    out = torch.cat([prompt, prompt.new_full((B, plan.gen_length), mask_id)], 1)
-    rows = WholeScheduler(net, mask_id, pad_id, B, prompt.device, stop_ids=stop_ids)
-    for key, ids, _ in rows.run(requests):
-        out[key, P:] = torch.tensor(ids, dtype=out.dtype, device=out.device)
-    return out
+    rows = WholeScheduler(net, mask_id, pad_id, len(prompt), prompt.device, stop_ids=stop_ids)
+    return admitted_at_once(rows, prompt, prompt_mask, plan, mask_id, noise)
