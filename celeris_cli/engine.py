@@ -822,10 +822,13 @@ class LiveRun:
 def _lane_of(params: GenerationParams) -> tuple[Any, ...]:
     """The lane a row runs in, each with a cache of its own: its running set's kind, its block width, and
     for the fast decoder's rows their cache mode (`decode.waves`). The whole-canvas rows keep no cache: all
-    of them are one working state, whatever their blocks."""
+    of them are one working state, whatever their blocks; so are block diffusion's rows that recompute their
+    prefix each step (`block`), in one packed forward whatever their widths."""
     kind = _running_kind(params)
     if kind == "whole":
         return (kind,)
+    if STRATEGIES[params.strategy].memory == "block":  # no cache (`decode.running.BlockScheduler.recomputing`)
+        return kind, "recomputed"
     return kind, params.block_length, params.cache if kind == "waves" else None
 
 

@@ -83,18 +83,7 @@ STRATEGIES: dict[str, Strategy] = {
         whole_draw=True,
         end_slot=True,
     ),
-    "block": Strategy(
-        _BLOCK_PARTS,
-        "block",
-        "block_steps",
-        "block",
-        streams_blocks=True,
-        static_because=(
-            "LLaDA2's reference block decoder recomputes its prefix under block-causal attention, which a "
-            "packed forward has no segment for yet; `block-fast` (the same rule over an exact cache) is its "
-            "running form"
-        ),
-    ),
+    "block": Strategy(_BLOCK_PARTS, "block", "block_steps", "block", "block", streams_blocks=True),
     "block-fast": Strategy(_BLOCK_PARTS, "block-cached", "block_steps", "block-cached", "block", streams_blocks=True),
     "nemotron": Strategy(
         ("blocks", "sampling", "ordering", "commit", "shaping"),

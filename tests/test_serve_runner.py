@@ -1,7 +1,7 @@
 """The runner under the routes: rows join the engine's running set as they arrive (while others decode)
 and answer as they do alone, no forward runs more rows than the batch size, a row whose client left
-before it joined is never decoded, a failing row fails alone, rows the running set cannot take (guidance)
-decode in static batches, the block hook that streaming reads, and the concurrency limit and disconnects
+before it joined is never decoded, a failing row fails alone, rows the running set cannot take (the default
+model's `ar`) decode in static batches, the block hook that streaming reads, and the concurrency limit and disconnects
 through the real app (in-process, on a loopback port). A tiny random block-causal model; a gate at the
 model boundary holds the first forward while the test arranges the queue."""
 
@@ -175,48 +175,78 @@ def test_a_row_whose_client_left_while_it_waited_in_the_running_set_never_decode
         runner.close()
 
 
-def test_a_static_batch_out_of_memory_alone_is_too_large_naming_what_to_lower(gated: tuple[Runner, Gate]) -> None:
+def test_rows_out_of_memory_alone_are_too_large_naming_what_to_lower(gated: tuple[Runner, Gate]) -> None:
     from celeris_cli.errors import TooLarge
 
     runner, gate = gated
     gate.oom = True
     rows = [runner.prepare(req(p, cfg_scale=1.5, strategy="block")) for p in ("The quick", "To be, or not")]
-    futures = runner.submit(rows)  # guidance: a static batch, halved, then each row alone
+    futures = runner.submit(rows)  # the running set out of memory: narrower, then each row alone
     gate.release.set()
     for f in futures:
         with pytest.raises(TooLarge, match="lower gen_length"):
             f.result(60)
 
 
+@pytest.fixture(scope="module")
+def default_engine() -> Engine:
+    return load_engine(None, device="cpu", dtype="float32")  # its `ar` decodes in static batches
+
+
 def test_a_static_batch_with_one_failing_row_answers_the_others_and_the_worker_lives_on(
+    default_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = default_engine
+    gate = Gate(engine.model)
+    monkeypatch.setattr(engine, "model", gate)
+    runner = Runner(engine, {"gen_length": 16, "temperature": 1.0}, max_batch=8)
+    try:
+        gate.release.set()
+        prompts = ("The quick", "To be, or not", "The jury said it")
+        rows = [runner.prepare(req(p, strategy="ar")) for p in prompts]
+        assert not engine.continuous(rows[0].group)
+        alone = [runner.submit([r])[0].result(60).text for r in rows]
+        gate.fail_on = only_in(engine, prompts[1], prompts[0], prompts[2])
+        futures = runner.submit(rows)  # a static batch: halved down to the row that fails alone
+        assert futures[0].result(60).text == alone[0] and futures[2].result(60).text == alone[2]
+        with pytest.raises(RuntimeError, match="simulated failure"):
+            futures[1].result(60)
+        gate.fail_on = None
+        _unplannable(engine, runner, rows[0])
+        assert runner.submit(rows[:1])[0].result(60).text == alone[0]  # the worker is still there
+    finally:
+        gate.release.set()
+        runner.close()
+
+
+def test_a_row_the_running_set_cannot_plan_fails_alone_and_the_worker_lives_on(
     gated: tuple[Runner, Gate], engine: Engine
 ) -> None:
     runner, gate = gated
     gate.release.set()
-    prompts = ("The quick", "To be, or not", "The jury said it")
-    rows = [runner.prepare(req(p, cfg_scale=1.5, strategy="block")) for p in prompts]
-    alone = [runner.submit([r])[0].result(60).text for r in rows]
-    gate.fail_on = only_in(engine, prompts[1], prompts[0], prompts[2])
-    futures = runner.submit(rows)  # a static batch: halved down to the row that fails alone
-    assert futures[0].result(60).text == alone[0] and futures[2].result(60).text == alone[2]
-    with pytest.raises(RuntimeError, match="simulated failure"):
-        futures[1].result(60)
-    gate.fail_on = None
+    row = runner.prepare(req("The quick", strategy="block"))
+    assert engine.continuous(row.group)
+    alone = runner.submit([row])[0].result(60).text
+    _unplannable(engine, runner, row)
+    assert runner.submit([row])[0].result(60).text == alone  # the worker is still there
 
-    def unplannable(*args: Any) -> int:  # a failure outside any decode: the batch's rows fail, not the worker
+
+def _unplannable(engine: Engine, runner: Runner, row: Any) -> None:
+    """A failure outside any decode (the memory estimate): the row fails, not the worker."""
+
+    def unplannable(*args: Any) -> int:
         raise ValueError("no plan")
 
     budget, need = engine.memory.budget, engine.memory.need
     engine.memory.budget, engine.memory.need = 10**12, unplannable  # type: ignore[method-assign]
     try:
         with pytest.raises(ValueError, match="no plan"):
-            runner.submit(rows[:1])[0].result(60)
+            runner.submit([row])[0].result(60)
     finally:
         engine.memory.budget, engine.memory.need = budget, need  # type: ignore[method-assign]
-    assert runner.submit(rows[:1])[0].result(60).text == alone[0]  # the worker is still there
 
 
-def test_guidance_rows_decode_in_static_batches_and_answer_as_alone(gated: tuple[Runner, Gate]) -> None:
+def test_guided_block_rows_together_answer_as_alone(gated: tuple[Runner, Gate]) -> None:
     runner, gate = gated
     gate.release.set()
     rows = [runner.prepare(req(p, cfg_scale=1.5, strategy="block")) for p in ("The quick", "To be, or not")]

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from celeris_cli.constraints import canonical
-from celeris_cli.decode.block import step_share
 from celeris_cli.engine import Engine, load_engine
 from celeris_cli.errors import UsageError
 from celeris_cli.structured.commit import Record, Rule, settle
@@ -156,21 +155,6 @@ def test_a_static_block_row_is_the_same_alone_and_beside_rows_of_other_schedules
     for i, r in enumerate(together):
         [alone] = block.generate(prompts[i : i + 1], params, seeds=[3 + i], scheduling="static")
         assert (alone.text, alone.finish_reason) == (r.text, r.finish_reason)
-
-
-def test_a_static_row_past_its_steps_commits_as_alone_whatever_its_mates_schedules() -> None:
-    """The static block decoder's share per step (`step_share`): a row of 2 steps in a block beside a row of
-    5 commits one token a step from its third step on, as it does alone (its schedule is padded with zeros
-    to the widest row's steps; a zero would make a constrained row's answer depend on its batch mates)."""
-    alone_ks, alone_steps = torch.tensor([[[3, 5]]]), torch.tensor([[2]])
-    batch_ks, batch_steps = torch.tensor([[[3, 5, 0, 0, 0]], [[1, 2, 2, 2, 1]]]), torch.tensor([[2], [5]])
-    constrained = torch.tensor([True, False])
-    for i in range(9):
-        alone = step_share(alone_ks, alone_steps, torch.tensor([0]), 0, i, constrained)
-        beside = step_share(batch_ks, batch_steps, torch.tensor([0, 1]), 0, i, constrained)
-        assert alone.tolist() == beside[:1].tolist() == ([3, 5] + [1] * 7)[i : i + 1]
-        free = step_share(batch_ks, batch_steps, torch.tensor([1]), 0, i, constrained)
-        assert free.tolist() == [([1, 2, 2, 2, 1] + [1] * 4)[i]]  # a free row keeps its schedule
 
 
 def test_a_row_under_a_schema_commits_several_tokens_a_step(block: Engine) -> None:

@@ -17,6 +17,7 @@ gives, one per packed token (each row's own).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,8 @@ class Segment:
     at: int = 0
     keys: int = 0
     causal: bool = False  # each query over the keys up to its own (a causal prefill, or a window after `at` keys)
+    block: int = 0  # block-causal in blocks of this width from the row's position 0 (no cache): query i sees key
+    # j when j // block <= i // block (block diffusion's prefix, recomputed: `decode.running`)
 
 
 class PackedLayer:
@@ -84,7 +87,7 @@ class PackedLayer:
                 qs, ks, vs = qs.float(), ks.float(), vs.float()
             if exact.active():  # each query's numbers its own (`arch.exact`)
                 out = exact.attention(qs, ks, vs, seen[None, None])
-            elif first.causal and ks.shape[2] != width:  # a causal window past keys before it: bottom-right
+            elif first.block or (first.causal and ks.shape[2] != width):  # block-causal; a causal window: bottom-right
                 out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen, enable_gqa=gqa)
             else:
                 out = F.scaled_dot_product_attention(
@@ -107,6 +110,7 @@ def _groups(segments: list[Segment]) -> list[list[Segment]]:
                 and s.end - s.begin == last.end - last.begin
                 and s.cache is last.cache
                 and s.causal == last.causal
+                and s.block == last.block
                 and (s.cache is None or (s.slot == last.slot + 1 and s.keys == last.keys))
             ):
                 groups[-1].append(s)
@@ -159,6 +163,31 @@ def packed_layers(segments: list[Segment], n_layers: int, device: torch.device |
         keys = first.keys if first.cache is not None else width
         where = device if device is not None or first.cache is None else first.cache.layers[0][0].device
         ones = torch.ones(width, keys, dtype=torch.bool, device=where)
-        seen.append(ones.tril(keys - width) if first.causal else ones)
+        if first.block:
+            assert first.cache is None, "a block-causal segment attends over its own fresh keys"
+            blocks = torch.arange(width, device=where) // first.block
+            seen.append(blocks[None, :] <= blocks[:, None])
+        else:
+            seen.append(ones.tril(keys - width) if first.causal else ones)
     plan = _Plan(segments, writes, groups, seen)
     return [PackedLayer(plan, i, n_layers) for i in range(n_layers)]
+
+
+def packed_hidden(
+    net: Any, windows: list[torch.Tensor], blocks: list[int], n_layers: int, device: torch.device
+) -> tuple[torch.Tensor, list[Segment]]:
+    """One forward of `windows` (each a row's ids (L,) from its position 0, with no cache) laid end to end,
+    each over exactly its own keys: both ways (blocks[i] 0), or block-causal in blocks of blocks[i]; windows of
+    one shape side by side, so one attention call serves them. Returns the hidden states (N, d) and each
+    window's segment, in the order given."""
+    order = sorted(range(len(windows)), key=lambda i: (blocks[i], len(windows[i])))
+    placed: dict[int, Segment] = {}
+    begin = 0
+    for i in order:
+        placed[i] = Segment(begin, begin + len(windows[i]), block=blocks[i])
+        begin = placed[i].end
+    ids = torch.cat([windows[i] for i in order])
+    pos = torch.cat([torch.arange(len(windows[i]), device=device) for i in order])
+    layers = packed_layers([placed[i] for i in order], n_layers, device)
+    h, _ = net.hidden(ids[None], pos[None], None, layers, 0, False)
+    return h[0], [placed[i] for i in range(len(windows))]

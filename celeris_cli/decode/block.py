@@ -5,7 +5,8 @@ is computed.
 Both decoders share the layout and the step rule; they differ only in what each forward recomputes:
 
 - `generate_block` is LLaDA2's reference (`generate` in its modeling file): every step recomputes the whole
-  prefix up to the end of the current block.
+  prefix up to the end of the current block. It is the running set's (`decode.running`), every row admitted
+  at once: each row's prefix is its own segment of one packed forward (`arch.packed`), block-causal.
 - `generate_block_cached` keeps the keys and values of committed blocks, which are exact under block-causal
   attention: the prompt is prefilled once, each step computes the current block only, and a committed
   block's final keys and values are computed in the same forward as the next block's first step.
@@ -30,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -55,9 +56,19 @@ class BlockPlan:
     editing: Editing = Editing(1.0, 0)  # the block strategy's alone (LLaDA2.1); off
     structure: Structure = NO_STRUCTURE  # the rows' rules come per row (`structured.commit`)
 
+    recomputes: ClassVar[bool] = False  # each step recomputes the row's prefix: no cache (`ReferenceBlockPlan`)
+
     @property
     def gen_length(self) -> int:
         return self.blocks.gen_length
+
+
+@dataclass(frozen=True)
+class ReferenceBlockPlan(BlockPlan):
+    """The `block` strategy's settings: LLaDA2's reference decoder, whose every step recomputes the row's
+    prefix up to the end of its block under block-causal attention (`decode.running.generate_block`)."""
+
+    recomputes: ClassVar[bool] = True
 
 
 # Called once a block is committed, for each row that decoded it: (row, the row's generated ids so far).
@@ -223,16 +234,6 @@ def schedule(cv: Canvas, prompt_tokens: list[int], blocks: Blocks) -> tuple[torc
     return torch.tensor(padded, device=cv.x.device), ks.to(cv.x.device)
 
 
-def step_share(
-    ks: torch.Tensor, steps: torch.Tensor, rows: torch.Tensor, g: int, i: int, constrained: torch.Tensor
-) -> torch.Tensor:
-    """The tokens step i of generated block g commits in each of `rows` (`schedule`'s ks and steps): the
-    schedule's share within the row's own steps; past them, one for a constrained row (still filling its
-    block), as alone, whatever the other rows' schedules (ks is as wide as the batch's most steps)."""
-    k = ks[rows, g, i] if i < ks.shape[2] else torch.ones_like(rows)
-    return torch.where((steps[rows, g] <= i) & constrained[rows], torch.ones_like(k), k)
-
-
 class _View:
     """One view of the canvas for the model: the canvas itself, or (`hide`: (B, C) positions shown as
     masks) guidance's unconditional view, with the prompt masked; and its cache of committed blocks (over
@@ -301,113 +302,6 @@ def _committed(cv: Canvas, rows: torch.Tensor, e: int, gen_length: int, on_block
         for b in rows.tolist():
             g = int(cv.gen[b])
             on_block(b, cv.x[b, g : min(e, g + gen_length)].tolist())
-
-
-@torch.no_grad()
-def generate_block(
-    net: BlockNet,
-    prompt: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    plan: BlockPlan,
-    mask_id: int,
-    stop_ids: frozenset[int],
-    noise: RowNoise,
-    word_pieces: frozenset[int] = frozenset(),
-    on_block: OnBlock | None = None,
-    rules: Rules | None = None,
-) -> torch.Tensor:
-    """LLaDA2's reference block decoding. prompt: (B, P) left-padded; returns (B, P + gen_length).
-    word_pieces: the tokenizer's pieces that continue a word (for subword_min_p). rules: each row's
-    constraint and log-probability record (`structured.commit`); a row under a constraint takes steps past
-    its schedule, one token at least each, until its block is full (the others keep their own steps)."""
-    cv = _canvas(prompt, prompt_mask, plan, mask_id)
-    steps, ks = schedule(cv, prompt_mask.sum(1).tolist(), plan.blocks)
-    stop = torch.tensor(sorted(stop_ids), device=prompt.device)
-    pieces = torch.tensor(sorted(word_pieces), device=prompt.device, dtype=torch.long)
-    views = _views(cv, plan)
-    rows = torch.arange(prompt.shape[0], device=prompt.device)
-    constrained = torch.tensor(
-        [r is not None and r.constrained for r in rules or [None] * len(rows)], dtype=torch.bool, device=prompt.device
-    )
-    for b, rule in enumerate(rules or []):
-        if rule is not None:  # a template's fixed tokens, into the row's canvas up to its end
-            rule.lay(cv.x[b, : int(cv.end[b])], int(cv.gen[b]))
-    W = cv.width
-    for j in range(cv.start_block, cv.num_blocks):
-        s, e, g = j * W, (j + 1) * W, j - cv.start_block
-        rows = rows[cv.end[rows] > s]  # a row whose blocks are all decoded has nothing left to do
-        if plan.editing.active:
-            _edit_block(net, cv, rows, j, steps[:, g], ks[:, g], plan, views, mask_id, noise, stop, pieces)
-        scheduled = int(steps[rows, g].max()) if rows.numel() and not plan.editing.active else 0
-        for i in range(scheduled + (W if scheduled and constrained.any() else 0)):
-            live = rows if i < scheduled else rows[constrained[rows]]  # past the schedule: constrained rows
-            if not (cv.x[live, s:e] == mask_id).any():
-                break
-            mask = block_mask(cv.real[live], 0, e, e, W)
-            hs = [net.hidden(v.ids(cv, live, 0, e, mask_id), cv.pos[live, :e], mask, keep_kv=False)[0] for v in views]
-            draws, answer = _noise(noise, cv, live, j, i), _answer(cv, live, s, e, mask_id, plan.shaping)
-            block = cv.x[live, s:e]
-            k = step_share(ks, steps, live, g, i, constrained)
-            row_rules = None if rules is None else [rules[b] for b in live.tolist()]
-            offsets = (s - cv.gen[live]).tolist()
-            cv.x[live, s:e] = commit_step(
-                block, [h[:, s:e] for h in hs], net, plan, k, mask_id, draws, answer, stop, pieces, row_rules, offsets
-            )
-        _committed(cv, rows, e, plan.blocks.gen_length, on_block)
-        rows = rows[~finished(cv, rows, e, mask_id, stop)]
-    return _result(cv, prompt, plan.blocks.gen_length, mask_id)
-
-
-def _edit_block(
-    net: BlockNet,
-    cv: Canvas,
-    rows: torch.Tensor,
-    j: int,
-    steps: torch.Tensor,
-    ks: torch.Tensor,
-    plan: BlockPlan,
-    views: list[_View],
-    mask_id: int,
-    noise: RowNoise,
-    stop: torch.Tensor,
-    pieces: torch.Tensor,
-) -> None:
-    """Block j with token editing (LLaDA2.1's generate): each iteration fills masks as `commit_step` does
-    (the schedule's share, at least one, and every mask above the threshold) and, from the same forward,
-    rewrites every decided answer token of the block whose most likely token is another one with more
-    than `edit_threshold` probability. A row's iterations go on after its last mask is filled, up to
-    `max_post_edit_steps` of them, and stop after one that began with nothing masked and edited nothing.
-    Each row keeps its own count, so its answer does not depend on its batch mates."""
-    W, ed = cv.width, plan.editing
-    s, e = j * W, (j + 1) * W
-    answer_pos = torch.arange(s, e, device=cv.x.device)[None, :] >= cv.gen[rows][:, None]  # not the prompt
-    post = torch.zeros(len(rows), dtype=torch.long, device=cv.x.device)
-    live = torch.ones(len(rows), dtype=torch.bool, device=cv.x.device)
-    i = 0
-    while True:
-        masked = cv.x[rows, s:e] == mask_id
-        full = ~masked.any(1)
-        post += (live & full).long()
-        live &= post <= ed.max_post_edit_steps
-        # past its steps a block commits one mask a step; a model that predicts the mask token itself would
-        # never fill it, so a block also ends W steps after its schedule and its post-edit steps
-        live &= i < steps[rows] + W + ed.max_post_edit_steps
-        if not live.any():
-            return
-        at = live.nonzero().flatten()
-        r = rows[at]
-        mask = block_mask(cv.real[r], 0, e, e, W)
-        hs = [net.hidden(v.ids(cv, r, 0, e, mask_id), cv.pos[r, :e], mask, keep_kv=False)[0] for v in views]
-        draws, answer = _noise(noise, cv, r, j, i), _answer(cv, r, s, e, mask_id, plan.shaping)
-        block = cv.x[r, s:e]
-        k = torch.where(i < steps[r], ks[r, min(i, ks.shape[1] - 1)], 1)  # past its steps, one at a time
-        out = commit_step(block, [h[:, s:e] for h in hs], net, plan, k, mask_id, draws, answer, stop, pieces)
-        p, x0 = top_choice(net, hs[0][:, s:e])
-        edit = (block != mask_id) & answer_pos[at] & (x0 != block) & (p > ed.edit_threshold)
-        out[edit] = x0[edit]
-        cv.x[r, s:e] = out
-        live[at] &= ~(full[at] & ~edit.any(1))  # began with nothing masked and edited nothing: done
-        i += 1
 
 
 @torch.no_grad()

@@ -294,7 +294,8 @@ class CanvasScheduler(RunningSet[RowRequest[DiffusionGemmaPlan]]):
     def _leave(self, lane: Lane, done: list[_Row]) -> Iterator[tuple[int, list[int], int]]:
         """Hand back finished rows and free their slots."""
         for r in done:
-            yield r.req.key, r.out.tolist(), r.forwards
+            if self.wanted(r.req.key):
+                yield r.req.key, r.out.tolist(), r.forwards
         if done:
             lane.drop({id(r) for r in done})
 

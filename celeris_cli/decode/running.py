@@ -12,8 +12,12 @@ run in their own lane's forward in the same round. So no window is ever padded, 
 the same shape beside any batch mates as alone: only the number of rows changes, which the kernels'
 per-row results do not depend on in float32 (the property the static batches have always had).
 
-Every block-diffusion decode with an exact cache (`block-fast`) runs here, guided or not: a batch alone is a
-running set admitted at once, and `refill=False` gives static batches for comparison.
+Every block-diffusion decode runs here, guided or not: a batch alone is a running set admitted at once, and
+`refill=False` gives static batches for comparison. Rows of `block-fast` read an exact cache; rows of
+`block` (LLaDA2's reference decoder, `block.ReferenceBlockPlan`) keep none: every round, each one's prefix to
+the end of its block is recomputed as its own segment of one packed forward (`arch.packed`, block-causal),
+whatever its width, and it moves on to its next block with no store pass. Both kinds step by one rule
+(`_advance`).
 
 A row's answer is what it would be alone: its noise comes from its own stream at its own (block, step)
 (`RowNoise`), its schedule is its own (`Blocks`), and the commit step runs per group of rows that share
@@ -26,17 +30,19 @@ prefilled and stepped in the same round as its first, as `generate_block_cached`
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
 import torch
 
 from ..arch.kv import KVCache
+from ..arch.packed import packed_hidden
 from ..params import NO_STRUCTURE, Blocks
-from .block import BlockNet, BlockPlan, OnBlock, block_mask, commit_step, top_choice
+from ..structured.commit import Rules
+from .block import BlockNet, BlockPlan, OnBlock, ReferenceBlockPlan, block_mask, commit_step, top_choice
 from .reference import finished_rows
-from .runset import Lane, RowRequest, RunningSet, give_back
-from .sampling import Draws, stream_seed
+from .runset import Lane, RowRequest, RunningSet, admitted_at_once, give_back
+from .sampling import Draws, RowNoise, stream_seed
 
 
 @dataclass
@@ -142,7 +148,12 @@ class LaneSet(RunningSet[ReqT]):
             for lane in list(self.lanes.values()):
                 if lane.rows:
                     yield from self._leave(lane, self._round(lane))
+            yield from self._uncached_round()
         self._give_back()
+
+    def _uncached_round(self) -> Iterator[tuple[int, list[int], int]]:
+        """One round of the rows that keep no cache (a kind with such rows says how), handing back those done."""
+        return iter(())
 
     def _give_back(self) -> None:
         """The caches of lanes whose rows have all left, once this round's rows have joined."""
@@ -153,6 +164,8 @@ class LaneSet(RunningSet[ReqT]):
         # each width's cache, allocated once: as many slots as rows can run at once, as long as the longest
         # canvas (growing it on the way would hold the old and the new at once, and double its length)
         for r in new:
+            if getattr(r.plan, "recomputes", False):  # no cache of its own
+                continue
             W = r.plan.blocks.block_length
             rows, length = self.sizes.get(W, (0, 0))
             self.sizes[W] = (min(rows + 1, self.width), max(length, self._end(r)))
@@ -182,7 +195,8 @@ class LaneSet(RunningSet[ReqT]):
     def _leave(self, lane: Lane, done: list[Any]) -> Iterator[tuple[int, list[int], int]]:
         """Hand back finished rows and free their slots."""
         for r in done:
-            yield r.req.key, r.answer(), r.forwards
+            if self.wanted(r.req.key):
+                yield r.req.key, r.answer(), r.forwards
         if done:
             self._drop(done[0].width, {id(r) for r in done})
 
@@ -207,6 +221,17 @@ class BlockScheduler(LaneSet[RowRequest[BlockPlan]]):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.shadows: dict[int, Lane] = {}  # by block width: guided rows' unconditional views, their own cache
+        self.recomputing: list[_Row] = []  # rows that keep no cache (LLaDA2's reference decoder), any width
+        model: Any = getattr(self.net, "model", None)
+        # what a packed forward passes, one per layer (None: a test's net with no packed forward)
+        self.n_layers = len(model.parts()[1]) if hasattr(model, "parts") else None
+
+    def in_flight_keys(self) -> list[int]:
+        return super().in_flight_keys() + [r.req.key for r in self.recomputing]
+
+    def _drop_in_flight(self, keys: set[int]) -> None:
+        super()._drop_in_flight(keys)
+        self.recomputing = [r for r in self.recomputing if r.req.key not in keys]
 
     def _give_back(self) -> None:
         give_back(self.lanes)
@@ -229,6 +254,9 @@ class BlockScheduler(LaneSet[RowRequest[BlockPlan]]):
         transfers = [blocks.transfers(n, m) for n, m in zip(blocks.steps_for(P), blocks.masked(P))]
         commit = replace(req.plan, blocks=_NO_BLOCKS, structure=NO_STRUCTURE)  # a row's rule comes with the row
         row = _Row(req, x, transfers, first=P // W, block=P // W, commit=commit)
+        if req.plan.recomputes:  # no cache: each step recomputes its prefix (`_uncached_round`)
+            self.recomputing.append(row)
+            return
         views = [(self.lanes, x)]
         if row.guided:  # its unconditional view: a slot of the lane's shadow, the prompt masked
             views.append((self.shadows, row.unconditional(0, end, self.mask_id)))
@@ -246,34 +274,57 @@ class BlockScheduler(LaneSet[RowRequest[BlockPlan]]):
                 self.occupancy.positions += s0
 
     def _round(self, lane: Lane) -> list[_Row]:
-        """One forward over the lane's rows, each its own window at its own place, then each stepping row's
-        commit; returns the rows that are done."""
+        """One forward over the lane's rows, each its own window at its own place (and one over its shadow's
+        unconditional views), then each stepping row's commit; returns the rows that are done."""
         rows = lane.rows
         W = rows[0].width
         h = self._forward(lane, [r.x[r.start : r.start + W] for r in rows])
+        hidden = {id(r): [h[b]] for b, r in enumerate(rows)}
         shadow = self.shadows.get(W)
-        unconditional: dict[int, torch.Tensor] = {}  # guided rows' hidden states of their unconditional view
         if shadow is not None and shadow.rows:
             hu = self._forward(shadow, [r.unconditional(r.start, r.start + W, self.mask_id) for r in shadow.rows])
-            unconditional = {id(r): hu[b] for b, r in enumerate(shadow.rows)}
-        stepping = [b for b, r in enumerate(rows) if not r.storing]
+            for b, r in enumerate(shadow.rows):
+                hidden[id(r)].append(hu[b])
+        return self._advance(rows, hidden)
+
+    def _uncached_round(self) -> Iterator[tuple[int, list[int], int]]:
+        """The rows with no cache: one packed forward of each one's prefix to the end of its block (`_recompute`;
+        a second of the guided rows' unconditional views), then each one's commit; hands back those done."""
+        rows = self.recomputing
+        if not rows:
+            return
+        hidden: dict[int, list[torch.Tensor]] = {id(r): [] for r in rows}
+        for batch, unconditional in ((rows, False), ([r for r in rows if r.guided], True)):
+            if batch:
+                for r, h in zip(batch, self._recompute(batch, unconditional)):
+                    hidden[id(r)].append(h)
+        done = self._advance(rows, hidden)
+        for r in done:
+            if self.wanted(r.req.key):
+                yield r.req.key, r.answer(), r.forwards
+        gone = {id(r) for r in done}
+        self.recomputing = [r for r in self.recomputing if id(r) not in gone]
+
+    def _advance(self, rows: list[_Row], hidden: dict[int, list[torch.Tensor]]) -> list[_Row]:
+        """After a round's forwards (each stepping row's hidden states (W, d) of its block in each view, by
+        id): storing rows move on to their next block, stepping rows commit, in groups that share their
+        settings and width; returns the rows that are done."""
+        stepping = [r for r in rows if not r.storing]
         for r in rows:
             if r.storing:  # its block's final keys and values are in place: on to the next block
                 r.storing, r.block, r.step, r.post = False, r.block + 1, 0, 0
             else:
-                r.began_full = not bool((r.x[r.start : r.start + W] == self.mask_id).any())
-        groups: dict[BlockPlan, list[int]] = {}
-        for b in stepping:
-            groups.setdefault(rows[b].commit, []).append(b)
-        for plan, members in groups.items():
-            hs = [h[members]]
-            if plan.guidance.cfg_scale > 0:
-                hs.append(torch.stack([unconditional[id(rows[b])] for b in members]))
-            self._commit([rows[b] for b in members], hs, plan)
+                r.began_full = not bool((r.x[r.start : r.start + r.width] == self.mask_id).any())
+        groups: dict[tuple[BlockPlan, int], list[_Row]] = {}
+        for r in stepping:
+            groups.setdefault((r.commit, r.width), []).append(r)
+        for (plan, _), members in groups.items():
+            views = 2 if plan.guidance.cfg_scale > 0 else 1
+            self._commit(members, [torch.stack([hidden[id(r)][v] for r in members]) for v in range(views)], plan)
         done = []
-        for b, finished in zip(stepping, self._finished([rows[b] for b in stepping])):
-            r = rows[b]
+        for r, finished in zip(stepping, self._finished(stepping)):
             r.step += 1
+            W = r.width
             s, e = r.start, r.start + W
             # a block ends when nothing in it is masked, or after its own steps: a model may predict the mask
             # token itself, which commits nothing (the static decoders stop there too)
@@ -296,9 +347,33 @@ class BlockScheduler(LaneSet[RowRequest[BlockPlan]]):
                 self.on_block(r.req.key, r.x[r.gen : min(e, r.gen + r.req.plan.blocks.gen_length)].tolist())
             if finished or (complete and e >= len(r.x)):
                 done.append(r)
+            elif complete and r.req.plan.recomputes:  # nothing to store: its next step reads the block anew
+                r.block, r.step, r.post = r.block + 1, 0, 0
             elif complete:
                 r.storing = True
         return done
+
+    def _recompute(self, rows: list[_Row], unconditional: bool) -> list[torch.Tensor]:
+        """The hidden states (W, d) of each row's current block, from one packed forward (`arch.packed`) of
+        every row's canvas from its position 0 to the end of that block (or of its unconditional view),
+        block-causal in its own blocks, each over exactly its own keys (the shapes it has alone); a net with no
+        packed forward runs each row alone."""
+        windows = [r.unconditional(0, r.cached, self.mask_id) if unconditional else r.x[: r.cached] for r in rows]
+        for r in rows:
+            r.forwards += 1
+        self.occupancy.forwards += 1
+        self.occupancy.rows += len(rows)
+        self.occupancy.positions += sum(len(w) for w in windows)
+        if self.n_layers is None:
+            out = []
+            for r, w in zip(rows, windows):
+                real = torch.ones(1, len(w), dtype=torch.bool, device=self.device)
+                pos = torch.arange(len(w), device=self.device)[None]
+                mask = block_mask(real, 0, len(w), len(w), r.width)
+                out.append(self.net.hidden(w[None], pos, mask, keep_kv=False)[0][0, r.start :])
+            return out
+        h, segments = packed_hidden(self.net, windows, [r.width for r in rows], self.n_layers, self.device)
+        return [h[s.end - r.width : s.end] for r, s in zip(rows, segments)]
 
     def _forward(self, lane: Lane, windows: list[torch.Tensor]) -> torch.Tensor:
         """One forward over a lane's rows (these ids: each its block-wide window at its own place), over
@@ -390,3 +465,27 @@ def _transfer(r: _Row) -> int:
 
 # commit_step reads every part of a plan but its blocks: rows group by the rest (their width apart)
 _NO_BLOCKS = Blocks(gen_length=0, block_length=0, block_steps=0, denoise_steps=0, steps_total=False)
+
+
+@torch.no_grad()
+def generate_block(
+    net: BlockNet,
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    plan: BlockPlan,
+    mask_id: int,
+    stop_ids: frozenset[int],
+    noise: RowNoise,
+    word_pieces: frozenset[int] = frozenset(),
+    on_block: OnBlock | None = None,
+    rules: Rules | None = None,
+) -> torch.Tensor:
+    """LLaDA2's reference block decoding (`block.ReferenceBlockPlan`: every step recomputes the row's prefix)
+    as the running set with every row admitted at once. prompt: (B, P) left-padded; returns (B, P +
+    gen_length), masks after a row's stop. word_pieces: the tokenizer's pieces that continue a word (for
+    subword_min_p). rules: each row's constraint and log-probability record (`structured.commit`); a row under
+    a constraint commits at least one token a step until its block is full. on_block(row, generated ids so
+    far) as each row's block is committed."""
+    recomputed = ReferenceBlockPlan(**{f.name: getattr(plan, f.name) for f in fields(plan)})
+    rows = BlockScheduler(net, mask_id, stop_ids, mask_id, len(prompt), prompt.device, word_pieces, on_block=on_block)
+    return admitted_at_once(rows, prompt, prompt_mask, recomputed, mask_id, noise, rules)

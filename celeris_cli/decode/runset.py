@@ -175,6 +175,11 @@ class RunningSet(Generic[R]):
         self.waiting = deque(r for r in self.waiting if r.key not in gone)
         self._leaving |= gone
 
+    def wanted(self, key: int) -> bool:
+        """Whether a row that has just finished is handed back: not if it was dropped meanwhile (its round's
+        answers are handed back one at a time, and a caller may drop a row between two of them)."""
+        return key not in self._leaving
+
     def _drop_in_flight(self, keys: set[int]) -> None:
         """The kind's rows in flight under these keys leave (their lanes' `drop`)."""
         raise NotImplementedError
@@ -224,12 +229,15 @@ def admitted_at_once(
     plan: Plan,
     fill: int,
     noise: RowNoise,
+    rules: list[Rule | None] | None = None,
 ) -> torch.Tensor:
     """A static batch as a running set of as many rows, all admitted at once: prompt (B, P) left-padded ->
-    the canvas (B, P + gen_length), row b's request its own prompt ids drawing from stream b of `noise`, its answer
-    written after the batch's prompt columns (`fill` where an answer is shorter than gen_length)."""
+    the canvas (B, P + gen_length), row b's request its own prompt ids drawing from stream b of `noise` (under
+    rules[b] if given), its answer written after the batch's prompt columns (`fill` where an answer is shorter
+    than gen_length)."""
     B, P = prompt.shape
-    requests = [RowRequest(b, prompt[b][prompt_mask[b]].tolist(), plan, noise.seeds[b]) for b in range(B)]
+    rule = rules or [None] * B
+    requests = [RowRequest(b, prompt[b][prompt_mask[b]].tolist(), plan, noise.seeds[b], rule[b]) for b in range(B)]
     out = torch.cat([prompt, prompt.new_full((B, plan.gen_length), fill)], 1)
     for b, ids, _ in scheduler.run(requests):
         out[b, P : P + len(ids)] = torch.tensor(ids, dtype=out.dtype, device=out.device)

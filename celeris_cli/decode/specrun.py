@@ -174,4 +174,4 @@ class SpecScheduler(RunningSet[RowRequest[SelfSpecPlan]]):
         for name, empty in list(self.lanes.items()):  # a lane whose rows have all left gives its cache back at once
             if not len(empty.idx):
                 del self.lanes[name]
-        yield from answers
+        yield from (a for a in answers if self.wanted(a[0]))

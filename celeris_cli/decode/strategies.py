@@ -25,7 +25,7 @@ from ..errors import UsageError
 from ..params import Drafting, GenerationParams
 from ..strategy import STRATEGIES
 from ..structured.commit import Rules
-from .block import BlockPlan, OnBlock, generate_block, generate_block_cached
+from .block import BlockPlan, OnBlock, ReferenceBlockPlan, generate_block_cached
 from .diffusion_gemma import DiffusionGemmaPlan, generate_diffusion_gemma
 from .dream import DreamPlan, generate_dream
 from .fast import FastPlan, generate_fast
@@ -33,6 +33,7 @@ from .nemotron import ARPlan, SeededPlan
 from .pace import ForwardCost, Learned
 from .reference import ReferencePlan, generate_reference
 from .rnd1 import RND1Plan, generate_rnd1
+from .running import generate_block
 from .sampling import RowNoise
 from .seededrun import generate_seeded
 from .selfspec import SelfSpecPlan, generate_self_spec
@@ -145,7 +146,7 @@ def _plan(cls: type, params: GenerationParams) -> Any:
 
 def plan_of(params: GenerationParams) -> BlockPlan:
     """The block decoders' settings (for the running set, `decode.running`)."""
-    plan: BlockPlan = _plan(BlockPlan, params)
+    plan: BlockPlan = plan_for(params)
     return plan
 
 
@@ -209,7 +210,7 @@ def _rnd1(
     return generate_rnd1(net, prompt, prompt_mask, _plan(RND1Plan, params), tokens.mask_id, tokens.pad_id, noise)
 
 
-def _blocks(decode: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _blocks(decode: Callable[..., torch.Tensor], plan: type[BlockPlan]) -> Callable[..., torch.Tensor]:
     """A block decoder (`generate_block`, `generate_block_cached`) fed its plan and tokens, with `on_block`."""
 
     def run(
@@ -224,8 +225,8 @@ def _blocks(decode: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     ) -> torch.Tensor:
         args = (tokens.mask_id, tokens.stop_ids, noise, tokens.word_pieces, on_block)
         if rules is not None and any(r is not None for r in rules):
-            return decode(net, prompt, prompt_mask, _plan(BlockPlan, params), *args, rules=rules)
-        return decode(net, prompt, prompt_mask, _plan(BlockPlan, params), *args)
+            return decode(net, prompt, prompt_mask, _plan(plan, params), *args, rules=rules)
+        return decode(net, prompt, prompt_mask, _plan(plan, params), *args)
 
     return run
 
@@ -333,8 +334,8 @@ DECODERS: dict[str, Decoder] = {
     "fast": Decoder(FastPlan, _fast),
     "dream": Decoder(DreamPlan, _dream),
     "rnd1": Decoder(RND1Plan, _rnd1),
-    "block": Decoder(BlockPlan, _blocks(generate_block)),
-    "block-cached": Decoder(BlockPlan, _blocks(generate_block_cached)),
+    "block": Decoder(ReferenceBlockPlan, _blocks(generate_block, ReferenceBlockPlan)),
+    "block-cached": Decoder(BlockPlan, _blocks(generate_block_cached, BlockPlan)),
     "seeded": Decoder(SeededPlan, _seeded),
     "ar": Decoder(ARPlan, _ar),
     "speculative": Decoder(SpecPlan, _stopping(generate_speculative, SpecPlan)),

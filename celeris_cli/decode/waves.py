@@ -173,7 +173,7 @@ class WaveScheduler(RunningSet[RowRequest[FastPlan]]):
             for r, outcome in self._advance([part.row for part in stepped]):
                 if outcome in ("next", "again"):
                     self.fresh.append(r)
-                else:
+                elif self.wanted(r.req.key):
                     yield r.req.key, r.x[r.P :].tolist(), r.forwards
         # every cache back once no row is in flight (not between rounds: a row moving to its next block leaves its
         # lane and joins it again in the next forward, so a lane empty between rounds is about to be used)

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..arch.packed import Segment, packed_layers
+from ..arch.packed import packed_hidden
 from .runset import RowRequest, RunningSet, admitted_at_once
 from .sampling import RowNoise
 
@@ -127,7 +127,8 @@ class WholeScheduler(RunningSet[RowRequest[WholePlan]]):
             done = self._round()
             self.rows = [r for r in self.rows if id(r) not in done]
             for r in done.values():
-                yield r.key, r.row.canvas[r.row.prompt :].tolist(), r.forwards
+                if self.wanted(r.key):
+                    yield r.key, r.row.canvas[r.row.prompt :].tolist(), r.forwards
 
     def _round(self) -> dict[int, _Running]:
         """Every row's step, after the forwards of the rows that read one: one packed forward of their
@@ -195,21 +196,12 @@ class WholeScheduler(RunningSet[RowRequest[WholePlan]]):
     def _packed(self, batch: list[tuple[_Running, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """One packed forward of the canvases (row, wanted positions, canvas) in `batch`, each over exactly its
         own keys; each one's hidden states predicting its wanted positions."""
-        order = sorted(range(len(batch)), key=lambda i: len(batch[i][2]))  # one length side by side: one call
-        segments: list[Segment] = []
-        for i in order:
-            begin = segments[-1].end if segments else 0
-            segments.append(Segment(begin, begin + len(batch[i][2])))
-        ids = torch.cat([batch[i][2] for i in order])
-        pos = torch.cat([torch.arange(s.end - s.begin, device=self.device) for s in segments])
         assert self.n_layers is not None
-        layers = packed_layers(segments, self.n_layers, self.device)
-        h, _ = self.net.hidden(ids[None], pos[None], None, layers, 0, False)
-        out: list[torch.Tensor] = [h] * len(batch)
-        for i, s in zip(order, segments):
-            r, at, _ = batch[i]
+        h, segments = packed_hidden(self.net, [c for _, _, c in batch], [0] * len(batch), self.n_layers, self.device)
+        out: list[torch.Tensor] = []
+        for (r, at, _), s in zip(batch, segments):
             assert r.row.prompt >= self.net.shift, "a shifted model's row needs a prompt token to predict from"
-            out[i] = h[0, s.begin + r.row.prompt + at - self.net.shift]  # shift: position j - 1 predicts j
+            out.append(h[s.begin + r.row.prompt + at - self.net.shift])  # shift: position j - 1 predicts j
         return out
 
     def _padded(self, batch: list[tuple[_Running, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:

@@ -61,8 +61,8 @@ def compare_scheduling(
     refused = sorted({p.strategy for _, p in rows if not engine.continuous(p)})
     if refused:
         raise UsageError(
-            f"the running sets decode block-fast and fast without guidance; this model's "
-            f"settings give {', '.join(refused)}, which decodes in static batches only"
+            f"nothing to compare: {', '.join(refused)} decodes in static batches only (the strategies with "
+            "a running set: docs/scheduling.md)"
         )
     prompts = [p for p, _ in rows]
     params = [s for _, s in rows]

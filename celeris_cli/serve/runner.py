@@ -188,7 +188,13 @@ class Runner:
                 key = next(self.keys)
                 self.running[key] = row
                 text, ids, seed = row.prepared.payload
-                self.live.add(key, text, ids, params, seed)
+                try:
+                    self.live.add(key, text, ids, params, seed)
+                except Exception as e:  # noqa: BLE001 - outside any decode (the memory estimate): the row fails, not the worker
+                    log.warning("a row could not be planned: %s: %s", type(e).__name__, e)
+                    self.live.cancel(key)
+                    del self.running[key]
+                    row.future.set_exception(e)
             else:
                 groups.setdefault(params, []).append(row)
         for group in groups.values():
