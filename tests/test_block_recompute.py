@@ -1,7 +1,8 @@
 """LLaDA2's reference block decoder (`block`) in the block running set (`decode.running`): its rows keep no
 cache, and each round every one of them recomputes its prefix as a segment of one packed forward, block-causal
 in its own blocks (`arch.packed`). Mixes drawn by hypothesis (prompts, answer lengths, block widths, steps,
-samplers, thresholds, guidance, token editing, seeds, `block` beside `block-fast`), rows joining while others
+samplers, thresholds, guidance, token editing, min_tokens, presence penalty, seeds, `block` beside
+`block-fast`), rows joining while others
 run and one dropped in flight, each answer equal to the same request decoded alone. The packed block-causal
 segment is checked against the model's own forward under a mask written here; the decoder itself against
 LLaDA2's `generate` by `test_llada2.py` and `test_llada21_editing.py` (the engine decodes through this set)."""
@@ -66,6 +67,8 @@ def _row() -> st.SearchStrategy[dict[str, Any]]:
             "threshold": d(st.sampled_from([1.0, 0.6])),
             "cfg_scale": 0.0 if editing else d(st.sampled_from([0.0, 0.0, 1.5])),
             "edit_threshold": d(st.sampled_from([0.5, 0.8])) if editing else 1.0,
+            "min_tokens": d(st.integers(0, 4)),
+            "presence_penalty": d(st.sampled_from([0.0, 0.0, 0.7])),
         }
         return {"prompt": d(st.sampled_from(PROMPTS)), "settings": row, "seed": d(st.integers(0, 999))}
 

@@ -25,6 +25,7 @@ KINDS = {  # the settings of each kind of row (`engine._running_kind`), with eve
     "guided": {"strategy": "block-fast", "gen_length": 16, "block_length": 8, "cfg_scale": 1.5},  # two slots a row
     "seeded": {"strategy": "nemotron", "gen_length": 16, "block_length": 8},  # Nemotron's diffusion mode
     "whole": {"strategy": "reference", "gen_length": 16, "block_length": 8, "denoise_steps": 8},  # no cache
+    "recomputed": {"strategy": "block", "gen_length": 16, "block_length": 8},  # block rows with no cache
 }
 NEMOTRON = Path(__file__).parent / "data" / "nemotron" / "nemotron_tiny"
 
