@@ -19,7 +19,7 @@ other layers' products changes, which their per-row results do not depend on (th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -173,15 +173,17 @@ class CanvasScheduler(RunningSet[RowRequest[DiffusionGemmaPlan]]):
         super().add(new)
 
     @torch.no_grad()
-    def run(self, requests: Iterable[RowRequest[DiffusionGemmaPlan]] = ()) -> Iterator[tuple[int, list[int], int]]:
-        self.add(requests)
-        while self.waiting or self.in_flight:
-            for req in self.admit():
-                self._admit(req)
-            give_back(self.lanes)
-            for lane in list(self.lanes.values()):
-                if lane.rows:
-                    yield from self._leave(lane, self._round(lane))
+    def one_round(self) -> list[tuple[int, list[int], int]]:
+        for req in self.admit():
+            self._admit(req)
+        give_back(self.lanes)
+        answers = []
+        for lane in list(self.lanes.values()):
+            if lane.rows:
+                answers += self._leave(lane, self._round(lane))
+        return answers
+
+    def settle(self) -> None:
         give_back(self.lanes)
 
     def _admit(self, req: RowRequest[DiffusionGemmaPlan]) -> None:
@@ -291,13 +293,12 @@ class CanvasScheduler(RunningSet[RowRequest[DiffusionGemmaPlan]]):
         for r in rows:
             r.forwards += 1
 
-    def _leave(self, lane: Lane, done: list[_Row]) -> Iterator[tuple[int, list[int], int]]:
-        """Hand back finished rows and free their slots."""
-        for r in done:
-            if self.wanted(r.req.key):
-                yield r.req.key, r.out.tolist(), r.forwards
+    def _leave(self, lane: Lane, done: list[_Row]) -> list[tuple[int, list[int], int]]:
+        """Finished rows' answers; their slots freed."""
+        answers = [(r.req.key, r.out.tolist(), r.forwards) for r in done]
         if done:
             lane.drop({id(r) for r in done})
+        return answers
 
 
 def _width(req: RowRequest[DiffusionGemmaPlan]) -> int:

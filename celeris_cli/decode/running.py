@@ -29,7 +29,7 @@ prefilled and stepped in the same round as its first, as `generate_block_cached`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
@@ -138,22 +138,22 @@ class LaneSet(RunningSet[ReqT]):
         self.lanes[W].drop(gone)
 
     # -- the loop ------------------------------------------------------------------------------------
-    @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
-    def run(self, requests: Iterable[ReqT] = ()) -> Iterator[tuple[int, list[int], int]]:
-        self.add(requests)
-        while self.waiting or self.in_flight:
-            for req in self.admit():
-                self._admit(req)
-            self._give_back()
-            for lane in list(self.lanes.values()):
-                if lane.rows:
-                    yield from self._leave(lane, self._round(lane))
-            yield from self._uncached_round()
+    def one_round(self) -> list[tuple[int, list[int], int]]:
+        for req in self.admit():
+            self._admit(req)
+        self._give_back()
+        answers = []
+        for lane in list(self.lanes.values()):
+            if lane.rows:
+                answers += self._leave(lane, self._round(lane))
+        return answers + self._uncached_round()
+
+    def settle(self) -> None:
         self._give_back()
 
-    def _uncached_round(self) -> Iterator[tuple[int, list[int], int]]:
-        """One round of the rows that keep no cache (a kind with such rows says how), handing back those done."""
-        return iter(())
+    def _uncached_round(self) -> list[tuple[int, list[int], int]]:
+        """One round of the rows that keep no cache (a kind with such rows says how); returns those done."""
+        return []
 
     def _give_back(self) -> None:
         """The caches of lanes whose rows have all left, once this round's rows have joined."""
@@ -192,13 +192,12 @@ class LaneSet(RunningSet[ReqT]):
         """Where a request's slot ends."""
         raise NotImplementedError
 
-    def _leave(self, lane: Lane, done: list[Any]) -> Iterator[tuple[int, list[int], int]]:
-        """Hand back finished rows and free their slots."""
-        for r in done:
-            if self.wanted(r.req.key):
-                yield r.req.key, r.answer(), r.forwards
+    def _leave(self, lane: Lane, done: list[Any]) -> list[tuple[int, list[int], int]]:
+        """Finished rows' answers; their slots freed."""
+        answers = [(r.req.key, r.answer(), r.forwards) for r in done]
         if done:
             self._drop(done[0].width, {id(r) for r in done})
+        return answers
 
     def _allocate(self, rows: int, length: int) -> KVCache:
         """The cache's layers, heads, head size and dtype, from a one-token forward of the model itself (not
@@ -287,23 +286,21 @@ class BlockScheduler(LaneSet[RowRequest[BlockPlan]]):
                 hidden[id(r)].append(hu[b])
         return self._advance(rows, hidden)
 
-    def _uncached_round(self) -> Iterator[tuple[int, list[int], int]]:
+    def _uncached_round(self) -> list[tuple[int, list[int], int]]:
         """The rows with no cache: one packed forward of each one's prefix to the end of its block (`_recompute`;
-        a second of the guided rows' unconditional views), then each one's commit; hands back those done."""
+        a second of the guided rows' unconditional views), then each one's commit; returns those done."""
         rows = self.recomputing
         if not rows:
-            return
+            return []
         hidden: dict[int, list[torch.Tensor]] = {id(r): [] for r in rows}
         for batch, unconditional in ((rows, False), ([r for r in rows if r.guided], True)):
             if batch:
                 for r, h in zip(batch, self._recompute(batch, unconditional)):
                     hidden[id(r)].append(h)
         done = self._advance(rows, hidden)
-        for r in done:
-            if self.wanted(r.req.key):
-                yield r.req.key, r.answer(), r.forwards
         gone = {id(r) for r in done}
         self.recomputing = [r for r in self.recomputing if id(r) not in gone]
+        return [(r.req.key, r.answer(), r.forwards) for r in done]
 
     def _advance(self, rows: list[_Row], hidden: dict[int, list[torch.Tensor]]) -> list[_Row]:
         """After a round's forwards (each stepping row's hidden states (W, d) of its block in each view, by

@@ -217,9 +217,26 @@ class RunningSet(Generic[R]):
         self.occupancy.in_flight += n
         return joining
 
+    @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
     def run(self, requests: Iterable[R] = ()) -> Iterator[tuple[int, list[int], int]]:
-        """(key, generated ids, forwards taken part in) as each row finishes, until none waits or runs."""
+        """(key, generated ids, forwards taken part in) as each row finishes, until none waits or runs: one
+        round after another (`one_round`), its answers handed back one at a time, a row dropped meanwhile not
+        (`wanted`). Rows may be added and dropped between two answers; they join or leave as the next round
+        begins."""
+        self.add(requests)
+        while self.waiting or self.in_flight:
+            for answer in self.one_round():
+                if self.wanted(answer[0]):
+                    yield answer
+        self.settle()
+
+    def one_round(self) -> list[tuple[int, list[int], int]]:
+        """One round: the rows that join (`admit`), then every row in flight advanced once; returns the rows
+        done, as (key, generated ids, forwards taken part in)."""
         raise NotImplementedError
+
+    def settle(self) -> None:
+        """Once no row waits or runs: what the kind still holds, given back."""
 
 
 def admitted_at_once(

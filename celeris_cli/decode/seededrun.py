@@ -25,7 +25,6 @@ step, with no cache and no running set.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -134,16 +133,15 @@ class SeededScheduler(LaneSet[RowRequest[SeededPlan]]):
         self._lane(self.lanes, W, end).join(row, end, self.width)
 
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
-    def run(self, requests: Iterable[RowRequest[SeededPlan]] = ()) -> Iterator[tuple[int, list[int], int]]:
-        self.add(requests)
-        while self.waiting or self.in_flight:
-            for req in self.admit():
-                self._admit(req)
-            self._give_back()
-            done = self._tick()
-            for W in sorted({r.width for r in done}):
-                yield from self._leave(self.lanes[W], [r for r in done if r.width == W])
+    def one_round(self) -> list[tuple[int, list[int], int]]:
+        for req in self.admit():
+            self._admit(req)
         self._give_back()
+        done = self._tick()
+        answers = []
+        for W in sorted({r.width for r in done}):
+            answers += self._leave(self.lanes[W], [r for r in done if r.width == W])
+        return answers
 
     def _tick(self) -> list[_Row]:
         """One round: one packed forward (`arch.packed`: rows end to end, no padding, each row's attention

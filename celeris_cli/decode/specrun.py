@@ -23,7 +23,7 @@ added to it (what `serve` sends as events), and its whole answer as it leaves.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -99,24 +99,26 @@ class SpecScheduler(RunningSet[RowRequest[SelfSpecPlan]]):
             del self.key_of[s]
 
     @torch.no_grad()  # the weights may require grad: no graph may chain through the cache
-    def run(self, requests: Iterable[RowRequest[SelfSpecPlan]] = ()) -> Iterator[tuple[int, list[int], int]]:
-        self.add(requests)
-        while self.waiting or self.in_flight:
-            joining: dict[tuple[Any, ...], list[RowRequest[SelfSpecPlan]]] = {}
-            for req in self.admit():
-                joining.setdefault(_lane_key(req.plan), []).append(req)
-            for key, reqs in joining.items():
-                self._admit(key, reqs)
-            for lane in list(self.lanes.values()):
-                yield from self._leave(lane)  # rows done at their first token never take a round
-                if len(lane.idx):
-                    b, before = len(lane.idx), lane.seed_at
-                    self.occupancy.positions += lane.round()
-                    self.occupancy.forwards += 1
-                    self.occupancy.rows += b
-                    if self.on_block is not None:
-                        self._report(lane, (lane.seed_at > before) & lane.live)
-                    yield from self._leave(lane)
+    def one_round(self) -> list[tuple[int, list[int], int]]:
+        joining: dict[tuple[Any, ...], list[RowRequest[SelfSpecPlan]]] = {}
+        for req in self.admit():
+            joining.setdefault(_lane_key(req.plan), []).append(req)
+        for key, reqs in joining.items():
+            self._admit(key, reqs)
+        answers = []
+        for lane in list(self.lanes.values()):
+            answers += self._leave(lane)  # rows done at their first token never take a round
+            if len(lane.idx):
+                b, before = len(lane.idx), lane.seed_at
+                self.occupancy.positions += lane.round()
+                self.occupancy.forwards += 1
+                self.occupancy.rows += b
+                if self.on_block is not None:
+                    self._report(lane, (lane.seed_at > before) & lane.live)
+                answers += self._leave(lane)
+        return answers
+
+    def settle(self) -> None:
         for key, lane in list(self.lanes.items()):  # rows handed back and still in their lane leave now
             if not bool(lane.live.all()):
                 lane.drop(lane.live.clone())
@@ -158,8 +160,8 @@ class SpecScheduler(RunningSet[RowRequest[SelfSpecPlan]]):
             lo, hi = int(lane.ans[i]), int(lane.seed_at[i]) + 1
             self.on_block(self.key_of[int(lane.idx[i])], lane.x[i, lo:hi].tolist())
 
-    def _leave(self, lane: SpecRows) -> Iterator[tuple[int, list[int], int]]:
-        """Hand back the lane's finished rows. They leave the lane (freeing their slots, each later row's moving
+    def _leave(self, lane: SpecRows) -> list[tuple[int, list[int], int]]:
+        """The lane's finished rows' answers. They leave the lane (freeing their slots, each later row's moving
         down) when a request is waiting for a place or a quarter of the lane has finished; till then they ride
         along, taking nothing (leaving copies slots: not one row at a time)."""
         dead = (~lane.live).nonzero().flatten().tolist()
@@ -174,4 +176,4 @@ class SpecScheduler(RunningSet[RowRequest[SelfSpecPlan]]):
         for name, empty in list(self.lanes.items()):  # a lane whose rows have all left gives its cache back at once
             if not len(empty.idx):
                 del self.lanes[name]
-        yield from (a for a in answers if self.wanted(a[0]))
+        return answers

@@ -30,7 +30,7 @@ the same loop, for `bench workload mixed`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,21 +160,23 @@ class WaveScheduler(RunningSet[RowRequest[FastPlan]]):
             lane.drop({id(r) for r in lane.rows if r.req.key in keys})
 
     @torch.no_grad()  # the weights may require grad: no graph may chain through the caches
-    def run(self, requests: Iterable[RowRequest[FastPlan]] = ()) -> Iterator[tuple[int, list[int], int]]:
-        self.add(requests)
-        while self.waiting or self.in_flight:
-            joining = self.admit()  # (it may drop rows cancelled meanwhile: `fresh` is replaced then)
-            self.fresh.extend(self._admit(req) for req in joining)
-            if not self.in_flight:  # the last rows in flight were dropped, and none waits
-                continue
-            stepped = self._tick(self.fresh)
-            self._commit(stepped)
-            self.fresh = []  # those starting a block this tick are in their lanes now, or stepped without one
-            for r, outcome in self._advance([part.row for part in stepped]):
-                if outcome in ("next", "again"):
-                    self.fresh.append(r)
-                elif self.wanted(r.req.key):
-                    yield r.req.key, r.x[r.P :].tolist(), r.forwards
+    def one_round(self) -> list[tuple[int, list[int], int]]:
+        joining = self.admit()  # (it may drop rows cancelled meanwhile: `fresh` is replaced then)
+        self.fresh.extend(self._admit(req) for req in joining)
+        if not self.in_flight:  # the last rows in flight were dropped, and none waits
+            return []
+        stepped = self._tick(self.fresh)
+        self._commit(stepped)
+        self.fresh = []  # those starting a block this tick are in their lanes now, or stepped without one
+        answers = []
+        for r, outcome in self._advance([part.row for part in stepped]):
+            if outcome in ("next", "again"):
+                self.fresh.append(r)
+            else:
+                answers.append((r.req.key, r.x[r.P :].tolist(), r.forwards))
+        return answers
+
+    def settle(self) -> None:
         # every cache back once no row is in flight (not between rounds: a row moving to its next block leaves its
         # lane and joins it again in the next forward, so a lane empty between rounds is about to be used)
         give_back(self.lanes)

@@ -16,7 +16,7 @@ matmul's float32 rounding may change with its number of rows). `generate_referen
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -116,19 +116,14 @@ class WholeScheduler(RunningSet[RowRequest[WholePlan]]):
     def _drop_in_flight(self, keys: set[int]) -> None:
         self.rows = [r for r in self.rows if r.key not in keys]
 
-    @torch.no_grad()  # the weights may require grad
-    def run(self, requests: Iterable[RowRequest[WholePlan]] = ()) -> Iterator[tuple[int, list[int], int]]:
-        self.add(requests)
-        while self.waiting or self.rows:
-            for req in self.admit():
-                noise = RowNoise([req.seed], self.device)
-                prompt = torch.tensor(req.prompt, dtype=torch.long, device=self.device)
-                self.rows.append(_Running(req.key, req.plan.row(prompt, noise, self.tokens)))
-            done = self._round()
-            self.rows = [r for r in self.rows if id(r) not in done]
-            for r in done.values():
-                if self.wanted(r.key):
-                    yield r.key, r.row.canvas[r.row.prompt :].tolist(), r.forwards
+    def one_round(self) -> list[tuple[int, list[int], int]]:
+        for req in self.admit():
+            noise = RowNoise([req.seed], self.device)
+            prompt = torch.tensor(req.prompt, dtype=torch.long, device=self.device)
+            self.rows.append(_Running(req.key, req.plan.row(prompt, noise, self.tokens)))
+        done = self._round()
+        self.rows = [r for r in self.rows if id(r) not in done]
+        return [(r.key, r.row.canvas[r.row.prompt :].tolist(), r.forwards) for r in done.values()]
 
     def _round(self) -> dict[int, _Running]:
         """Every row's step, after the forwards of the rows that read one: one packed forward of their
