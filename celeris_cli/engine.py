@@ -31,12 +31,12 @@ from .decode import waves
 from .decode.canvasrun import CanvasScheduler
 from .decode.pace import ForwardCost, Learned
 from .decode.running import BlockScheduler
-from .decode.runset import Occupancy, RowRequest, RunningSet
+from .decode.runset import KindSet, Occupancy, RowRequest, RunningSet
 from .decode.sampling import RowNoise, request_seed
 from .decode.seededrun import SeededScheduler
 from .decode.selfspec import SelfSpecPlan
 from .decode.specrun import SpecScheduler
-from .decode.strategies import Net, OnBlock, SpecialTokens, get_strategy, plan_for
+from .decode.strategies import DECODERS, Net, OnBlock, SpecialTokens, get_strategy, plan_for
 from .decode.wholerun import WholeScheduler
 from .device import resolve_device, resolve_dtype
 from .errors import ModelError, TooLarge, UsageError
@@ -521,28 +521,23 @@ class Engine:
         refill: bool = True,
     ) -> list[Result]:
         """Decode rows (each with its final settings: `continuous` must hold for each) through one running set
-        of at most `max_batch` rows that admits the next row whenever one finishes (`decode.running`, or
-        `decode.waves` for the fast strategy's rows; one running set per kind). A
-        row's answer is the one it gets alone; its `nfe` counts the forwards it took part in, its `wall_s`
-        runs from the start to its finish. on_result(i, result) is called as row i finishes. refill False:
-        static batches of max_batch rows through the same decoder (for `bench`'s comparison)."""
-        kinds: dict[str | None, list[int]] = {}
-        for i, p in enumerate(params):
-            assert self.continuous(p), "a row the running set cannot decode"
-            kinds.setdefault(_running_kind(p), []).append(i)
+        of at most `max_batch` rows, of any mix of kinds (`LiveRun`), that admits the next row whenever one
+        finishes. A row's answer is the one it gets alone; its `nfe` counts the forwards it took part in, its
+        `wall_s` runs from the start to its finish. on_result(i, result) is called as row i finishes. refill
+        False: static batches of max_batch rows through the same decoders (for `bench`'s comparison)."""
+        assert all(self.continuous(p) for p in params), "a row the running set cannot decode"
         assert len({p.deterministic for p in params}) <= 1, "rows of one running set compute one way"
         results: list[Result | None] = [None] * len(encoded)
         too_large: list[TooLarge] = []
-        for idx in kinds.values():  # block diffusion's rows and the fast decoder's: a running set each
-            live = LiveRun(self, max_batch, refill)
-            live.extend([(i, Prompt(prompts[i], list(encoded[i]), params[i], seeds[i])) for i in idx])
-            for i, r in live.answers():
-                if isinstance(r, TooLarge):
-                    too_large.append(r)
-                    continue
-                results[i] = r
-                if on_result is not None:
-                    on_result(i, r)
+        live = LiveRun(self, max_batch, refill)
+        live.extend([(i, Prompt(prompts[i], list(encoded[i]), params[i], seeds[i])) for i in range(len(encoded))])
+        for i, r in live.answers():
+            if isinstance(r, TooLarge):
+                too_large.append(r)
+                continue
+            results[i] = r
+            if on_result is not None:
+                on_result(i, r)
         if too_large:  # the others are decoded (and handed to on_result); this row fails alone
             raise too_large[0]
         return [r for r in results if r is not None]
@@ -658,11 +653,11 @@ class _Pending:
 
 
 class LiveRun:
-    """A running set fed while it runs (`decode.runset`: block diffusion's rows or the fast decoder's):
-    `add` rows between the answers `answers` yields (the queue daemon hands it each batch as it is packed,
-    so a file claimed while others decode joins their running set as rows leave). Each answer is the one its
-    row gets alone; its `wall_s` runs from its `add`. `decode_running` is one of these, all rows added at
-    once.
+    """A running set fed while it runs (`decode.runset.KindSet`: rows of every strategy with a running set, each
+    kind in a set of its own, all of them advancing round by round): `add` rows between the answers `answers`
+    yields (the queue daemon hands it each batch as it is packed, so a file claimed while others decode joins
+    their running set as rows leave, whatever its strategy). Each answer is the one its row gets alone; its
+    `wall_s` runs from its `add`. `decode_running` is one of these, all rows added at once.
 
     Its width is the one place the running set's width is decided: at most `max_batch` rows, and under a
     memory budget (`--max-memory`, CUDA's default) as many as the planner expects to fit, set through the
@@ -676,7 +671,7 @@ class LiveRun:
         self.cap = max_batch  # out of memory, halved (down to 1) until the set runs empty or a row fails alone
         self.width = max_batch  # rows in flight at most: the cap, and under a memory budget what fits
         self.scheduler: RunningSet[Any] | None = None
-        self.kind: str | None = None  # the running set's: "block" or "waves" (`_running_kind`)
+        self.kinds: set[str] = set()  # the row kinds it has taken (`_running_kind`): a running set each, in one
         self.net: Net | None = None
         self.deterministic: bool | None = None
         self.rows: dict[int, _Pending] = {}  # by key, as added
@@ -688,12 +683,11 @@ class LiveRun:
 
     def accepts(self, params: GenerationParams) -> bool:
         """Whether a row with these final settings can join: a strategy with a running set
-        (`Engine.continuous`), of the kind of the rows already here and computed the same way
-        (`deterministic`)."""
+        (`Engine.continuous`) of any kind, computed as the rows already here are (`deterministic`)."""
         kind = _running_kind(params)
         if not self.rows:
             return kind is not None
-        return kind == self.kind and params.deterministic == self.deterministic
+        return kind is not None and params.deterministic == self.deterministic
 
     def add(self, key: int, prompt: str, ids: list[int], params: GenerationParams, seed: int) -> None:
         """A row (its final settings, `accepts`) under the caller's `key`, behind those waiting."""
@@ -732,9 +726,20 @@ class LiveRun:
             self.scheduler.resize(self.width)
 
     def _fresh(self, params: GenerationParams) -> None:
-        self.kind = _running_kind(params)
-        on_block = self.on_block if STRATEGIES[params.strategy].streams_blocks else None  # not the fast strategy
-        self.scheduler, self.net = self.engine._scheduler([params], self.width, self.refill, on_block, self._round)
+        """A fresh running set of every kind (`KindSet`): each kind's own set made as its first row is enqueued,
+        over one counting net."""
+        self.net = net = Net(self.engine.model)
+        self.kinds = set()
+
+        def make(kind: str) -> RunningSet[Any]:
+            self.kinds.add(kind)
+            ps = [p.row.params for p in self.rows.values() if _running_kind(p.row.params) == kind]
+            special = self.engine._special(max(ps, key=lambda p: p.subword_min_p))
+            streams = any(s.streams_blocks for s in STRATEGIES.values() if s.running == kind)
+            on_block = self.on_block if streams else None  # not the fast decoder's, nor the whole canvases'
+            return _ROW_KINDS[kind](self.engine, net, special, ps, self.width, True, on_block, None)
+
+        self.scheduler = KindSet(make, _kind_of, self.width, self.engine.device, self.refill, self._round)
 
     def _round(self) -> None:
         if self.before_round is not None:
@@ -832,6 +837,16 @@ def _lane_of(params: GenerationParams) -> tuple[Any, ...]:
     return kind, params.block_length, params.cache if kind == "waves" else None
 
 
+# each running-set plan's row kind, from the strategies (`Strategy.running`): what `KindSet` routes a request by
+_PLAN_KINDS: dict[type, RowKind] = {
+    DECODERS[s.decoder].plan: s.running for s in STRATEGIES.values() if s.running is not None
+}
+
+
+def _kind_of(request: RowRequest[Any]) -> str:
+    return _PLAN_KINDS[type(request.plan)]
+
+
 def _running_kind(params: GenerationParams) -> RowKind | None:
     """Which running set decodes rows with these settings: "block" (`decode.running`), "waves"
     (`decode.waves`), "spec" (`decode.specrun`), "canvas" (`decode.canvasrun`), "seeded" (`decode.seededrun`),
@@ -872,7 +887,7 @@ def _lanes(scheduler: type[Any]) -> Callable[..., Any]:
 
 
 # each row kind (`strategy.Strategy.running`): how its running set is made
-_ROW_KINDS: dict[RowKind, Callable[..., Any]] = {
+_ROW_KINDS: dict[str, Callable[..., Any]] = {
     "block": _lanes(BlockScheduler),
     "seeded": _lanes(SeededScheduler),
     "waves": _waves,

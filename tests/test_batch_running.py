@@ -68,7 +68,7 @@ def test_a_later_batch_starts_while_an_earlier_one_is_still_running_and_answers_
             got[oc.request.custom_id] = oc.body["text"]
     backend.engine.model = model
     assert len(yielded_at) == 3 and all(len(ids) == 2 for _, ids in yielded_at)  # three batches of two
-    assert isinstance(executor.pool, RunningPool) and executor.pool.live.kind == kind
+    assert isinstance(executor.pool, RunningPool) and executor.pool.live.kinds == {kind}
 
     first_done, first_ids = yielded_at[0]
     later = [r for r in requests if r.custom_id not in first_ids]
@@ -162,7 +162,7 @@ def test_the_default_models_mixed_requests_answer_as_alone_with_no_fallback(capl
             for oc in outcomes:
                 assert oc.body is not None, oc.message
                 got[oc.request.custom_id] = oc.body["text"]
-    assert executor.pool.live.kind == "seeded"
+    assert executor.pool.live.kinds == {"seeded"}
     assert "running set failed" not in caplog.text
 
     def alone(r: Request) -> str:

@@ -159,3 +159,28 @@ def test_cancelling_the_last_row_in_flight_ends_the_run_cleanly(kind_engine: Any
     live.before_round = hook
     live.add(0, LONG, engine.encode_prompt(LONG), params, 0)
     assert dict(live.answers()) == {} and not live.pending
+
+
+def test_rows_of_two_kinds_share_one_live_run_and_answer_as_alone(engine: Engine) -> None:
+    """The fast decoder's rows (waves) and the reference decoder's (whole canvases) added to one `LiveRun`: each
+    kind runs in its own set inside it (`KindSet`), both in flight in the same rounds, never more rows in
+    flight in all than the width, and every answer is its request's alone."""
+    fast = engine.params({"strategy": "fast", "gen_length": 16, "block_length": 8, "temperature": 1.0})
+    ref = engine.params({**KINDS["whole"], "temperature": 1.0})
+    live = engine.live(max_batch=3)
+    in_flight: list[dict[str, int]] = []
+
+    def hook() -> None:
+        kinds = live.scheduler.kinds  # type: ignore[union-attr]
+        in_flight.append({name: s.in_flight for name, s in kinds.items() if s.in_flight})
+
+    live.before_round = hook
+    rows = [(p, fast if i % 2 else ref, i) for i, p in enumerate([LONG, *SHORT])]
+    for key, (p, q, seed) in enumerate(rows):
+        assert live.accepts(q)
+        live.add(key, p, engine.encode_prompt(p), q, seed)
+    got = dict(live.answers())
+    assert live.kinds == {"waves", "whole"}
+    assert any(len(kinds) == 2 for kinds in in_flight)  # both kinds in one round
+    assert max(sum(kinds.values()) for kinds in in_flight) == 3  # the width, over the kinds together
+    assert {k: r.text for k, r in got.items()} == {k: _text(engine, p, q, s) for k, (p, q, s) in enumerate(rows)}  # type: ignore[union-attr]

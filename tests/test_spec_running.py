@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from celeris_cli import load_engine
+from celeris_cli.decode.runset import KindSet
 from celeris_cli.engine import LiveRun
 
 PROMPTS = ["The old man", "It was late", "床前明月光，", "The river", "At night", "She opened the door", "白日依山尽，"]
@@ -167,6 +168,7 @@ def test_rows_give_their_slots_back_and_every_lane_its_cache(engine) -> None:  #
         live.add(i, p, engine.encode_prompt(p), q, s)
     assert sorted(key for key, _ in live.answers()) == list(range(10))
     scheduler = live.scheduler
-    assert scheduler is not None and not scheduler.lanes
+    assert isinstance(scheduler, KindSet) and list(scheduler.kinds) == ["spec"]
+    assert not scheduler.kinds["spec"].lanes  # type: ignore[attr-defined]
     occupancy = scheduler.occupancy
     assert occupancy.forwards > 0 and occupancy.rows <= 3 * occupancy.forwards

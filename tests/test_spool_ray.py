@@ -286,8 +286,15 @@ def test_sigkill_of_the_daemon_mid_batch_on_ray_then_restart_loses_and_duplicate
         start_new_session=True,  # its own process group: Ray's helpers that outlive it are cleaned up below
     )
     try:
-        # two batches back: the first one's outcomes are journaled (an event is logged before its journal)
-        wait_for(lambda: sum(e["event"] == "batch" for e in events(tmp_path)) >= 2, timeout=120)
+        # two batches back (the first one's outcomes are journaled: an event is logged before its journal), and
+        # a batch out on the actors: tried, with no outcome yet
+        def mid_run() -> bool:
+            if sum(e["event"] == "batch" for e in events(tmp_path)) < 2:
+                return False
+            tried, decided = _journaled(tmp_path)
+            return bool(decided and tried - decided)
+
+        wait_for(mid_run, timeout=120)
         daemon.send_signal(signal.SIGKILL)
         daemon.communicate(timeout=30)
     finally:
@@ -296,12 +303,28 @@ def test_sigkill_of_the_daemon_mid_batch_on_ray_then_restart_loses_and_duplicate
         except ProcessLookupError:
             pass
     assert daemon.returncode == -signal.SIGKILL
-    journals = [(j.name, json.loads(x)) for j in (tmp_path / "batch_inputs" / ".work" / "journal").glob("*.jsonl")
-                for x in j.read_text().splitlines()]  # fmt: skip
-    tried = {(j, line) for j, rec in journals for line in rec.get("try", [])}  # files take turns: key by file
-    decided = {(j, o["line"]) for j, rec in journals for o in rec.get("outcomes", [])}
+    tried, decided = _journaled(tmp_path)
     assert decided and tried - decided  # killed with batches done and batches still out on the actors
     again = celeris("watch", str(config), "--once", timeout=300)
     assert again.returncode == 0, again.stderr
     assert sorted(accounted(tmp_path)) == sorted(ids)  # 0 lost, 0 duplicated
     assert claimed(tmp_path) == [] and again.stdout == ""
+
+
+def _journaled(tmp_path: Path) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+    """The (journal, line) pairs the daemon has sent out (`try`) and those with an outcome, from its journals
+    as they stand (a line being written as they are read is skipped)."""
+    tried, decided = set(), set()
+    for j in (tmp_path / "batch_inputs" / ".work" / "journal").glob("*.jsonl"):
+        try:
+            text = j.read_text()
+        except FileNotFoundError:  # its file finished meanwhile
+            continue
+        for line in text.splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            tried |= {(j.name, n) for n in rec.get("try", [])}  # files take turns: key by file
+            decided |= {(j.name, o["line"]) for o in rec.get("outcomes", [])}
+    return tried, decided

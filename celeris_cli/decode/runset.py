@@ -259,3 +259,74 @@ def admitted_at_once(
     for b, ids, _ in scheduler.run(requests):
         out[b, P : P + len(ids)] = torch.tensor(ids, dtype=out.dtype, device=out.device)
     return out
+
+
+class KindSet(RunningSet[RowRequest[Any]]):
+    """Rows of every kind in one running set: a running set of each kind (`strategy.Strategy.running`: block,
+    waves, spec, canvas, seeded, whole), made as its first request comes (`make(kind)`), and in each round of
+    this set every kind with rows advances one round of its own. Admission is this set's, across kinds: the
+    waiting requests in one queue (the most rounds first, as each kind counts them), at most `width` rows in
+    flight in all, a request handed to its kind's set only when it joins, which admits it in the same round.
+    So a server or the queue given requests of several strategies at once decodes them side by side, each
+    row's answer its own; rows of different kinds share no forward (their forwards have other shapes).
+    `kind_of(request)` names a request's kind."""
+
+    def __init__(
+        self,
+        make: Callable[[str], RunningSet[Any]],
+        kind_of: Callable[[RowRequest[Any]], str],
+        width: int,
+        device: torch.device,
+        refill: bool = True,
+        before_round: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(width, device, frozenset(), refill, before_round)
+        self.make, self.kind_of = make, kind_of
+        self.kinds: dict[str, RunningSet[Any]] = {}
+
+    def _kind(self, request: RowRequest[Any]) -> RunningSet[Any]:
+        kind = self.kind_of(request)
+        if kind not in self.kinds:
+            self.kinds[kind] = made = self.make(kind)
+            made.resize(self.width)
+            if self.pieces.numel():
+                made.pieces = self.pieces
+        return self.kinds[kind]
+
+    def rounds(self, request: RowRequest[Any]) -> int:
+        return self._kind(request).rounds(request)
+
+    def resize(self, width: int) -> None:
+        super().resize(width)
+        for s in self.kinds.values():  # each kind may take every place; this set's admission keeps the sum
+            s.resize(self.width)
+
+    def use_word_pieces(self, pieces: frozenset[int]) -> None:
+        super().use_word_pieces(pieces)
+        for s in self.kinds.values():
+            s.use_word_pieces(pieces)
+
+    def in_flight_keys(self) -> list[int]:
+        """Rows admitted here: in flight in a kind's set, or handed to it this round."""
+        return [k for s in self.kinds.values() for k in s.in_flight_keys()] + [
+            r.key for s in self.kinds.values() for r in s.waiting
+        ]
+
+    def _drop_in_flight(self, keys: set[int]) -> None:
+        for s in self.kinds.values():
+            s.drop(keys)
+
+    def one_round(self) -> list[tuple[int, list[int], int]]:
+        for req in self.admit():
+            self._kind(req).add([req])
+        answers: list[tuple[int, list[int], int]] = []
+        for s in list(self.kinds.values()):
+            if s.waiting or s.in_flight:
+                answers += s.one_round()
+        for name in ("forwards", "rows", "positions", "prefills"):  # the kinds' forwards, this set's rounds
+            setattr(self.occupancy, name, sum(getattr(s.occupancy, name) for s in self.kinds.values()))
+        return answers
+
+    def settle(self) -> None:
+        for s in self.kinds.values():
+            s.settle()
