@@ -370,3 +370,26 @@ def test_streamed_text_holds_back_what_a_stop_string_or_a_split_character_could_
     assert held_back("Hello", ("\n\n", "END")) == "Hel"
     assert held_back("abc\ufffd\ufffd", ()) == "abc"  # bytes of a character not yet whole
     assert held_back("ab", ("longer stop",)) == ""
+
+
+def test_requests_of_two_strategies_join_one_running_set_and_answer_as_alone(
+    default_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default model's diffusion mode and its self-speculation submitted together: both kinds join the one
+    running set (`KindSet`), none is decoded as a static batch, and each answer is its request's alone."""
+    runner = Runner(default_engine, {"gen_length": 16, "temperature": 1.0}, max_batch=4)
+    static: list[int] = []
+    monkeypatch.setattr(runner, "_run", lambda rows: static.append(len(rows)))
+    try:
+        asked = [
+            ("The quick", "nemotron"),
+            ("To be, or not", "spec"),
+            ("床前明月光，", "spec"),
+            ("The jury", "nemotron"),
+        ]
+        rows = [runner.prepare(req(p, strategy=s)) for p, s in asked]
+        together = [f.result(60).text for f in runner.submit(rows)]
+        assert runner.live.kinds == {"seeded", "spec"} and static == []
+        assert together == [runner.submit([r])[0].result(60).text for r in rows]
+    finally:
+        runner.close()
