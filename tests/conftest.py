@@ -208,6 +208,16 @@ def decoded_alone(engine, prompt: str, params, seed: int) -> list[int]:  # type:
     ids = engine.encode_prompt(prompt)
     x = torch.tensor([ids], device=engine.device)
     noise = RowNoise([request_seed(seed, ids)], engine.device)
+    special = engine._special(params)
+    if params.strategy == "block-fast":  # its decoder is the running set: the static cached loop instead
+        from celeris_cli.decode.strategies import plan_for
+
+        from .block_oracle import block_cached_alone
+
+        plan = plan_for(params)
+        out = block_cached_alone(Net(engine.model), x, torch.ones_like(x, dtype=torch.bool), plan, special.mask_id,
+                                 special.stop_ids, noise, special.word_pieces)  # fmt: skip
+        return out[0, len(ids) : len(ids) + params.gen_length].tolist()  # type: ignore[no-any-return]
     out = get_strategy(params.strategy)(Net(engine.model), x, torch.ones_like(x, dtype=torch.bool), params,
-                                        engine._special(params), noise)  # fmt: skip
+                                        special, noise)  # fmt: skip
     return out[0, len(ids) : len(ids) + params.gen_length].tolist()  # type: ignore[no-any-return]

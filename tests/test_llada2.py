@@ -212,27 +212,21 @@ def test_guidance_and_remasking_give_the_same_answers_with_the_cache(engine, tem
 
 
 def test_guidance_hides_exactly_the_prompt() -> None:
-    """The unconditional view shows every prompt position as a mask and every answer position as it is."""
-    from celeris_cli.decode.block import _views, lay_out
+    """A guided row's unconditional view (`running._Row.unconditional`) shows every prompt position as a mask
+    and every answer position as it is, in any window of its canvas."""
+    from celeris_cli.decode.running import _Row
+    from celeris_cli.decode.runset import RowRequest
+    from celeris_cli.decode.strategies import plan_for
     from celeris_cli.params import GenerationParams
 
-    prompts = [torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 14])]
-    cv = lay_out(prompts, gen_length=8, width=4, mask_id=1, pad_id=0)
     params = GenerationParams.from_mapping({"strategy": "block", "cfg_scale": 1.0, "gen_length": 8, "block_length": 4})
-    from celeris_cli.decode.block import BlockPlan
-    from celeris_cli.decode.strategies import _plan
-
-    cond, un = _views(cv, _plan(BlockPlan, params))
-    idx = torch.arange(cv.x.shape[1])
-    cv.x[cv.real & (idx[None, :] >= cv.gen[:, None])] = 9  # answer positions committed since (the views read x live)
-    rows = torch.arange(2)
-    assert torch.equal(cond.ids(cv, rows, 0, cv.x.shape[1], 1), cv.x)
-    shown = un.ids(cv, rows, 0, cv.x.shape[1], 1)
-    for b, p in enumerate(prompts):
-        g = int(cv.gen[b])
-        assert shown[b, g - len(p) : g].tolist() == [1] * len(p)  # the prompt, masked
-        assert torch.equal(shown[b, g:], cv.x[b, g:])  # the answer's canvas, as it is
-        assert torch.equal(shown[b, : g - len(p)], cv.x[b, : g - len(p)])  # padding, as it is
+    for prompt in ([5, 6, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]):
+        P = len(prompt)
+        x = torch.tensor(prompt + [9] * 8)  # answer positions committed since (the view reads the canvas live)
+        row = _Row(RowRequest(0, prompt, plan_for(params), 0), x, [], P // 4, P // 4, plan_for(params))
+        assert row.unconditional(0, len(x), 1).tolist() == [1] * P + [9] * 8  # the prompt masked, the answer as it is
+        lo = P - 2  # a window that starts inside the prompt
+        assert row.unconditional(lo, len(x), 1).tolist() == [1, 1] + [9] * 8
 
 
 def test_denoise_steps_are_the_total_over_each_rows_blocks(engine) -> None:  # type: ignore[no-untyped-def]

@@ -24,13 +24,13 @@ A row's answer is what it would be alone: its noise comes from its own stream at
 their settings and block width, on their own unpadded blocks. So requests with different samplers,
 shaping, steps, lengths, block widths and guidance share one running set. A guided row's second view,
 the unconditional one (its prompt masked), has a slot in a second cache beside its lane (the lane's shadow),
-prefilled and stepped in the same round as its first, as `generate_block_cached` runs both views.
+prefilled and stepped in the same round as its first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -39,7 +39,7 @@ from ..arch.kv import KVCache
 from ..arch.packed import packed_hidden
 from ..params import NO_STRUCTURE, Blocks
 from ..structured.commit import Rules
-from .block import BlockNet, BlockPlan, OnBlock, ReferenceBlockPlan, block_mask, commit_step, top_choice
+from .block import BlockNet, BlockPlan, OnBlock, block_mask, commit_step, top_choice
 from .reference import finished_rows
 from .runset import Lane, RowRequest, RunningSet, admitted_at_once, give_back
 from .sampling import Draws, RowNoise, stream_seed
@@ -477,12 +477,12 @@ def generate_block(
     on_block: OnBlock | None = None,
     rules: Rules | None = None,
 ) -> torch.Tensor:
-    """LLaDA2's reference block decoding (`block.ReferenceBlockPlan`: every step recomputes the row's prefix)
-    as the running set with every row admitted at once. prompt: (B, P) left-padded; returns (B, P +
+    """Block decoding as the running set with every row admitted at once: LLaDA2's reference decoder for a
+    `block.ReferenceBlockPlan` (every step recomputes the row's prefix), over an exact cache for a `BlockPlan`
+    (`block-fast`). prompt: (B, P) left-padded; returns (B, P +
     gen_length), masks after a row's stop. word_pieces: the tokenizer's pieces that continue a word (for
     subword_min_p). rules: each row's constraint and log-probability record (`structured.commit`); a row under
     a constraint commits at least one token a step until its block is full. on_block(row, generated ids so
     far) as each row's block is committed."""
-    recomputed = ReferenceBlockPlan(**{f.name: getattr(plan, f.name) for f in fields(plan)})
     rows = BlockScheduler(net, mask_id, stop_ids, mask_id, len(prompt), prompt.device, word_pieces, on_block=on_block)
-    return admitted_at_once(rows, prompt, prompt_mask, recomputed, mask_id, noise, rules)
+    return admitted_at_once(rows, prompt, prompt_mask, plan, mask_id, noise, rules)

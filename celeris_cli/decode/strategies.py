@@ -25,7 +25,7 @@ from ..errors import UsageError
 from ..params import Drafting, GenerationParams
 from ..strategy import STRATEGIES
 from ..structured.commit import Rules
-from .block import BlockPlan, OnBlock, ReferenceBlockPlan, generate_block_cached
+from .block import BlockPlan, OnBlock, ReferenceBlockPlan
 from .diffusion_gemma import DiffusionGemmaPlan, generate_diffusion_gemma
 from .dream import DreamPlan, generate_dream
 from .fast import FastPlan, generate_fast
@@ -211,7 +211,8 @@ def _rnd1(
 
 
 def _blocks(decode: Callable[..., torch.Tensor], plan: type[BlockPlan]) -> Callable[..., torch.Tensor]:
-    """A block decoder (`generate_block`, `generate_block_cached`) fed its plan and tokens, with `on_block`."""
+    """The block decoder (`running.generate_block`) fed its plan (which says what each step recomputes) and
+    tokens, with `on_block`."""
 
     def run(
         net: Net,
@@ -335,7 +336,7 @@ DECODERS: dict[str, Decoder] = {
     "dream": Decoder(DreamPlan, _dream),
     "rnd1": Decoder(RND1Plan, _rnd1),
     "block": Decoder(ReferenceBlockPlan, _blocks(generate_block, ReferenceBlockPlan)),
-    "block-cached": Decoder(BlockPlan, _blocks(generate_block_cached, BlockPlan)),
+    "block-cached": Decoder(BlockPlan, _blocks(generate_block, BlockPlan)),
     "seeded": Decoder(SeededPlan, _seeded),
     "ar": Decoder(ARPlan, _ar),
     "speculative": Decoder(SpecPlan, _stopping(generate_speculative, SpecPlan)),
