@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from celeris_cli import load_engine
 from celeris_cli.engine import Engine
@@ -184,3 +186,49 @@ def test_rows_of_two_kinds_share_one_live_run_and_answer_as_alone(engine: Engine
     assert any(len(kinds) == 2 for kinds in in_flight)  # both kinds in one round
     assert max(sum(kinds.values()) for kinds in in_flight) == 3  # the width, over the kinds together
     assert {k: r.text for k, r in got.items()} == {k: _text(engine, p, q, s) for k, (p, q, s) in enumerate(rows)}  # type: ignore[union-attr]
+
+
+@st.composite
+def _mixed_row(draw: st.DrawFn) -> tuple[str, dict[str, Any], int]:
+    gen = draw(st.sampled_from([8, 16]))
+    settings = {
+        "strategy": draw(st.sampled_from(["fast", "reference"])),
+        "gen_length": gen,
+        "block_length": draw(st.sampled_from([4, 8])),
+        "denoise_steps": draw(st.sampled_from([gen // 2, gen])),
+        "temperature": draw(st.sampled_from([0.0, 1.0])),
+    }
+    return draw(st.sampled_from([LONG[:40], *SHORT])), settings, draw(st.integers(0, 99))
+
+
+@settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(_mixed_row(), min_size=3, max_size=6), later=st.integers(0, 3), cancel=st.booleans())
+def test_drawn_mixes_of_kinds_answer_as_alone_with_rows_joining_and_one_cancelled(
+    engine: Engine, rows: list[tuple[str, dict[str, Any], int]], later: int, cancel: bool
+) -> None:
+    """Rows of two kinds (waves, whole canvases) drawn at random into one `LiveRun` of width 2: some added before
+    it runs, the rest as answers come back, one cancelled in flight (from `before_round`, as serve does); every
+    other row answers as its request alone."""
+    params = [(p, engine.params(s), seed) for p, s, seed in rows]
+    live = engine.live(max_batch=2)
+    cancelled: list[int] = []
+
+    def hook() -> None:
+        flying = sorted(live.scheduler.in_flight_keys())  # type: ignore[union-attr]
+        if cancel and not cancelled and flying:
+            cancelled.append(flying[-1])
+            live.cancel(flying[-1])
+
+    live.before_round = hook
+    first = max(1, len(params) - later)
+    for key, (p, q, seed) in enumerate(params[:first]):
+        live.add(key, p, engine.encode_prompt(p), q, seed)
+    added, got = first, {}
+    for key, result in live.answers():
+        got[key] = result.text  # type: ignore[union-attr]
+        if added < len(params):
+            p, q, seed = params[added]
+            live.add(added, p, engine.encode_prompt(p), q, seed)
+            added += 1
+    assert sorted(got) == [k for k in range(len(params)) if k not in cancelled]
+    assert got == {k: _text(engine, *params[k]) for k in got}
