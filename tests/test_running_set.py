@@ -166,15 +166,21 @@ def test_cancelling_the_last_row_in_flight_ends_the_run_cleanly(kind_engine: Any
 def test_rows_of_two_kinds_share_one_live_run_and_answer_as_alone(engine: Engine) -> None:
     """The fast decoder's rows (waves) and the reference decoder's (whole canvases) added to one `LiveRun`: each
     kind runs in its own set inside it (`KindSet`), both in flight in the same rounds, never more rows in
-    flight in all than the width, and every answer is its request's alone."""
-    fast = engine.params({"strategy": "fast", "gen_length": 16, "block_length": 8, "temperature": 1.0})
+    flight in all than the width, a kind whose rows have all left gives its caches back while the other runs,
+    and every answer is its request's alone."""
+    fast = engine.params({"strategy": "fast", "gen_length": 16, "block_length": 8, "temperature": 1.0, "cache": "dual"})
     ref = engine.params({**KINDS["whole"], "temperature": 1.0})
     live = engine.live(max_batch=3)
     in_flight: list[dict[str, int]] = []
 
+    idle: list[int] = []  # the waves set's lanes at rounds where none of its rows waits or runs
+
     def hook() -> None:
         kinds = live.scheduler.kinds  # type: ignore[union-attr]
         in_flight.append({name: s.in_flight for name, s in kinds.items() if s.in_flight})
+        waves = kinds.get("waves")
+        if waves is not None and not (waves.waiting or waves.in_flight):
+            idle.append(len(waves.lanes))
 
     live.before_round = hook
     rows = [(p, fast if i % 2 else ref, i) for i, p in enumerate([LONG, *SHORT])]
@@ -185,6 +191,7 @@ def test_rows_of_two_kinds_share_one_live_run_and_answer_as_alone(engine: Engine
     assert live.kinds == {"waves", "whole"}
     assert any(len(kinds) == 2 for kinds in in_flight)  # both kinds in one round
     assert max(sum(kinds.values()) for kinds in in_flight) == 3  # the width, over the kinds together
+    assert idle and not any(idle)  # a kind whose rows have all left holds no cache while the others run
     assert {k: r.text for k, r in got.items()} == {k: _text(engine, p, q, s) for k, (p, q, s) in enumerate(rows)}  # type: ignore[union-attr]
 
 

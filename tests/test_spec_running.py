@@ -172,3 +172,26 @@ def test_rows_give_their_slots_back_and_every_lane_its_cache(engine) -> None:  #
     assert not scheduler.kinds["spec"].lanes  # type: ignore[attr-defined]
     occupancy = scheduler.occupancy
     assert occupancy.forwards > 0 and occupancy.rows <= 3 * occupancy.forwards
+
+
+def test_a_kind_whose_rows_have_all_left_gives_its_lanes_back_while_another_kind_runs(engine) -> None:  # type: ignore[no-untyped-def]
+    """Short `spec` rows beside long `nemotron` rows in one `LiveRun` (`KindSet`): once every spec row has been
+    answered, the spec set holds no lane (its finished rows ride along in a lane until then) while the
+    diffusion rows go on."""
+    live = engine.live(max_batch=4)
+    short = engine.params({"strategy": "spec", "gen_length": 6, "drafting": "always", "temperature": 1.0})
+    long = engine.params({"strategy": "nemotron", "gen_length": 48, "min_tokens": 48, "temperature": 1.0})
+    idle: list[int] = []
+
+    def hook() -> None:
+        spec = live.scheduler.kinds.get("spec")  # type: ignore[union-attr]
+        if spec is not None and not (spec.waiting or spec.in_flight) and live.scheduler.in_flight:  # type: ignore[union-attr]
+            idle.append(len(spec.lanes))
+
+    live.before_round = hook
+    for key, (p, q) in enumerate(
+        [("The old man", short), ("It was late", short), ("The river", long), ("At night", long)]
+    ):
+        live.add(key, p, engine.encode_prompt(p), q, key)
+    assert sorted(k for k, _ in live.answers()) == [0, 1, 2, 3]
+    assert idle and not any(idle)
