@@ -581,7 +581,7 @@ class Engine:
         return max(1, largest_fitting(max_batch, fits))
 
     def continuous(self, params: GenerationParams) -> bool:
-        """Whether rows with these settings decode through a running set: block diffusion's cached decoder
+        """Whether rows with these settings decode through a running set: block diffusion's two decoders
         (`decode.running`), the fast decoder (`decode.waves`), self-speculation (`decode.specrun`) or
         DiffusionGemma's canvases (`decode.canvasrun`), Nemotron's diffusion mode (`decode.seededrun`) or the
         whole-canvas samplers (`decode.wholerun`): its strategy's row kind (docs/scheduling.md). Other

@@ -195,3 +195,47 @@ def test_a_kind_whose_rows_have_all_left_gives_its_lanes_back_while_another_kind
         live.add(key, p, engine.encode_prompt(p), q, key)
     assert sorted(k for k, _ in live.answers()) == [0, 1, 2, 3]
     assert idle and not any(idle)
+
+
+def test_a_lane_set_whose_rows_have_all_left_gives_its_caches_back_while_another_kind_runs(engine) -> None:  # type: ignore[no-untyped-def]
+    """Short `nemotron` rows (the seeded set, lanes by block width) beside long `spec` rows in one `LiveRun`:
+    once every seeded row has been answered, the seeded set holds no lane while the spec rows go on (its lanes
+    were given back only as its next round began, which never comes while it has no rows)."""
+    live = engine.live(max_batch=4)
+    short = engine.params({"strategy": "nemotron", "gen_length": 8, "temperature": 1.0})
+    long = engine.params({"strategy": "spec", "gen_length": 32, "min_tokens": 32, "drafting": "never"})
+    idle: list[int] = []
+
+    def hook() -> None:
+        seeded = live.scheduler.kinds.get("seeded")  # type: ignore[union-attr]
+        if seeded is not None and not (seeded.waiting or seeded.in_flight) and live.scheduler.in_flight:  # type: ignore[union-attr]
+            idle.append(len(seeded.lanes))
+
+    live.before_round = hook
+    for key, (p, q) in enumerate(
+        [("The old man", short), ("It was late", short), ("The river", long), ("At night", long)]
+    ):
+        live.add(key, p, engine.encode_prompt(p), q, key)
+    assert sorted(k for k, _ in live.answers()) == [0, 1, 2, 3]
+    assert idle and not any(idle)
+
+
+def test_a_spec_lane_never_holds_more_slots_than_the_width_when_rows_wait_in_the_kind_set(engine) -> None:  # type: ignore[no-untyped-def]
+    """Ten rows of different lengths through a `LiveRun` of width 8 (one finished row of 8 is under the quarter
+    that compacts a lane): the requests wait in the `KindSet`, not in
+    the spec set, so a lane's finished rows (which ride along while nothing waits there) leave before new rows
+    join, and no cache is grown past the width."""
+    prompts, params, seeds = _rows(engine, "always")
+    live = engine.live(max_batch=8)
+    slots: list[int] = []
+
+    def hook() -> None:
+        spec = live.scheduler.kinds.get("spec")  # type: ignore[union-attr]
+        if spec is not None:
+            slots.extend(lane.cache.rows for lane in spec.lanes.values() if lane.cache is not None)
+
+    live.before_round = hook
+    for i, (p, q, s) in enumerate(zip(prompts, params, seeds)):
+        live.add(i, p, engine.encode_prompt(p), q, s)
+    assert sorted(key for key, _ in live.answers()) == list(range(len(prompts)))
+    assert slots and max(slots) <= 8

@@ -19,7 +19,7 @@ other layers' products changes, which their per-row results do not depend on (th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -160,8 +160,8 @@ class CanvasScheduler(RunningSet[RowRequest[DiffusionGemmaPlan]]):
         for lane in self.lanes.values():
             lane.drop({id(r) for r in lane.rows if r.req.key in keys})
 
-    def add(self, requests: Iterable[RowRequest[DiffusionGemmaPlan]]) -> None:
-        new = list(requests)
+    def reserve(self, requests: list[RowRequest[DiffusionGemmaPlan]]) -> None:
+        new = requests
         V = self.model.cfg.vocab_size
         for r in new:
             bad = sorted({t for c in r.plan.noise.initial_canvases for t in c if t >= V})
@@ -170,7 +170,6 @@ class CanvasScheduler(RunningSet[RowRequest[DiffusionGemmaPlan]]):
         for r in new:  # each lane's cache, made once: a slot for each row that can run, as long as the longest
             rows, length = self.sizes.get(_width(r), (0, 0))
             self.sizes[_width(r)] = (min(rows + 1, self.width), max(length, _length(r)))
-        super().add(new)
 
     @torch.no_grad()
     def one_round(self) -> list[tuple[int, list[int], int]]:

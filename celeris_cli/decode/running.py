@@ -29,7 +29,7 @@ prefilled and stepped in the same round as its first.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -98,8 +98,8 @@ ReqT = TypeVar("ReqT", bound=RowRequest[Any])
 
 class LaneSet(RunningSet[ReqT]):
     """A running set whose rows share lanes by block width, each lane a cache of slots (`Lane`): the lanes,
-    their sizes, the loop, `add` and handing rows back. A kind says how a row joins (`_admit`), what one
-    round of a lane does (`_round`; the seeded set runs all its lanes in one forward, its own `run`) and
+    their sizes, the round, `reserve` and handing rows back. A kind says how a row joins (`_admit`), what one
+    round of a lane does (`_round`; the seeded set runs all its lanes in one forward, its own `one_round`) and
     where a row's slot ends (`_end`); its rows have `req`, `width`,
     `cached` and `answer()`. on_block(key, generated ids so far): called as each row's block is complete.
 
@@ -159,17 +159,15 @@ class LaneSet(RunningSet[ReqT]):
         """The caches of lanes whose rows have all left, once this round's rows have joined."""
         give_back(self.lanes)
 
-    def add(self, requests: Iterable[ReqT]) -> None:
-        new = list(requests)
+    def reserve(self, requests: list[ReqT]) -> None:
         # each width's cache, allocated once: as many slots as rows can run at once, as long as the longest
         # canvas (growing it on the way would hold the old and the new at once, and double its length)
-        for r in new:
+        for r in requests:
             if getattr(r.plan, "recomputes", False):  # no cache of its own
                 continue
             W = r.plan.blocks.block_length
             rows, length = self.sizes.get(W, (0, 0))
             self.sizes[W] = (min(rows + 1, self.width), max(length, self._end(r)))
-        super().add(new)
 
     def _lane(self, lanes: dict[int, Lane], W: int, end: int) -> Lane:
         """The lane of width W in `lanes` (made with the size `add` worked out), long enough for `end`."""

@@ -129,8 +129,8 @@ class RunningSet(Generic[R]):
     """The part every kind of running set shares: the waiting requests (longest answer first, so the last
     rows to run are short and the tail is brief), the width, the word pieces its shaping reads, and the
     admission rule. `refill` False gives static batches through the same loop (up to `width` rows admitted
-    only when none is in flight: `bench workload mixed`'s comparison). A kind says which keys are in flight
-    and runs its rounds (`run`)."""
+    only when none is in flight: `bench workload mixed`'s comparison). A kind says which keys are in flight,
+    what one round does (`one_round`) and what it reserves for a request (`reserve`)."""
 
     def __init__(
         self,
@@ -191,6 +191,16 @@ class RunningSet(Generic[R]):
     def add(self, requests: Iterable[R]) -> None:
         """Requests to decode, behind those waiting; among them the longest answers first (stable). Rows may
         be added while `run` goes on (between two of its answers)."""
+        new = list(requests)
+        self.reserve(new)
+        self._queue(new)
+
+    def reserve(self, requests: list[R]) -> None:
+        """What the kind will hold for these requests, worked out as they are added, before any of them joins
+        (a lane's cache is allocated once, with the slots and length its rows will need: growing it on the way
+        would copy it and hold the old and the new at once); a request's own sizes are checked here."""
+
+    def _queue(self, requests: list[R]) -> None:
         self.waiting.extend(sorted(requests, key=lambda r: -self.rounds(r)))
 
     def rounds(self, request: R) -> int:
@@ -296,6 +306,10 @@ class KindSet(RunningSet[RowRequest[Any]]):
     def rounds(self, request: RowRequest[Any]) -> int:
         return self._kind(request).rounds(request)
 
+    def reserve(self, requests: list[RowRequest[Any]]) -> None:
+        for r in requests:  # each kind sizes its caches for every request it will get, as they come here
+            self._kind(r).reserve([r])
+
     def resize(self, width: int) -> None:
         super().resize(width)
         for s in self.kinds.values():  # each kind may take every place; this set's admission keeps the sum
@@ -318,11 +332,13 @@ class KindSet(RunningSet[RowRequest[Any]]):
 
     def one_round(self) -> list[tuple[int, list[int], int]]:
         for req in self.admit():
-            self._kind(req).add([req])
+            self._kind(req)._queue([req])  # (reserved as it was added here)
         answers: list[tuple[int, list[int], int]] = []
         for s in list(self.kinds.values()):
             if s.waiting or s.in_flight:
                 answers += s.one_round()
+                if not (s.waiting or s.in_flight):  # its rows have all left: its caches back now, not at the end
+                    s.settle()
         for name in ("forwards", "rows", "positions", "prefills"):  # the kinds' forwards, this set's rounds
             setattr(self.occupancy, name, sum(getattr(s.occupancy, name) for s in self.kinds.values()))
         return answers

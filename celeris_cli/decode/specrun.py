@@ -23,7 +23,7 @@ added to it (what `serve` sends as events), and its whole answer as it leaves.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,16 +72,14 @@ class SpecScheduler(RunningSet[RowRequest[SelfSpecPlan]]):
         # by lane: (slots, canvas length) its cache wants, and the longest prompt and answer and widest draft
         self.sizes: dict[tuple[Any, ...], tuple[int, int, int, int]] = {}
 
-    def add(self, requests: Iterable[RowRequest[SelfSpecPlan]]) -> None:
-        new = list(requests)
+    def reserve(self, requests: list[RowRequest[SelfSpecPlan]]) -> None:
         # each lane's cache, allocated at its first row: as many slots as rows can run at once, as long as the
         # longest canvas (growing it on the way would copy it, and hold the old and the new at once)
-        for r in new:
+        for r in requests:
             key = _lane_key(r.plan)
             rows, length, answer, wide = self.sizes.get(key, (0, 0, 0, 0))
             answer, wide = max(answer, len(r.prompt) + r.gen_length), max(wide, r.plan.drafting.width)
             self.sizes[key] = (min(rows + 1, self.width), answer + 2 * wide, answer, wide)
-        super().add(new)
 
     def in_flight_keys(self) -> list[int]:
         return [self.key_of[s] for lane in self.lanes.values() for s in lane.idx.tolist() if s in self.key_of]
@@ -135,6 +133,8 @@ class SpecScheduler(RunningSet[RowRequest[SelfSpecPlan]]):
             self.lanes[key] = SpecRows(self.net, plan, self.mask_id, self.stop, self.noise, pace)
         lane = self.lanes[key]
         lane.pieces = self.pieces
+        if not bool(lane.live.all()):  # finished rows riding along leave first: no slot is added past them
+            lane.drop(lane.live.clone())
         joining = []
         for req in reqs:
             stream = self.admitted
