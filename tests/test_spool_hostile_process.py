@@ -37,8 +37,10 @@ def test_folders_deleted_under_a_running_daemon_are_created_again_and_it_serves_
     p = spawn(config)
     try:
         wait_for(lambda: (tmp_path / "batch_processed" / "before.txt").exists())
-        for folder in ("batch_inputs", "batch_outputs", "logs"):
-            shutil.rmtree(tmp_path / folder)
+        for folder in ("batch_inputs", "batch_outputs", "logs"):  # gone at once: renamed away, then deleted
+            # (deleted in place, a daemon rescanning every 0.1 s may write into it mid-delete: ENOTEMPTY)
+            (tmp_path / folder).rename(tmp_path / f"{folder}.gone")
+            shutil.rmtree(tmp_path / f"{folder}.gone")
         wait_for(lambda: (tmp_path / "batch_inputs" / ".work").is_dir() and (tmp_path / "logs").is_dir())
         drop(tmp_path, "after.txt", "second\n")
         wait_for(lambda: (tmp_path / "batch_processed" / "after.txt").exists())
