@@ -270,6 +270,34 @@ def test_each_widths_cache_is_allocated_once_for_the_longest_canvas(block_engine
     assert made == [(longest, 2)] and shapes == {(longest, 2)}  # one cache, made once, never grown
 
 
+def test_in_a_live_run_each_widths_cache_is_still_sized_once_for_every_row_queued(
+    block_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through `LiveRun` (`KindSet`: requests wait in its queue and reach the block set one at a time as they
+    join), the block set still sizes its cache for every row queued (`reserve`), so the longest canvas joining
+    last finds it long enough: one cache, made once, never grown."""
+    from celeris_cli.decode.running import BlockScheduler
+
+    params = block_engine.params({"gen_length": 16, "block_length": 4})
+    prompts = ["a", "a", "春眠不觉晓，处处闻啼鸟。夜来风雨声"]  # the longest canvas joins last
+    longest = max(-(-(len(block_engine.encode_prompt(p)) + 16) // 4) * 4 for p in prompts)
+    allocate, made = BlockScheduler._allocate, []
+
+    def counted(self: BlockScheduler, rows: int, length: int) -> Any:
+        made.append((length, rows))
+        return allocate(self, rows, length)
+
+    monkeypatch.setattr(BlockScheduler, "_allocate", counted)
+    live = block_engine.live(max_batch=2)
+    for i, p in enumerate(prompts):
+        live.add(i, p, block_engine.encode_prompt(p), params, i)
+    shapes = set()
+    for _ in live.answers():
+        block = live.scheduler.kinds["block"]  # type: ignore[union-attr]
+        shapes |= {(lane.cache.length, lane.cache.rows) for lane in block.lanes.values()}
+    assert made == [(longest, 2)] and shapes == {(longest, 2)}
+
+
 def test_a_lane_whose_rows_have_all_left_gives_its_cache_back(block_engine: Engine) -> None:
     """Two block widths: once the short answers of one width are all handed back, the set holds only the
     other width's lane and cache while its long row runs on; and none once the run is over."""

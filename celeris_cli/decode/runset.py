@@ -334,11 +334,12 @@ class KindSet(RunningSet[RowRequest[Any]]):
         for req in self.admit():
             self._kind(req)._queue([req])  # (reserved as it was added here)
         answers: list[tuple[int, list[int], int]] = []
-        for s in list(self.kinds.values()):
+        coming = {self.kind_of(r) for r in self.waiting}
+        for name, s in list(self.kinds.items()):
             if s.waiting or s.in_flight:
                 answers += s.one_round()
-                if not (s.waiting or s.in_flight):  # its rows have all left: its caches back now, not at the end
-                    s.settle()
+                if not (s.waiting or s.in_flight or name in coming):  # its rows have all left, none to come
+                    s.settle()  # its caches back now, not when every kind is done
         for name in ("forwards", "rows", "positions", "prefills"):  # the kinds' forwards, this set's rounds
             setattr(self.occupancy, name, sum(getattr(s.occupancy, name) for s in self.kinds.values()))
         return answers
