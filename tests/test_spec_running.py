@@ -174,47 +174,36 @@ def test_rows_give_their_slots_back_and_every_lane_its_cache(engine) -> None:  #
     assert occupancy.forwards > 0 and occupancy.rows <= 3 * occupancy.forwards
 
 
-def test_a_kind_whose_rows_have_all_left_gives_its_lanes_back_while_another_kind_runs(engine) -> None:  # type: ignore[no-untyped-def]
-    """Short `spec` rows beside long `nemotron` rows in one `LiveRun` (`KindSet`): once every spec row has been
-    answered, the spec set holds no lane (its finished rows ride along in a lane until then) while the
-    diffusion rows go on."""
+IDLE_CASES = {  # the kind whose short rows leave first, and the settings of both kinds' rows
+    "seeded": (
+        {"strategy": "nemotron", "gen_length": 8, "temperature": 1.0},
+        {"strategy": "spec", "gen_length": 32, "min_tokens": 32, "drafting": "never"},
+    ),
+    "spec": (
+        {"strategy": "spec", "gen_length": 6, "drafting": "always", "temperature": 1.0},
+        {"strategy": "nemotron", "gen_length": 48, "min_tokens": 48, "temperature": 1.0},
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(IDLE_CASES))
+def test_a_kind_whose_rows_have_all_left_gives_its_caches_back_while_another_kind_runs(engine, kind) -> None:  # type: ignore[no-untyped-def]
+    """Short rows of one kind beside long rows of the other in one `LiveRun` (`KindSet`): once every short row
+    has been answered, its kind's set holds no lane while the long rows go on. The seeded set's lanes were
+    given back only as its next round began, which never comes while it has no rows; a spec lane's finished
+    rows ride along until it compacts."""
     live = engine.live(max_batch=4)
-    short = engine.params({"strategy": "spec", "gen_length": 6, "drafting": "always", "temperature": 1.0})
-    long = engine.params({"strategy": "nemotron", "gen_length": 48, "min_tokens": 48, "temperature": 1.0})
+    short, long = (engine.params(s) for s in IDLE_CASES[kind])
     idle: list[int] = []
 
     def hook() -> None:
-        spec = live.scheduler.kinds.get("spec")  # type: ignore[union-attr]
-        if spec is not None and not (spec.waiting or spec.in_flight) and live.scheduler.in_flight:  # type: ignore[union-attr]
-            idle.append(len(spec.lanes))
+        done = live.scheduler.kinds.get(kind)  # type: ignore[union-attr]
+        if done is not None and not (done.waiting or done.in_flight) and live.scheduler.in_flight:  # type: ignore[union-attr]
+            idle.append(len(done.lanes))
 
     live.before_round = hook
-    for key, (p, q) in enumerate(
-        [("The old man", short), ("It was late", short), ("The river", long), ("At night", long)]
-    ):
-        live.add(key, p, engine.encode_prompt(p), q, key)
-    assert sorted(k for k, _ in live.answers()) == [0, 1, 2, 3]
-    assert idle and not any(idle)
-
-
-def test_a_lane_set_whose_rows_have_all_left_gives_its_caches_back_while_another_kind_runs(engine) -> None:  # type: ignore[no-untyped-def]
-    """Short `nemotron` rows (the seeded set, lanes by block width) beside long `spec` rows in one `LiveRun`:
-    once every seeded row has been answered, the seeded set holds no lane while the spec rows go on (its lanes
-    were given back only as its next round began, which never comes while it has no rows)."""
-    live = engine.live(max_batch=4)
-    short = engine.params({"strategy": "nemotron", "gen_length": 8, "temperature": 1.0})
-    long = engine.params({"strategy": "spec", "gen_length": 32, "min_tokens": 32, "drafting": "never"})
-    idle: list[int] = []
-
-    def hook() -> None:
-        seeded = live.scheduler.kinds.get("seeded")  # type: ignore[union-attr]
-        if seeded is not None and not (seeded.waiting or seeded.in_flight) and live.scheduler.in_flight:  # type: ignore[union-attr]
-            idle.append(len(seeded.lanes))
-
-    live.before_round = hook
-    for key, (p, q) in enumerate(
-        [("The old man", short), ("It was late", short), ("The river", long), ("At night", long)]
-    ):
+    rows = [("The old man", short), ("It was late", short), ("The river", long), ("At night", long)]
+    for key, (p, q) in enumerate(rows):
         live.add(key, p, engine.encode_prompt(p), q, key)
     assert sorted(k for k, _ in live.answers()) == [0, 1, 2, 3]
     assert idle and not any(idle)

@@ -334,15 +334,18 @@ class KindSet(RunningSet[RowRequest[Any]]):
         for req in self.admit():
             self._kind(req)._queue([req])  # (reserved as it was added here)
         answers: list[tuple[int, list[int], int]] = []
-        coming = {self.kind_of(r) for r in self.waiting}
         for name, s in list(self.kinds.items()):
             if s.waiting or s.in_flight:
                 answers += s.one_round()
-                if not (s.waiting or s.in_flight or name in coming):  # its rows have all left, none to come
+                if not (s.waiting or s.in_flight) and not self._queued(name):  # its rows have all left, none to come
                     s.settle()  # its caches back now, not when every kind is done
         for name in ("forwards", "rows", "positions", "prefills"):  # the kinds' forwards, this set's rounds
             setattr(self.occupancy, name, sum(getattr(s.occupancy, name) for s in self.kinds.values()))
         return answers
+
+    def _queued(self, kind: str) -> bool:
+        """Whether a request of this kind waits here (read only as a kind goes idle: the queue may be long)."""
+        return any(self.kind_of(r) == kind for r in self.waiting)
 
     def settle(self) -> None:
         for s in self.kinds.values():
